@@ -1,0 +1,625 @@
+"""Machinery shared by every optimizer of the family.
+
+* **Flat buckets.**  The parameters of each parameter group are split by (device, dtype)
+  into buckets; every piece of optimizer state is one flat float32 (float64 for float64
+  parameters) buffer per bucket, and ``optimizer.state[p]`` holds views into those
+  buffers, so ``torch.optim`` tooling sees the usual per-parameter state while kernels
+  see one contiguous buffer per bucket.
+* **Posterior samples.**  ``sample(kind)`` writes ``theta = centre + sigma * eps`` into the
+  parameters, ``accumulate()`` folds ``.grad`` into the running estimate of that sample
+  (sum of gradients and, for Hessian estimates, of ``gradient * eps``), ``restore()`` puts
+  the posterior mean back.  ``eps`` comes from the counter-based stream of
+  :mod:`poco_kernels.noise`, keyed by ``(seed, counter, bucket, kind, draw, element)``:
+  nothing about noise is stored, and ranks that share the seed draw the same sample.
+* **Transactions.**  A step or a refresh computes every new buffer out of place, checks it,
+  and only then commits, so bad input raises and leaves the optimizer as it was.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import noise as _noise
+
+KIND_INNER, KIND_OUTER, KIND_REFRESH = 0, 1, 2
+KIND_NAMES = {"inner": KIND_INNER, "outer": KIND_OUTER, "refresh": KIND_REFRESH}
+BACKENDS = ("auto", "torch", "triton", "cpp")
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _state_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class Bucket:
+    """Parameters of one group that share a device and a dtype, laid end to end."""
+    index: int
+    group_index: int
+    params: List[Tensor]
+    offsets: List[int]
+    numel: int
+    device: torch.device
+    param_dtype: torch.dtype
+    dtype: torch.dtype                     # state dtype
+    buffers: Dict[str, Tensor] = field(default_factory=dict)
+
+    def flat_params(self) -> Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params]).to(self.dtype)
+
+    def flat_grads(self) -> Tensor:
+        """Gradients as one flat state-dtype vector; ``None`` gradients count as zero."""
+        parts = []
+        for p in self.params:
+            if p.grad is None:
+                parts.append(torch.zeros(p.numel(), device=self.device, dtype=self.dtype))
+            else:
+                if p.grad.is_sparse:
+                    raise RuntimeError("poco_kernels optimizers do not support sparse gradients")
+                parts.append(p.grad.detach().reshape(-1).to(self.dtype))
+        return torch.cat(parts) if parts else torch.zeros(0, device=self.device, dtype=self.dtype)
+
+    def write_params(self, flat: Tensor) -> None:
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                p.copy_(flat[off:off + p.numel()].view_as(p))
+
+
+class _Pending:
+    """Gradient sums collected since the last step/refresh, per sample kind."""
+
+    def __init__(self):
+        self.count = {KIND_INNER: 0, KIND_OUTER: 0, KIND_REFRESH: 0}
+        self.draws = {KIND_INNER: 0, KIND_OUTER: 0, KIND_REFRESH: 0}
+        self.sums: Dict[Tuple[int, int, str], Tensor] = {}   # (kind, bucket, "g"|"ge")
+        self.losses: List[Tensor] = []
+
+    def clear(self, kinds: Iterable[int]) -> None:
+        for k in kinds:
+            self.count[k] = 0
+            self.draws[k] = 0
+        self.sums = {key: v for key, v in self.sums.items() if key[0] not in kinds}
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"count": dict(self.count), "draws": dict(self.draws),
+                "sums": {f"{k}/{b}/{n}": v.clone() for (k, b, n), v in self.sums.items()}}
+
+    def load(self, d: Dict[str, Any], buckets: Sequence[Bucket]) -> None:
+        self.count = {int(k): int(v) for k, v in d["count"].items()}
+        self.draws = {int(k): int(v) for k, v in d["draws"].items()}
+        self.sums = {}
+        for key, v in d["sums"].items():
+            k, b, n = key.split("/")
+            bk = buckets[int(b)]
+            self.sums[(int(k), int(b), n)] = v.to(device=bk.device, dtype=bk.dtype).clone()
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+class PosteriorOptimizer(torch.optim.Optimizer):
+    """Base class: bucketing, sampling, accumulation, refresh/step transactions, state dict.
+
+    Subclasses define the hyperparameters (``_validate_group``), the per-bucket buffers
+    (``_init_buffers``), where samples are centred and how wide they are
+    (``_centre_sigma``), whether Hessian estimates are needed (``uses_hessian``) and the
+    two updates ``_inner_update`` and ``_refresh_update``, written with
+    :mod:`poco_kernels.reference`.
+    """
+
+    #: the optimizer perturbs parameters (needs a sample before each gradient)
+    noisy: bool = True
+    #: the update needs Price Hessian estimates (accumulate grad * eps)
+    uses_hessian: bool = True
+    #: the optimizer has an outer loop (refresh) and a correction
+    _has_correction: bool = True
+    #: per-parameter buffers created at their first use (not present before)
+    _lazy_buffers: Tuple[str, ...] = ()
+
+    def __init__(self, params, defaults: Dict[str, Any], *, seed: int = 0, backend: str = "auto"):
+        _check(isinstance(seed, int) and 0 <= seed < 2 ** 63,
+               f"seed must be an int in [0, 2**63), got {seed!r}")
+        _check(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend in ("triton", "cpp"):
+            raise RuntimeError(
+                f"backend={backend!r} is not available in this build of poco_kernels: "
+                "only the pure-PyTorch reference backend ('torch', or 'auto') is implemented")
+        self.backend = "torch"
+        self.seed = seed
+        super().__init__(params, defaults)
+        for g in self.param_groups:
+            self._validate_group(g)
+        self._build_buckets()
+        # global counters (in the state dict)
+        self._step = 0            # completed inner steps
+        self._refreshes = 0       # completed refreshes
+        self._pending = _Pending()
+        self._active: Optional[Tuple[int, int]] = None   # (kind, draw) of the sample in params
+        self._active_eps: Dict[int, Optional[Tensor]] = {}
+
+    # ------------------------------------------------------------------ construction
+    def _validate_group(self, group: Dict[str, Any]) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _init_buffers(self, bucket: Bucket, group: Dict[str, Any]) -> Dict[str, Tensor]:
+        raise NotImplementedError
+
+    def _build_buckets(self) -> None:
+        self._buckets: List[Bucket] = []
+        seen = set()
+        for gi, group in enumerate(self.param_groups):
+            by_key: Dict[Tuple[torch.device, torch.dtype], List[Tensor]] = {}
+            for p in group["params"]:
+                _check(isinstance(p, Tensor), "parameters must be tensors")
+                _check(id(p) not in seen, "a parameter appears in more than one place")
+                seen.add(id(p))
+                _check(not p.is_sparse, "sparse parameters are not supported")
+                _check(not p.is_complex(), "complex parameters are not supported")
+                _check(p.dtype in _FLOAT_DTYPES,
+                       f"parameters must be float16, bfloat16, float32 or float64, got {p.dtype}")
+                by_key.setdefault((p.device, p.dtype), []).append(p)
+            for (dev, dt), ps in by_key.items():
+                offsets, n = [], 0
+                for p in ps:
+                    offsets.append(n)
+                    n += p.numel()
+                b = Bucket(len(self._buckets), gi, ps, offsets, n, dev, dt, _state_dtype(dt))
+                self._buckets.append(b)
+        _check(len(self._buckets) <= _noise.MAX_BUCKETS,
+               f"at most {_noise.MAX_BUCKETS} (group, device, dtype) buckets are supported")
+        for b in self._buckets:
+            group = self.param_groups[b.group_index]
+            mean = b.flat_params()
+            b.buffers = {"mean": mean, **self._init_buffers(b, group)}
+            self._expose(b)
+
+    def _expose(self, b: Bucket) -> None:
+        """Per-parameter views of the flat buffers, as ``optimizer.state[p]``."""
+        for p, off in zip(b.params, b.offsets):
+            st = {}
+            for name, buf in b.buffers.items():
+                if buf.dim() == 1 and buf.numel() == b.numel:
+                    st[name] = buf[off:off + p.numel()].view_as(p)
+            self.state[p] = st
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_buckets"):     # after construction: rebuild with the new group
+            self._validate_group(self.param_groups[-1])
+            old = self._buckets
+            self._build_buckets()
+            for b_new, b_old in zip(self._buckets, old):
+                b_new.buffers = b_old.buffers
+                self._expose(b_new)
+
+    # ------------------------------------------------------------------ noise
+    def _eps(self, b: Bucket, kind: int, draw: int, counter: int) -> Tensor:
+        return _noise.randn(b.numel, self.seed, counter, _noise.stream_id(b.index, kind, draw),
+                            device=b.device, dtype=b.dtype)
+
+    def _centre_sigma(self, b: Bucket, group: Dict[str, Any], kind: int, draw: int
+                      ) -> Tuple[Tensor, Optional[Tensor], Optional[Tuple[int, int, int]]]:
+        """(centre, sigma, (noise kind, draw, counter)) of a sample; sigma None: no noise."""
+        raise NotImplementedError
+
+    def correction_active(self) -> bool:
+        """True when a step needs the gradient at the outer sample too: after the first
+        refresh, with a nonzero ``alpha`` in some group."""
+        return (self._has_correction and self._refreshes > 0
+                and any(g.get("alpha", 0.0) != 0.0 for g in self.param_groups))
+
+    # ------------------------------------------------------------------ low-level API
+    def sample(self, kind: str = "inner") -> None:
+        """Write a posterior sample into the parameters.
+
+        ``kind``: ``"inner"`` (the current posterior, once per Monte-Carlo sample of a
+        step), ``"outer"`` (the outer posterior of the correction, same mini-batch) or
+        ``"refresh"`` (the current posterior, ONE sample for the whole mega-batch).
+        Follow with any number of backward passes, then :meth:`accumulate` (once per
+        chunk) and :meth:`restore`.
+        """
+        _check(kind in KIND_NAMES, f"kind must be one of {tuple(KIND_NAMES)}, got {kind!r}")
+        if self._active is not None:
+            raise RuntimeError("a sample is already in the parameters: call restore() first")
+        k = KIND_NAMES[kind]
+        if k == KIND_OUTER:
+            if not self.correction_active():
+                raise RuntimeError("no outer sample: the correction is not active "
+                                   "(no refresh yet, or alpha == 0 in every group)")
+        draw = self._pending.draws[k]
+        _check(draw < _noise.MAX_DRAWS, f"at most {_noise.MAX_DRAWS} samples of one kind per step")
+        self._sync_mean()
+        self._active_eps = {}
+        with torch.no_grad():
+            for b in self._buckets:
+                group = self.param_groups[b.group_index]
+                centre, sigma, spec = self._centre_sigma(b, group, k, draw)
+                eps = None if sigma is None else self._eps(b, *spec)
+                self._active_eps[b.index] = eps
+                from .reference import perturb
+                b.write_params(perturb(centre, sigma, eps))
+        self._active = (k, draw)
+        self._pending.draws[k] = draw + 1
+
+    def accumulate(self, clear_grads: bool = True) -> None:
+        """Fold the parameters' ``.grad`` into the estimate of the active sample and clear
+        ``.grad`` (so the next sample starts from zero).  Call once per sample (Monte Carlo)
+        or once per chunk of a mega-batch."""
+        if self._active is None:
+            raise RuntimeError("accumulate() needs an active sample: call sample() first")
+        k, _ = self._active
+        with torch.no_grad():
+            for b in self._buckets:
+                g = b.flat_grads()
+                key = (k, b.index, "g")
+                self._pending.sums[key] = self._pending.sums[key] + g if key in self._pending.sums else g
+                eps = self._active_eps.get(b.index)
+                if self.uses_hessian and eps is not None:
+                    key = (k, b.index, "ge")
+                    ge = g * eps
+                    self._pending.sums[key] = self._pending.sums[key] + ge if key in self._pending.sums else ge
+        self._pending.count[k] += 1
+        if clear_grads:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def restore(self) -> None:
+        """Put the posterior mean back into the parameters (ends the active sample)."""
+        with torch.no_grad():
+            for b in self._buckets:
+                b.write_params(b.buffers["mean"])
+        self._active = None
+        self._active_eps = {}
+
+    @contextlib.contextmanager
+    def sampled(self, kind: str = "inner", accumulate: bool = True):
+        """``with opt.sampled(kind): loss.backward()`` = sample, (backward), accumulate,
+        restore.  On an exception the mean is restored and nothing is accumulated."""
+        self.sample(kind)
+        try:
+            yield self
+            if accumulate:
+                self.accumulate()
+        finally:
+            self.restore()
+
+    def _sync_mean(self) -> None:
+        """Parameters of the state dtype are the source of truth for the mean (as in
+        ``torch.optim``); low-precision ones keep a float32 master copy in the state."""
+        if self._active is not None:
+            return
+        with torch.no_grad():
+            for b in self._buckets:
+                if b.param_dtype == b.dtype:
+                    b.buffers["mean"].copy_(b.flat_params())
+
+    # ------------------------------------------------------------------ estimates
+    def _estimate(self, kind: int, b: Bucket, grad_scale: Optional[Tensor]
+                  ) -> Tuple[Tensor, Optional[Tensor]]:
+        """(mean gradient, mean gradient * eps) over the accumulated samples of ``kind``."""
+        n = self._pending.count[kind]
+        g = self._pending.sums[(kind, b.index, "g")] / n
+        ge = self._pending.sums.get((kind, b.index, "ge"))
+        ge = None if ge is None else ge / n
+        if grad_scale is not None:
+            inv = 1.0 / grad_scale.to(device=b.device, dtype=b.dtype)
+            g = g * inv
+            ge = None if ge is None else ge * inv
+        return g, ge
+
+    def _closure_samples(self, group_key: str = "mc_samples") -> int:
+        return max(int(g.get(group_key, 1)) for g in self.param_groups)
+
+    def _run_closure(self, closure: Callable, kind: str) -> Tensor:
+        self.sample(kind)
+        try:
+            with torch.enable_grad():
+                loss = closure()
+            self.accumulate()
+        finally:
+            self.restore()
+        return loss
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None, *, grad_scale: Optional[Tensor] = None,
+             found_inf: Optional[Tensor] = None):
+        """One inner step.
+
+        With a ``closure`` (zeroes grads, forward, backward, returns the loss): evaluate it
+        at ``mc_samples`` inner samples and, once the correction is active, at as many
+        outer samples on the same mini-batch; returns the mean loss at the inner samples.
+
+        Without: use what :meth:`sample`/:meth:`accumulate` collected.  AMP: gradients are
+        divided by ``grad_scale``; a nonzero ``found_inf`` skips the step, leaving the
+        state as it was (the collected gradients are dropped).
+        """
+        if self._active is not None:
+            raise RuntimeError("step() while a sample is in the parameters: call restore() first")
+        for g in self.param_groups:
+            self._validate_group(g)
+        loss = None
+        pend = self._pending
+        if closure is not None:
+            if pend.count[KIND_INNER] or pend.count[KIND_OUTER]:
+                raise RuntimeError("step(closure) with gradients already accumulated by "
+                                   "sample()/accumulate(): use one protocol per step")
+            try:
+                losses = [self._run_closure(closure, "inner")
+                          for _ in range(self._closure_samples())]
+                if self.correction_active():
+                    for _ in range(self._closure_samples()):
+                        self._run_closure(closure, "outer")
+            except BaseException:
+                pend.clear((KIND_INNER, KIND_OUTER))
+                raise
+            loss = sum(losses) / len(losses) if losses[0] is not None else None
+        elif pend.count[KIND_INNER] == 0:
+            if self.noisy:
+                pend.clear((KIND_INNER, KIND_OUTER))
+                raise RuntimeError(
+                    f"{type(self).__name__}.step() needs gradients at a posterior sample: pass a "
+                    "closure, or run the backward pass inside `with optimizer.sampled():` "
+                    "(see the README, 'Training loops without closures')")
+            # noiseless optimizer, torch-style use: the gradients in .grad are at the mean
+            self._active = (KIND_INNER, 0)
+            self._active_eps = {}
+            self.accumulate(clear_grads=False)
+            self._active = None
+        try:
+            if found_inf is not None and bool(found_inf.detach().float().sum() != 0):
+                return loss            # AMP overflow: skip, state untouched
+            if self.correction_active() and pend.count[KIND_OUTER] == 0:
+                raise RuntimeError(
+                    "the posterior correction is active but no gradient at the outer sample was "
+                    "given: pass a closure to step(), or also run `with optimizer.sampled('outer'):` "
+                    "on the same mini-batch")
+            new: Dict[int, Dict[str, Tensor]] = {}
+            for b in self._buckets:
+                group = self.param_groups[b.group_index]
+                g_in, ge_in = self._estimate(KIND_INNER, b, grad_scale)
+                outer = (self._estimate(KIND_OUTER, b, grad_scale)
+                         if self.correction_active() else None)
+                self._check_finite(g_in, ge_in, outer)
+                new[b.index] = self._inner_update(b, group, g_in, ge_in, outer, self._step + 1)
+            self._check_new(new)
+            self._commit(new)
+            self._step += 1
+        finally:
+            pend.clear((KIND_INNER, KIND_OUTER))
+        return loss
+
+    def _check_finite(self, g, ge, outer) -> None:
+        ts = [g, ge] + (list(outer) if outer is not None else [])
+        for t in ts:
+            if t is not None and not bool(torch.isfinite(t).all()):
+                raise ValueError("non-finite gradient (inf or nan): the step was not taken and the "
+                                 "optimizer state is unchanged (with AMP, pass found_inf to skip)")
+
+    def _check_new(self, new: Dict[int, Dict[str, Tensor]]) -> None:
+        for bi, bufs in new.items():
+            for name, t in bufs.items():
+                if not bool(torch.isfinite(t).all()):
+                    raise FloatingPointError(
+                        f"the update produced non-finite values in {name!r}: the step was not "
+                        "taken and the optimizer state is unchanged. For IVON-PoCo this means the "
+                        "corrected Hessian estimate drove h + weight_decay toward 0; see the "
+                        "README ('Stability') for the settings that keep it stable")
+
+    def _commit(self, new: Dict[int, Dict[str, Tensor]]) -> None:
+        for b in self._buckets:
+            added = False
+            for name, t in new.get(b.index, {}).items():
+                if name in b.buffers:
+                    b.buffers[name].copy_(t)
+                else:                          # a buffer created at its first use
+                    b.buffers[name] = t.clone()
+                    added = True
+            if added:
+                self._expose(b)
+            b.write_params(b.buffers["mean"])
+
+    def _inner_update(self, b: Bucket, group: Dict[str, Any], g_in: Tensor,
+                      ge_in: Optional[Tensor], outer, t: int) -> Dict[str, Tensor]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ refresh
+    @torch.no_grad()
+    def refresh(self, closures: Optional[Iterable[Callable]] = None, *,
+                grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
+        """Form the outer estimate from a mega-batch (or the full batch).
+
+        ``closures``: one closure per chunk of the mega-batch (each zeroes grads, runs
+        forward and backward on its chunk, returns its mean loss); the outer gradient is
+        the mean over the chunks, at ONE posterior sample for the whole mega-batch.  Chunks
+        should be of equal size (or their losses weighted accordingly).  Without closures,
+        use what ``sample("refresh")`` / ``accumulate()`` collected.  Returns the mean loss.
+        """
+        if not self._has_correction:
+            raise RuntimeError(f"{type(self).__name__} has no outer loop to refresh")
+        if self._active is not None:
+            raise RuntimeError("refresh() while a sample is in the parameters: call restore() first")
+        for g in self.param_groups:
+            self._validate_group(g)
+        pend = self._pending
+        losses = []
+        if closures is not None:
+            if pend.count[KIND_REFRESH]:
+                raise RuntimeError("refresh(closures) with refresh gradients already accumulated")
+            self.sample("refresh")
+            try:
+                for c in closures:
+                    with torch.enable_grad():
+                        losses.append(c())
+                    self.accumulate()
+            except BaseException:
+                pend.clear((KIND_REFRESH,))
+                raise
+            finally:
+                self.restore()
+        try:
+            if pend.count[KIND_REFRESH] == 0:
+                raise ValueError("refresh() needs at least one chunk of the mega-batch")
+            if found_inf is not None and bool(found_inf.detach().float().sum() != 0):
+                return None
+            new = {}
+            for b in self._buckets:
+                group = self.param_groups[b.group_index]
+                gM, geM = self._estimate(KIND_REFRESH, b, grad_scale)
+                self._check_finite(gM, geM, None)
+                new[b.index] = self._refresh_update(b, group, gM, geM, first=self._refreshes == 0)
+            self._check_new(new)
+            self._commit(new)
+            self._refreshes += 1
+        finally:
+            pend.clear((KIND_REFRESH,))
+        if losses and losses[0] is not None:
+            return sum(losses) / len(losses)
+        return None
+
+    def _refresh_update(self, b, group, gM, geM, first: bool) -> Dict[str, Tensor]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict(self) -> Dict[str, Any]:
+        if self._active is not None:
+            raise RuntimeError("state_dict() while a sample is in the parameters: call restore() first")
+        sd = super().state_dict()
+        extra = {}
+        for b in self._buckets:       # buffers that are not per-parameter (VON-PoCo's S)
+            for name, buf in b.buffers.items():
+                if not (buf.dim() == 1 and buf.numel() == b.numel):
+                    extra[f"{b.index}/{name}"] = buf
+        sd["poco"] = {"step": self._step, "refreshes": self._refreshes, "seed": self.seed,
+                      "optimizer": type(self).__name__, "pending": self._pending.to_dict(),
+                      "bucket_buffers": extra}
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict of the same optimizer class over the same parameters.
+        Everything is validated before anything changes."""
+        if self._active is not None:
+            raise RuntimeError("load_state_dict() while a sample is in the parameters")
+        _check(isinstance(state_dict, dict) and {"state", "param_groups", "poco"} <= set(state_dict),
+               "not a poco_kernels optimizer state dict (missing 'state', 'param_groups' or 'poco')")
+        poco = state_dict["poco"]
+        _check(poco.get("optimizer") == type(self).__name__,
+               f"state dict is for {poco.get('optimizer')!r}, not {type(self).__name__!r}")
+        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        _check(len(groups) == len(saved_groups),
+               f"state dict has {len(saved_groups)} parameter groups, the optimizer {len(groups)}")
+        index_of = {}
+        for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
+            _check(len(g["params"]) == len(sg["params"]),
+                   f"group {gi}: state dict has {len(sg['params'])} parameters, the optimizer "
+                   f"{len(g['params'])}")
+            index_of.update({i: p for i, p in zip(sg["params"], g["params"])})
+            merged = {**sg, "params": g["params"]}
+            self._validate_group(dict(merged))
+        # per-parameter buffers: names, shapes
+        copies, lazy, drop = [], {}, set()
+        for b in self._buckets:
+            for p, off in zip(b.params, b.offsets):
+                idx = next(i for i, q in index_of.items() if q is p)
+                saved = state_dict["state"].get(idx)
+                _check(saved is not None, f"state dict has no state for parameter {idx}")
+                _check(isinstance(saved, dict), f"parameter {idx}: state is not a dict")
+                for name in saved:
+                    if name not in b.buffers:     # created at first use (momentum buffers)
+                        _check(name in self._lazy_buffers,
+                               f"parameter {idx}: unexpected state {name!r} in the state dict")
+                        lazy.setdefault(b.index, set()).add(name)
+                for name, view in self.state[p].items():
+                    if name not in saved and name in self._lazy_buffers:
+                        drop.add((b.index, name))     # saved before its first use
+                        continue
+                    _check(name in saved, f"parameter {idx}: state dict lacks {name!r}")
+                    t = saved[name]
+                    _check(isinstance(t, Tensor) and tuple(t.shape) == tuple(view.shape),
+                           f"parameter {idx}: {name!r} has shape "
+                           f"{tuple(getattr(t, 'shape', ()))}, expected {tuple(view.shape)}")
+                    copies.append((view, t))
+        extra = poco.get("bucket_buffers", {})
+        for b in self._buckets:
+            for name, buf in b.buffers.items():
+                if not (buf.dim() == 1 and buf.numel() == b.numel):
+                    key = f"{b.index}/{name}"
+                    _check(key in extra and tuple(extra[key].shape) == tuple(buf.shape),
+                           f"state dict lacks bucket buffer {key!r} of shape {tuple(buf.shape)}")
+                    copies.append((buf, extra[key]))
+        pend = _Pending()
+        pend.load(poco["pending"], self._buckets)
+        for (k, bi, n), t in pend.sums.items():
+            _check(bi < len(self._buckets) and t.numel() == self._buckets[bi].numel,
+                   "state dict's pending gradients do not match the parameters")
+        # ---- commit
+        for bi, name in drop:
+            self._buckets[bi].buffers.pop(name, None)
+            self._expose(self._buckets[bi])
+        for bi, names in lazy.items():
+            b = self._buckets[bi]
+            for name in names:
+                b.buffers[name] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
+            self._expose(b)
+            for p, off in zip(b.params, b.offsets):
+                idx = next(i for i, q in index_of.items() if q is p)
+                for name in names:
+                    copies.append((self.state[p][name], state_dict["state"][idx][name]))
+        with torch.no_grad():
+            for dst, src in copies:
+                dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+        for g, sg in zip(groups, saved_groups):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = v
+        self._step = int(poco["step"])
+        self._refreshes = int(poco["refreshes"])
+        self.seed = int(poco["seed"])
+        self._pending = pend
+        for b in self._buckets:
+            b.write_params(b.buffers["mean"])
+
+    # ------------------------------------------------------------------ misc
+    @property
+    def step_count(self) -> int:
+        """Number of inner steps taken."""
+        return self._step
+
+    @property
+    def refresh_count(self) -> int:
+        """Number of refreshes of the outer estimate."""
+        return self._refreshes
+
+    def flat_state(self, name: str) -> List[Tensor]:
+        """The flat buffer ``name`` of every bucket (read-only use, for tests and tools)."""
+        return [b.buffers[name] for b in self._buckets]
+
+
+# ---------------------------------------------------------------------- validation helpers
+def check_range(group, key, lo=None, hi=None, lo_open=False, hi_open=False, kind=float,
+                allow_inf=False):
+    """Raise a ValueError naming ``key`` unless ``group[key]`` is a number in the range."""
+    v = group[key]
+    if kind is float:
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool)
+              and (math.isfinite(v) or (allow_inf and v == math.inf)))
+    else:
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    if ok and lo is not None:
+        ok = v > lo if lo_open else v >= lo
+    if ok and hi is not None:
+        ok = v < hi if hi_open else v <= hi
+    if not ok:
+        lb = "" if lo is None else ("(" if lo_open else "[") + str(lo)
+        ub = "" if hi is None else str(hi) + (")" if hi_open else "]")
+        raise ValueError(f"invalid {key}: {v!r} (expected a {kind.__name__} in "
+                         f"{lb or '(-inf'}, {ub or 'inf)'})")

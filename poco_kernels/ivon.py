@@ -1,0 +1,202 @@
+"""IVON and IVON-PoCo(Mo): variational online Newton with a diagonal Gaussian posterior,
+and its posterior-corrected (variance-reduced) form, Alg. 3 of the paper.
+
+``IVON`` has ivon-opt 0.1.3's hyperparameter names and defaults.  ``IVONPoCo`` adds
+``alpha`` (correction weight), ``rho1``/``rho2`` (outer momentum; with nonzero ones it is
+IVON-PoCoMo), ``hess_corr_scale`` (the scale ``c`` of the Hessian-correction term of the
+mean update) and ``outer_noise`` (shared or independent noise for the outer sample).
+With ``alpha = 0``, or before the first :meth:`~IVONPoCo.refresh`, IVON-PoCo is IVON.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import torch
+from torch import Tensor
+
+from . import reference as R
+from ._core import (KIND_INNER, KIND_OUTER, KIND_REFRESH, Bucket, PosteriorOptimizer,
+                    _check, check_range)
+
+__all__ = ["IVON", "IVONPoCo", "ivon_inner_update", "ivon_refresh_update"]
+
+
+def ivon_inner_update(*, mean: Tensor, h: Tensor, g: Tensor, g_in: Tensor, ge_in: Tensor,
+                      outer: Optional[Dict[str, Tensor]], group: Dict[str, Any], step: int
+                      ) -> Dict[str, Tensor]:
+    """The IVON / IVON-PoCo inner step on flat buffers (functional form, Alg. 3 l. 8-17).
+
+    ``g_in``/``ge_in``: mean gradient and mean gradient*eps at the inner samples.
+    ``outer`` (None: no correction): ``g_o``, ``ge_o`` at the outer samples and the
+    state ``g_out``, ``h_out``, ``m_out``, ``sigma_out``.  Returns the new mean, h, g.
+    """
+    wd, ess = group["weight_decay"], group["ess"]
+    sigma = R.ivon_sigma(h, ess, wd)
+    ghat, hhat = g_in, R.price_hessian(ge_in, sigma)
+    hess_corr = None
+    if outer is not None:
+        alpha = group["alpha"]
+        h_o = R.price_hessian(outer["ge_o"], outer["sigma_out"])
+        ghat = R.control_variate(ghat, outer["g_o"], outer["g_out"], alpha)
+        hhat = R.control_variate(hhat, h_o, outer["h_out"], alpha)
+        if group["hess_corr_scale"] != 0.0:
+            hess_corr = R.ivon_hessian_correction(outer["h_out"], h_o, mean, outer["m_out"],
+                                                  alpha, group["hess_corr_scale"])
+    g_new = R.ivon_momentum(g, ghat, group["beta1"])
+    h_new = R.ivon_hessian(h, hhat, group["beta2"], wd)
+    u = R.ivon_direction(g_new, mean, h_new, weight_decay=wd, beta1=group["beta1"], step=step,
+                         debias=group["debias"], hess_corr=hess_corr)
+    lr = R.ivon_lr(group["lr"], group["hess_init"], wd, group["rescale_lr"])
+    return {"mean": R.ivon_mean(mean, u, lr, group["clip_radius"]), "h": h_new, "momentum": g_new}
+
+
+def ivon_refresh_update(*, mean: Tensor, h: Tensor, gM: Tensor, geM: Tensor, g_out: Tensor,
+                        h_out: Tensor, group: Dict[str, Any], first: bool) -> Dict[str, Tensor]:
+    """The outer refresh of IVON-PoCo(Mo) (Alg. 3 lines 3-5): fold the mega-batch gradient
+    and Price Hessian into the outer estimates, snapshot the outer posterior."""
+    sigma = R.ivon_sigma(h, group["ess"], group["weight_decay"])
+    hM = R.price_hessian(geM, sigma)
+    return {"g_out": R.outer_fold(g_out, gM, group["rho1"], first),
+            "h_out": R.outer_fold(h_out, hM, group["rho2"], first),
+            "m_out": mean.clone(), "sigma_out": sigma}
+
+
+class IVON(PosteriorOptimizer):
+    """Improved Variational Online Newton (Shen et al., 2024), ivon-opt 0.1.3 semantics.
+
+    Per step: ``theta = m + sigma eps`` with ``sigma = 1/sqrt(ess (h + wd))``; the mean of
+    the gradients at ``mc_samples`` samples and their Price Hessian estimate update the
+    momentum ``g`` and the Hessian ``h``; the mean moves by
+    ``lr (hess_init + wd) clip((g / (1 - beta1^t) + wd m) / (h + wd), xi)``.
+
+    Unlike ivon-opt: ``None`` gradients count as zero, ``step()`` without a sample is a
+    clear error, the step counter is in the state dict, parameters may have several
+    dtypes and devices (state is float32, with a float32 master mean for bf16/fp16
+    parameters), and ``debias``/``rescale_lr`` are per group.
+    """
+
+    noisy = True
+    uses_hessian = True
+    _has_correction = False
+
+    def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
+                 beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
+                 clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True,
+                 *, seed: int = 0, backend: str = "auto", **extra):
+        defaults = dict(lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
+                        weight_decay=weight_decay, mc_samples=mc_samples,
+                        clip_radius=clip_radius, debias=debias, rescale_lr=rescale_lr, **extra)
+        super().__init__(params, defaults, seed=seed, backend=backend)
+
+    def _validate_group(self, group):
+        check_range(group, "lr", lo=0.0)
+        check_range(group, "ess", lo=0.0, lo_open=True)
+        check_range(group, "hess_init", lo=0.0, lo_open=True)
+        check_range(group, "beta1", lo=0.0, hi=1.0, hi_open=True)
+        check_range(group, "beta2", lo=0.0, hi=1.0, hi_open=True)
+        check_range(group, "weight_decay", lo=0.0)
+        check_range(group, "mc_samples", lo=1, hi=4096, kind=int)
+        check_range(group, "clip_radius", lo=0.0, lo_open=True, allow_inf=True)
+        for k in ("debias", "rescale_lr"):
+            _check(isinstance(group[k], bool), f"invalid {k}: {group[k]!r} (expected a bool)")
+
+    def _init_buffers(self, b: Bucket, group) -> Dict[str, Tensor]:
+        z = lambda: torch.zeros(b.numel, device=b.device, dtype=b.dtype)  # noqa: E731
+        return {"h": torch.full((b.numel,), float(group["hess_init"]), device=b.device,
+                                dtype=b.dtype),
+                "momentum": z()}
+
+    def _sigma(self, b: Bucket, group) -> Tensor:
+        return R.ivon_sigma(b.buffers["h"], group["ess"], group["weight_decay"])
+
+    def _centre_sigma(self, b, group, kind, draw):
+        if kind == KIND_INNER:
+            return b.buffers["mean"], self._sigma(b, group), (KIND_INNER, draw, self._step)
+        if kind == KIND_REFRESH:
+            return b.buffers["mean"], self._sigma(b, group), (KIND_REFRESH, draw, self._refreshes)
+        raise AssertionError(kind)
+
+    def _inner_update(self, b, group, g_in, ge_in, outer, t):
+        return ivon_inner_update(mean=b.buffers["mean"], h=b.buffers["h"],
+                                 g=b.buffers["momentum"], g_in=g_in, ge_in=ge_in, outer=None,
+                                 group=group, step=t)
+
+
+class IVONPoCo(IVON):
+    """IVON with posterior correction (IVON-PoCo), and outer momentum (IVON-PoCoMo): Alg. 3.
+
+    Outer loop, :meth:`refresh` on a mega-batch at ONE sample ``theta = m + sigma eps``::
+
+        g_out <- rho1 g_out + (1 - rho1) gM,   h_out <- rho2 h_out + (1 - rho2) gM eps / sigma
+        m_out <- m,  sigma_out <- sigma
+
+    Inner step, gradients at ``theta_in ~ q`` and ``theta_out ~ q_out`` on the SAME
+    mini-batch: ``ghat = g_in - alpha (g_o - g_out)``, ``hhat = h_in - alpha (h_o - h_out)``,
+    IVON's momentum and Hessian updates, and the mean update with the extra term
+    ``hess_corr_scale * alpha (h_out - h_o)(m - m_out)``.
+
+    ``rho1``, ``rho2`` follow Alg. 3's equations: rho weights the OLD estimate, ``rho = 0``
+    is no outer momentum (what the paper's Sec. 5.1 calls ``rho = 1``); 1 is refused since it
+    would freeze the estimate.  At the first refresh the estimates are set to the mega-batch
+    estimate (no bias toward the zero initialisation).
+
+    ``outer_noise``: ``"shared"`` draws the outer sample with the inner sample's standard
+    normal (common random numbers: the two gradients are strongly correlated, which is what
+    a control variate needs; still unbiased), ``"independent"`` with its own.
+    """
+
+    _has_correction = True
+
+    def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
+                 beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
+                 clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True,
+                 alpha: float = 1.0, rho1: float = 0.0, rho2: float = 0.0,
+                 hess_corr_scale: float = 1.0, outer_noise: str = "shared",
+                 *, seed: int = 0, backend: str = "auto"):
+        super().__init__(params, lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
+                         clip_radius, debias, rescale_lr, seed=seed, backend=backend,
+                         alpha=alpha, rho1=rho1, rho2=rho2, hess_corr_scale=hess_corr_scale,
+                         outer_noise=outer_noise)
+
+    def _validate_group(self, group):
+        super()._validate_group(group)
+        check_range(group, "alpha", lo=0.0, hi=1.0)
+        for k in ("rho1", "rho2"):
+            v = group[k]
+            if isinstance(v, (int, float)) and v == 1:
+                raise ValueError(
+                    f"invalid {k}: 1 would freeze the outer estimate. poco_kernels follows Alg. 3's "
+                    f"equations, where {k} weights the OLD estimate: use {k}=0 for no outer "
+                    "momentum (the paper's text calls that setting 'rho = 1')")
+            check_range(group, k, lo=0.0, hi=1.0, hi_open=True)
+        check_range(group, "hess_corr_scale", lo=0.0)
+        _check(group["outer_noise"] in ("shared", "independent"),
+               f"invalid outer_noise: {group['outer_noise']!r} (expected 'shared' or 'independent')")
+
+    def _init_buffers(self, b, group):
+        bufs = super()._init_buffers(b, group)
+        for name in ("g_out", "h_out", "m_out", "sigma_out"):
+            bufs[name] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
+        return bufs
+
+    def _centre_sigma(self, b, group, kind, draw):
+        if kind == KIND_OUTER:
+            noise_kind = KIND_INNER if group["outer_noise"] == "shared" else KIND_OUTER
+            return b.buffers["m_out"], b.buffers["sigma_out"], (noise_kind, draw, self._step)
+        return super()._centre_sigma(b, group, kind, draw)
+
+    def _inner_update(self, b, group, g_in, ge_in, outer, t):
+        o = None
+        if outer is not None:
+            g_o, ge_o = outer
+            o = {"g_o": g_o, "ge_o": ge_o, **{k: b.buffers[k] for k in
+                                              ("g_out", "h_out", "m_out", "sigma_out")}}
+        return ivon_inner_update(mean=b.buffers["mean"], h=b.buffers["h"],
+                                 g=b.buffers["momentum"], g_in=g_in, ge_in=ge_in, outer=o,
+                                 group=group, step=t)
+
+    def _refresh_update(self, b, group, gM, geM, first):
+        return ivon_refresh_update(mean=b.buffers["mean"], h=b.buffers["h"], gM=gM, geM=geM,
+                                   g_out=b.buffers["g_out"], h_out=b.buffers["h_out"],
+                                   group=group, first=first)

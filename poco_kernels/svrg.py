@@ -1,0 +1,160 @@
+"""SVRG, alpha-SVRG (over SGD and over AdamW) and VSGD-PoCo: Alg. 1 and 2 of the paper.
+
+* :class:`SVRG`: ``ghat = grad_B(theta_in) - alpha (grad_B(theta_out) - g_out)`` fed to
+  ``torch.optim.SGD``'s update (momentum, dampening, weight decay, Nesterov), op for op.
+  ``alpha = 1`` is SVRG, ``alpha < 1`` alpha-SVRG (Yin et al., 2025); before the first
+  refresh, or with ``alpha = 0``, it is ``torch.optim.SGD`` exactly.
+* :class:`SVRGAdamW`: the same corrected gradient fed to ``torch.optim.AdamW``'s update
+  (the paper's alpha-SVRG baseline).
+* :class:`VSGDPoCo`: variational SGD with posterior correction, an isotropic Gaussian
+  ``N(m, sigma^2 I)``: ``theta_in = m + sigma eps`` at every inner step, and the refresh
+  sample ``theta_out = m + sigma eps_r`` stays fixed for the inner loop.  ``sigma = 0`` is
+  SVRG (Thm. 2).
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+from torch import Tensor
+
+from . import reference as R
+from ._core import KIND_INNER, KIND_OUTER, KIND_REFRESH, PosteriorOptimizer, _check, check_range
+
+__all__ = ["SVRG", "SVRGAdamW", "VSGDPoCo"]
+
+
+class _SVRGBase(PosteriorOptimizer):
+    """Outer loop shared by the first-order family: ``g_out`` (mean mega-batch gradient)
+    and ``theta_out`` (the point it was taken at)."""
+
+    noisy = False
+    uses_hessian = False
+
+    def _validate_group(self, group):
+        check_range(group, "lr", lo=0.0)
+        check_range(group, "alpha", lo=0.0, hi=1.0)
+        check_range(group, "weight_decay", lo=0.0)
+
+    def _noise_sigma(self, group) -> float:
+        return 0.0
+
+    def _init_buffers(self, b, group) -> Dict[str, Tensor]:
+        return {"g_out": torch.zeros(b.numel, device=b.device, dtype=b.dtype),
+                "theta_out": torch.zeros(b.numel, device=b.device, dtype=b.dtype)}
+
+    def _centre_sigma(self, b, group, kind, draw):
+        if kind == KIND_OUTER:             # the fixed refresh sample
+            return b.buffers["theta_out"], None, None
+        sigma = self._noise_sigma(group)
+        if not self.noisy:
+            return b.buffers["mean"], None, None
+        counter = self._step if kind == KIND_INNER else self._refreshes
+        return b.buffers["mean"], sigma, (kind, draw, counter)
+
+    def _corrected(self, group, g_in, outer, b) -> Tensor:
+        if outer is None:
+            return g_in
+        g_o, _ = outer
+        return R.control_variate(g_in, g_o, b.buffers["g_out"], group["alpha"])
+
+    def _refresh_update(self, b, group, gM, geM, first):
+        sigma = self._noise_sigma(group)
+        if self.noisy:
+            eps = self._eps(b, KIND_REFRESH, 0, self._refreshes)
+            theta = R.perturb(b.buffers["mean"], sigma, eps)
+        else:
+            theta = b.buffers["mean"].clone()
+        return {"g_out": gM.clone(), "theta_out": theta}
+
+
+class SVRG(_SVRGBase):
+    """SVRG and alpha-SVRG over SGD (Alg. 1).  Hyperparameters as ``torch.optim.SGD``,
+    plus ``alpha`` (correction weight, 1 = SVRG)."""
+
+    _lazy_buffers = ("momentum_buffer",)
+
+    def __init__(self, params, lr: float = 1e-3, alpha: float = 1.0, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+                 *, seed: int = 0, backend: str = "auto", **extra):
+        defaults = dict(lr=lr, alpha=alpha, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov, **extra)
+        super().__init__(params, defaults, seed=seed, backend=backend)
+
+    def _validate_group(self, group):
+        super()._validate_group(group)
+        check_range(group, "momentum", lo=0.0)
+        check_range(group, "dampening", lo=0.0)
+        _check(isinstance(group["nesterov"], bool), "invalid nesterov: expected a bool")
+        if group["nesterov"]:
+            _check(group["momentum"] > 0 and group["dampening"] == 0,
+                   "Nesterov momentum requires a momentum and zero dampening")
+
+    def _inner_update(self, b, group, g_in, ge_in, outer, t):
+        ghat = self._corrected(group, g_in, outer, b)
+        m, buf = R.sgd_step(b.buffers["mean"], ghat, b.buffers.get("momentum_buffer"),
+                            lr=group["lr"], momentum=group["momentum"],
+                            dampening=group["dampening"], weight_decay=group["weight_decay"],
+                            nesterov=group["nesterov"])
+        new = {"mean": m}
+        if buf is not None:
+            new["momentum_buffer"] = buf
+        return new
+
+
+class VSGDPoCo(SVRG):
+    """Variational SGD with posterior correction (Alg. 2): SVRG on the mean of an isotropic
+    Gaussian ``N(m, sigma^2 I)``.  ``sigma = 0`` is SVRG exactly (Thm. 2)."""
+
+    noisy = True
+
+    def __init__(self, params, lr: float = 1e-3, sigma: float = 1e-3, alpha: float = 1.0,
+                 momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False, mc_samples: int = 1, *, seed: int = 0,
+                 backend: str = "auto"):
+        super().__init__(params, lr, alpha, momentum, dampening, weight_decay, nesterov,
+                         seed=seed, backend=backend, sigma=sigma, mc_samples=mc_samples)
+
+    def _validate_group(self, group):
+        super()._validate_group(group)
+        check_range(group, "sigma", lo=0.0)
+        check_range(group, "mc_samples", lo=1, hi=4096, kind=int)
+
+    def _noise_sigma(self, group) -> float:
+        return float(group["sigma"])
+
+
+class SVRGAdamW(_SVRGBase):
+    """alpha-SVRG over AdamW: the corrected gradient fed to ``torch.optim.AdamW``'s update,
+    op for op (hyperparameters and defaults as ``torch.optim.AdamW``)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, alpha: float = 1.0, *, seed: int = 0,
+                 backend: str = "auto"):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        alpha=alpha)
+        super().__init__(params, defaults, seed=seed, backend=backend)
+
+    def _validate_group(self, group):
+        super()._validate_group(group)
+        check_range(group, "eps", lo=0.0)
+        betas = group["betas"]
+        _check(isinstance(betas, (tuple, list)) and len(betas) == 2,
+               f"invalid betas: {betas!r} (expected a pair)")
+        for i, v in enumerate(betas):
+            check_range({f"betas[{i}]": v}, f"betas[{i}]", lo=0.0, hi=1.0, hi_open=True)
+
+    def _init_buffers(self, b, group):
+        bufs = super()._init_buffers(b, group)
+        bufs["exp_avg"] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
+        bufs["exp_avg_sq"] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
+        return bufs
+
+    def _inner_update(self, b, group, g_in, ge_in, outer, t):
+        ghat = self._corrected(group, g_in, outer, b)
+        beta1, beta2 = group["betas"]
+        m, ea, eas = R.adamw_step(b.buffers["mean"], ghat, b.buffers["exp_avg"],
+                                  b.buffers["exp_avg_sq"], step=t, lr=group["lr"], beta1=beta1,
+                                  beta2=beta2, eps=group["eps"],
+                                  weight_decay=group["weight_decay"])
+        return {"mean": m, "exp_avg": ea, "exp_avg_sq": eas}
