@@ -1,0 +1,381 @@
+"""VON-PoCo: variational online Newton with posterior correction, Alg. 4 / Thm. 3 of the paper.
+
+A full-covariance Gaussian ``q = N(m, S^-1)`` over the (small) parameter vector, with the
+Newton-like "SVRG + SVRH" update of Thm. 3 (gradient AND Hessian corrections).  The maths
+is :func:`poco_kernels.reference.von_poco_step`; this module supplies the samples, the
+gradients and Hessians, the outer loop and the bookkeeping.
+
+Closure convention (differs from the rest of the package!)
+----------------------------------------------------------
+VON-PoCo needs the Hessian of every mini-batch loss, which the ``.grad``-based protocol of
+:class:`~poco_kernels._core.PosteriorOptimizer` (``sample()``/``accumulate()``) cannot
+give.  So a ``VONPoCo`` closure **returns the loss and does NOT call** ``backward()``::
+
+    def closure():
+        return loss_fn(model(x), y)          # a scalar tensor, graph attached; no backward
+
+The optimizer differentiates the returned loss twice with :mod:`torch.autograd`
+(``create_graph=True``, then all Hessian rows in one ``is_grads_batched`` call, falling
+back to a row loop for operations without a batching rule).  ``.grad`` is neither read
+nor written.  A closure that calls ``backward()`` itself frees the graph and gets a clear
+error.  ``sample()``, ``accumulate()`` and ``sampled()`` are refused.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import reference as R
+from ._core import (KIND_INNER, KIND_OUTER, KIND_REFRESH, Bucket, PosteriorOptimizer,
+                    _check, check_range)
+
+__all__ = ["VONPoCo"]
+
+#: the largest bucket (number of scalar parameters) VON-PoCo accepts: S is dense d x d and
+#: every Hessian costs d backward passes.
+MAX_DIM = 8192
+
+
+class VONPoCo(PosteriorOptimizer):
+    """Variational Online Newton with Posterior Correction (Alg. 4, Thm. 3).
+
+    **Closures return the loss WITHOUT calling backward()** (see the module docstring):
+    ``opt.step(lambda: loss_fn(model(x), y))``.  Losses are MEANS over their batch.
+
+    Posterior ``q = N(m, S^-1)``; ``m`` lives in the parameters, ``S`` is a dense
+    ``d x d`` state buffer ``"precision"`` per bucket.  Samples are
+    ``theta = m + noise_scale * L^-T eps`` with ``S = L L^T`` (Cholesky), so
+    ``Cov(theta) = noise_scale^2 S^-1``; ``eps`` comes from the package's counter-based
+    stream (nothing about noise is stored).
+
+    :meth:`refresh` (``closures``: one per equal-size chunk of the mega-batch or full batch)
+    draws ONE sample ``theta_out = m + L^-T eps_r`` for all chunks and stores the mean
+    gradient ``g_out`` and mean Hessian ``H_out`` over the chunks (with outer momentum
+    ``rho1``/``rho2``, App. D.1: ``x_out <- rho x_out + (1 - rho) x_M``; ``rho`` weights the
+    OLD estimate, 0 = none; the first refresh takes ``x_M`` as it is), ``m_out = m`` and
+    ``theta_out`` (FIXED for the inner loop, Alg. 4 line 5).
+
+    :meth:`step` (``closure``: the mini-batch loss) evaluates the closure at
+    ``theta_in = m + L^-T eps_t`` and then, once the correction is active, at
+    ``theta_out`` (same mini-batch, in that order), and applies
+    :func:`~poco_kernels.reference.von_poco_step` (S before m)::
+
+        g_in = g_B(theta_in) - alpha (g_B(theta_out) - g_out)
+        H_oi = alpha (H_out - H_B(theta_out));   H_in = H_B(theta_in) + H_oi
+        S    = spd((1 - beta) S + beta ess H_in)
+        m    = m - lr ess S^-1 (g_in + H_oi (m - m_out))
+
+    Before the first refresh, or with ``alpha = 0``, this is plain VON (one closure
+    evaluation per step).  ``noise_scale = 0`` (delta method) is a deterministic
+    Newton-SVRG; with ``lr = beta = alpha = 1`` and full batches it is Newton's method.
+
+    Hyperparameters (per group):
+
+    * ``lr``: the paper's ``alpha`` of Alg. 4, step size of the mean (``>= 0``).
+    * ``beta``: rate of the precision update, in ``(0, 1]``.
+    * ``ess``: ``N``, the number of examples (``> 0``); losses are means.
+    * ``alpha``: correction weight in ``[0, 1]`` (1 = exact PoCo, 0 = VON).
+    * ``prior_precision``: ``S`` starts at ``ess * prior_precision * I``, i.e. the initial
+      guess of the per-example (mean-loss) Hessian, as IVON's ``hess_init``.  It does NOT
+      add a regulariser: as in the paper, the prior ``l_0 / N`` belongs in the loss.  If the
+      mean loss holds ``0.5 * delta * |theta|^2``, ``prior_precision = delta`` starts ``q``
+      at the prior's precision.
+    * ``min_eig``: SPD guard, per-example units: after every update all eigenvalues of ``S``
+      are raised to at least ``ess * min_eig`` (:func:`~poco_kernels.reference.make_spd`,
+      the Frobenius-nearest such matrix).  The corrected ``H_in`` can be indefinite even
+      for convex losses; this keeps ``S`` invertible and the samples defined.  Must be in
+      ``(0, prior_precision]``.  In float32 keep ``max eig(S) / (ess * min_eig)`` well
+      below ``1e6``: a step whose ``S`` is not Cholesky-factorisable is refused.
+    * ``noise_scale``: multiplies the sampling noise (``>= 0``; 0 = no sampling).
+    * ``rho1``, ``rho2``: outer momentum of ``g_out`` and ``H_out`` in ``[0, 1)``.
+
+    Several parameter groups, devices or dtypes give several buckets; ``S`` is then
+    block-diagonal (one block per bucket, cross-bucket Hessian blocks are ignored).
+    Parameters must be float32 or float64 and require grad; a bucket may hold at most
+    ``MAX_DIM`` scalars.  No AMP (``grad_scale``/``found_inf``) and no ``mc_samples``.
+
+    Steps and refreshes are transactions: every closure is evaluated and every new buffer
+    computed and checked (finite losses, gradients, Hessians, results; ``S`` Cholesky-
+    factorisable) before anything is committed; on an error the state and the parameters
+    are as before.
+    """
+
+    noisy = True
+    uses_hessian = True
+    _has_correction = True
+    #: try one batched (vmap) backward for all Hessian rows before falling back to a loop
+    batched_hessian = True
+
+    def __init__(self, params, ess: float, lr: float = 0.1, beta: float = 0.1,
+                 alpha: float = 1.0, prior_precision: float = 1.0, min_eig: float = 1e-4,
+                 noise_scale: float = 1.0, rho1: float = 0.0, rho2: float = 0.0, *,
+                 seed: int = 0, backend: str = "auto"):
+        defaults = dict(lr=lr, beta=beta, ess=ess, alpha=alpha,
+                        prior_precision=prior_precision, min_eig=min_eig,
+                        noise_scale=noise_scale, rho1=rho1, rho2=rho2)
+        super().__init__(params, defaults, seed=seed, backend=backend)
+
+    # ------------------------------------------------------------------ construction
+    def _validate_group(self, group):
+        check_range(group, "lr", lo=0.0)
+        check_range(group, "beta", lo=0.0, hi=1.0, lo_open=True)
+        check_range(group, "ess", lo=0.0, lo_open=True)
+        check_range(group, "alpha", lo=0.0, hi=1.0)
+        check_range(group, "prior_precision", lo=0.0, lo_open=True)
+        check_range(group, "min_eig", lo=0.0, lo_open=True)
+        _check(group["min_eig"] <= group["prior_precision"],
+               f"invalid min_eig: {group['min_eig']!r} exceeds prior_precision "
+               f"{group['prior_precision']!r} (the initial S = ess * prior_precision * I must "
+               "satisfy the floor ess * min_eig)")
+        check_range(group, "noise_scale", lo=0.0)
+        for k in ("rho1", "rho2"):
+            check_range(group, k, lo=0.0, hi=1.0, hi_open=True)
+
+    def _init_buffers(self, b: Bucket, group) -> Dict[str, Tensor]:
+        _check(b.param_dtype in (torch.float32, torch.float64),
+               f"VONPoCo supports float32 and float64 parameters only, got {b.param_dtype} "
+               "(Hessians in half precision are not meaningful)")
+        _check(b.numel <= MAX_DIM,
+               f"VONPoCo keeps a dense {b.numel} x {b.numel} precision per bucket; at most "
+               f"{MAX_DIM} parameters per (group, device, dtype) are supported")
+        for p in b.params:
+            _check(p.requires_grad, "VONPoCo: every parameter must require grad")
+        d, kw = b.numel, dict(device=b.device, dtype=b.dtype)
+        s0 = float(group["ess"]) * float(group["prior_precision"])
+        return {"precision": s0 * torch.eye(d, **kw),
+                "m_out": torch.zeros(d, **kw),
+                "theta_out": torch.zeros(d, **kw),
+                "g_out": torch.zeros(d, **kw),
+                "H_out": torch.zeros(d, d, **kw)}
+
+    # ------------------------------------------------------------------ refused base API
+    def _refuse(self, *_, **__):
+        raise RuntimeError(
+            "VONPoCo needs Hessians, which .grad does not carry: use step(closure) and "
+            "refresh(closures) with closures that RETURN the loss without calling backward()")
+
+    sample = accumulate = sampled = _refuse
+
+    # ------------------------------------------------------------------ samples
+    @staticmethod
+    def _cholesky(S: Tensor, what: str) -> Tensor:
+        L, info = torch.linalg.cholesky_ex(S)
+        if int(info) != 0:
+            raise FloatingPointError(
+                f"{what} is not numerically positive definite (Cholesky failed): raise min_eig "
+                "or use float64 parameters")
+        return L
+
+    def _draw(self, b: Bucket, group, kind: int, counter: int) -> Tensor:
+        """``m + noise_scale * L^-T eps`` (``S = L L^T``); exactly ``m`` without noise."""
+        m = b.buffers["mean"]
+        ns = float(group["noise_scale"])
+        if ns == 0.0:
+            return m.clone()
+        L = self._cholesky(b.buffers["precision"], "the precision S")
+        eps = self._eps(b, kind, 0, counter)
+        delta = torch.linalg.solve_triangular(L.mT, eps.unsqueeze(-1), upper=True).squeeze(-1)
+        return m + ns * delta
+
+    # ------------------------------------------------------------------ derivatives
+    def _hessian(self, flat_g: Tensor, b: Bucket) -> Tensor:
+        d = b.numel
+        if not flat_g.requires_grad:            # gradient constant: zero Hessian
+            return torch.zeros(d, d, device=b.device, dtype=b.dtype)
+        rows = None
+        if self.batched_hessian:
+            eye = torch.eye(d, device=flat_g.device, dtype=flat_g.dtype)
+            try:
+                rows = torch.autograd.grad(flat_g, b.params, grad_outputs=eye,
+                                           retain_graph=True, allow_unused=True,
+                                           is_grads_batched=True)
+                rows = [torch.zeros(d, p.numel(), device=b.device, dtype=p.dtype)
+                        if r is None else r.reshape(d, -1) for r, p in zip(rows, b.params)]
+            except RuntimeError:                 # an op without a batching rule
+                rows = None
+        if rows is None:
+            out = []
+            for k in range(d):
+                e = torch.zeros_like(flat_g)
+                e[k] = 1.0
+                r = torch.autograd.grad(flat_g, b.params, grad_outputs=e, retain_graph=True,
+                                        allow_unused=True)
+                out.append(torch.cat([torch.zeros(p.numel(), device=b.device, dtype=p.dtype)
+                                      if x is None else x.reshape(-1)
+                                      for x, p in zip(r, b.params)]))
+            H = torch.stack(out)
+        else:
+            H = torch.cat(rows, dim=1)
+        H = H.detach().to(b.dtype)
+        return 0.5 * (H + H.mT)                 # the Hessian is symmetric; remove round-off
+
+    def _grad_hess(self, loss) -> List[Tuple[Tensor, Tensor]]:
+        """(flat gradient, Hessian block) of ``loss`` for every bucket."""
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError("a VONPoCo closure must return the loss as a scalar tensor "
+                            f"(got {type(loss).__name__})")
+        if not bool(torch.isfinite(loss.detach()).all()):
+            raise ValueError("non-finite loss (inf or nan): the step was not taken and the "
+                             "optimizer state is unchanged")
+        if not loss.requires_grad:
+            raise ValueError(
+                "the closure's loss does not depend on the parameters through autograd: a "
+                "VONPoCo closure must return the loss WITHOUT calling backward() and not "
+                "under torch.no_grad()")
+        params = [p for b in self._buckets for p in b.params]
+        try:
+            grads = torch.autograd.grad(loss.reshape(()), params, create_graph=True,
+                                        allow_unused=True)
+        except RuntimeError as e:
+            if "second time" in str(e) or "freed" in str(e):
+                raise RuntimeError(
+                    "the loss graph was already freed: a VONPoCo closure must return the loss "
+                    "WITHOUT calling backward() (the optimizer computes gradient and Hessian)"
+                ) from e
+            raise
+        out, i = [], 0
+        for b in self._buckets:
+            gs = grads[i:i + len(b.params)]
+            i += len(b.params)
+            flat = torch.cat([torch.zeros(p.numel(), device=b.device, dtype=p.dtype)
+                              if g is None else g.reshape(-1) for g, p in zip(gs, b.params)])
+            H = self._hessian(flat, b)
+            g = flat.detach().to(b.dtype)
+            for t in (g, H):
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError("non-finite gradient or Hessian (inf or nan): the step was "
+                                     "not taken and the optimizer state is unchanged")
+            out.append((g, H))
+        return out
+
+    def _evaluate(self, closure: Callable, thetas: List[Tensor], kind: int):
+        """Write ``thetas`` into the parameters, run the closure, differentiate, restore."""
+        self._active = (kind, 0)
+        try:
+            for b in self._buckets:
+                b.write_params(thetas[b.index])
+            with torch.enable_grad():
+                loss = closure()
+                gh = self._grad_hess(loss)
+        finally:
+            self.restore()
+        return loss.detach(), gh
+
+    def _begin(self):
+        if self._active is not None:
+            raise RuntimeError("VONPoCo.step()/refresh() called while a sample is in the "
+                               "parameters (from inside a closure?)")
+        for g in self.param_groups:
+            self._validate_group(g)
+        for b in self._buckets:
+            for p in b.params:
+                _check(p.requires_grad, "VONPoCo: every parameter must require grad")
+        self._sync_mean()
+
+    def _commit_checked(self, new: Dict[int, Dict[str, Tensor]]) -> None:
+        self._check_new(new)
+        for bi, bufs in new.items():
+            if "precision" in bufs:
+                self._cholesky(bufs["precision"], "the updated precision S (step refused, "
+                               "state unchanged)")
+        self._commit(new)
+
+    # ------------------------------------------------------------------ step
+    def step(self, closure: Optional[Callable] = None):
+        """One inner step on the mini-batch of ``closure`` (returns the loss, NO backward).
+
+        The closure is called at ``theta_in`` and, once the correction is active, again at
+        the fixed refresh sample ``theta_out``.  Returns the loss at ``theta_in``."""
+        if closure is None:
+            raise RuntimeError("VONPoCo.step() needs a closure that returns the mini-batch "
+                               "loss (without calling backward())")
+        self._begin()
+        thetas = [self._draw(b, self.param_groups[b.group_index], KIND_INNER, self._step)
+                  for b in self._buckets]
+        loss, gh_in = self._evaluate(closure, thetas, KIND_INNER)
+        active = self.correction_active()
+        gh_o = (self._evaluate(closure, [b.buffers["theta_out"] for b in self._buckets],
+                               KIND_OUTER)[1] if active else None)
+        new = {}
+        for b in self._buckets:
+            group = self.param_groups[b.group_index]
+            g_i, H_i = gh_in[b.index]
+            m, S = b.buffers["mean"], b.buffers["precision"]
+            if active:
+                g_o, H_o = gh_o[b.index]
+                outer = dict(m_out=b.buffers["m_out"], g_out=b.buffers["g_out"],
+                             H_out=b.buffers["H_out"], alpha=float(group["alpha"]))
+            else:                              # plain VON: no outer estimate
+                g_o, H_o = torch.zeros_like(g_i), torch.zeros_like(H_i)
+                outer = dict(m_out=m, g_out=torch.zeros_like(g_i), H_out=torch.zeros_like(H_i),
+                             alpha=0.0)
+            ess = float(group["ess"])
+            m_new, S_new = R.von_poco_step(
+                m, S, outer["m_out"], g_i, g_o, outer["g_out"], H_i, H_o, outer["H_out"],
+                lr=float(group["lr"]), beta=float(group["beta"]), ess=ess,
+                alpha=outer["alpha"], min_eig=ess * float(group["min_eig"]))
+            new[b.index] = {"mean": m_new, "precision": S_new}
+        self._commit_checked(new)
+        self._step += 1
+        return loss
+
+    # ------------------------------------------------------------------ refresh
+    def refresh(self, closures: Optional[Iterable[Callable]] = None):
+        """Outer estimate from a mega-batch (or the full batch) at ONE posterior sample.
+
+        ``closures``: one per equal-size chunk, each RETURNING its mean loss (no backward).
+        ``g_out``/``H_out`` are the means over the chunks.  Returns the mean loss."""
+        if closures is None:
+            raise RuntimeError("VONPoCo.refresh() needs closures (one per chunk of the "
+                               "mega-batch) that return their loss without calling backward()")
+        self._begin()
+        thetas = [self._draw(b, self.param_groups[b.group_index], KIND_REFRESH, self._refreshes)
+                  for b in self._buckets]
+        sums: Optional[List[List[Tensor]]] = None
+        losses = []
+        for c in closures:
+            loss, gh = self._evaluate(c, thetas, KIND_REFRESH)
+            losses.append(loss)
+            if sums is None:
+                sums = [[g.clone(), H.clone()] for g, H in gh]
+            else:
+                for s, (g, H) in zip(sums, gh):
+                    s[0] += g
+                    s[1] += H
+        if sums is None:
+            raise ValueError("refresh() needs at least one chunk of the mega-batch")
+        n = len(losses)
+        first = self._refreshes == 0
+        new = {}
+        for b in self._buckets:
+            group = self.param_groups[b.group_index]
+            gM, HM = sums[b.index][0] / n, sums[b.index][1] / n
+            new[b.index] = {
+                "g_out": R.outer_fold(b.buffers["g_out"], gM, float(group["rho1"]), first),
+                "H_out": R.outer_fold(b.buffers["H_out"], HM, float(group["rho2"]), first),
+                "m_out": b.buffers["mean"].clone(),
+                "theta_out": thetas[b.index],
+            }
+        self._commit_checked(new)
+        self._refreshes += 1
+        return sum(losses) / n
+
+    # ------------------------------------------------------------------ state dict
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """As the base class, and the saved precisions must be symmetric positive definite
+        (checked before anything changes)."""
+        extra = state_dict.get("poco", {}).get("bucket_buffers", {}) \
+            if isinstance(state_dict, dict) and isinstance(state_dict.get("poco"), dict) else {}
+        for b in self._buckets:
+            S = extra.get(f"{b.index}/precision")
+            if isinstance(S, Tensor) and tuple(S.shape) == (b.numel, b.numel):
+                S = S.to(dtype=b.dtype)
+                _check(bool(torch.isfinite(S).all()) and
+                       bool(torch.allclose(S, S.mT, rtol=1e-5, atol=0.0)),
+                       f"state dict's precision of bucket {b.index} is not finite and symmetric")
+                _check(int(torch.linalg.cholesky_ex(S)[1]) == 0,
+                       f"state dict's precision of bucket {b.index} is not positive definite")
+        super().load_state_dict(state_dict)

@@ -1,0 +1,190 @@
+"""The public API: torch.optim conventions, mixed dtypes, None gradients, the low-level
+sampling protocol, the double-loop driver."""
+import pytest
+import torch
+
+import poco_kernels as pk
+from poco_kernels.driver import Constant, DoubleLoop, Linear, WarmupConstant
+from helpers import Problem, mlp, params_of, run
+
+
+def test_parameters_hold_the_mean_outside_step_and_refresh():
+    prob = Problem()
+    m = mlp()
+    o = pk.IVONPoCo(m.parameters(), lr=0.05, ess=50.0, alpha=0.5)
+    seen = []
+
+    def closure():
+        seen.append(params_of(m)[0])
+        o.zero_grad()
+        loss = prob.loss(m, prob.batches(1)[0])
+        loss.backward()
+        return loss
+
+    o.refresh([closure])
+    o.step(closure)
+    o.step(closure)
+    mean = o.flat_state("mean")[0]
+    flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    assert torch.equal(flat, mean)
+    # inside the closures the parameters held samples: refresh, (inner, outer) x 2
+    assert len(seen) == 5
+    assert not torch.equal(seen[0], mean[:seen[0].numel()].view_as(seen[0]))
+    # right after a refresh, with shared noise, the outer sample IS the inner one
+    # (m_out = m, sigma_out = sigma); one step later they differ
+    assert torch.equal(seen[1], seen[2])
+    assert not torch.equal(seen[3], seen[4])
+
+
+def test_mixed_dtypes_and_none_gradients():
+    torch.manual_seed(0)
+    a = torch.nn.Linear(5, 4)                         # float32
+    b = torch.nn.Linear(4, 3).to(torch.bfloat16)      # bf16
+    c = torch.nn.Linear(3, 2).double()                # float64
+    unused = torch.nn.Parameter(torch.ones(7))        # never gets a gradient
+    params = list(a.parameters()) + list(b.parameters()) + list(c.parameters()) + [unused]
+    o = pk.IVON(params, lr=0.1, ess=100.0, weight_decay=0.0)
+    assert len(o._buckets) == 3
+    assert {bk.dtype for bk in o._buckets} == {torch.float32, torch.float64}
+    x = torch.randn(6, 5)
+
+    def closure():
+        o.zero_grad()
+        loss = c(b(a(x).bfloat16()).double()).square().mean()
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        o.step(closure)
+    assert torch.equal(unused.detach(), torch.ones(7))     # zero gradient, no weight decay
+    bf = next(bk for bk in o._buckets if bk.param_dtype == torch.bfloat16)
+    assert bf.buffers["mean"].dtype == torch.float32          # float32 master copy
+    flat = torch.cat([p.detach().reshape(-1) for p in bf.params])
+    assert torch.equal(flat, bf.buffers["mean"].to(torch.bfloat16))
+    assert not torch.equal(bf.buffers["mean"], bf.buffers["mean"].bfloat16().float())
+
+
+def test_groups_differ_in_every_hyperparameter():
+    prob = Problem()
+    m = mlp()
+    ps = list(m.parameters())
+    g0 = dict(lr=0.05, ess=300.0, hess_init=0.5, beta1=0.9, beta2=0.999, weight_decay=1e-4,
+              clip_radius=1.0, alpha=0.5, rho1=0.2, rho2=0.1, hess_corr_scale=1.0)
+    g1 = dict(lr=0.01, ess=900.0, hess_init=0.2, beta1=0.8, beta2=0.9999, weight_decay=1e-3,
+              clip_radius=0.5, alpha=0.9, rho1=0.0, rho2=0.5, hess_corr_scale=0.01,
+              debias=False, rescale_lr=False, outer_noise="independent")
+    o = pk.IVONPoCo([{"params": ps[:2], **g0}, {"params": ps[2:], **g1}], lr=1.0, ess=1.0)
+    run(o, m, prob, 12, refresh_every=4)
+    # each group equals a single-group run with its own hyperparameters
+    for gi, (sl, kw) in enumerate(((slice(0, 2), g0), (slice(2, 4), g1))):
+        m2 = mlp()
+        ps2 = list(m2.parameters())
+        frozen = [p for i, p in enumerate(ps2) if i not in range(4)[sl]]
+        o2 = pk.IVONPoCo([{"params": ps2[sl], **kw}, {"params": frozen, **(g1 if gi == 0 else g0)}],
+                         lr=1.0, ess=1.0)
+        run(o2, m2, prob, 12, refresh_every=4)
+    assert o.param_groups[1]["outer_noise"] == "independent"
+
+
+def test_low_level_protocol_equals_closure():
+    """sample / backward / accumulate / restore / step gives the closure's trajectory."""
+    prob = Problem()
+    kw = dict(lr=0.05, ess=300.0, beta2=0.999, alpha=0.6, mc_samples=2)
+    m1, m2 = mlp(), mlp()
+    o1, o2 = pk.IVONPoCo(m1.parameters(), **kw), pk.IVONPoCo(m2.parameters(), **kw)
+    batches, chunks = prob.batches(10), prob.chunks(3)
+    run(o1, m1, prob, 10, refresh_every=4, batches=batches, chunks=chunks)
+    for t in range(10):
+        if t % 4 == 0:
+            with o2.sampled("refresh", accumulate=False):
+                for c in chunks:                       # one sample, one backward per chunk
+                    prob.loss(m2, c).backward()
+                    o2.accumulate()
+            o2.refresh()
+        for _ in range(2):
+            with o2.sampled("inner"):
+                # gradient accumulation over two half-batches inside one sample
+                b = batches[t]
+                (prob.loss(m2, b) * 1.0).backward()
+        if o2.correction_active():
+            for _ in range(2):
+                with o2.sampled("outer"):
+                    prob.loss(m2, batches[t]).backward()
+        o2.step()
+    for a, b in zip(params_of(m1), params_of(m2)):
+        assert torch.equal(a, b)
+
+
+def test_same_seed_same_samples_different_seed_different():
+    """Ranks sharing the seed draw the same posterior sample with no communication."""
+    def sample_of(seed):
+        m = mlp()
+        o = pk.IVON(m.parameters(), lr=0.1, ess=10.0, seed=seed)
+        o.sample()
+        s = params_of(m)
+        o.restore()
+        return s
+    a, b, c = sample_of(4), sample_of(4), sample_of(5)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0])
+
+
+def test_sample_noise_has_the_posterior_scale():
+    m = torch.nn.Linear(300, 300)
+    o = pk.IVON(m.parameters(), lr=0.1, ess=400.0, hess_init=0.25, weight_decay=0.0)
+    w0 = m.weight.detach().clone()
+    o.sample()
+    d = m.weight.detach() - w0
+    o.restore()
+    sigma = 1.0 / (400.0 * 0.25) ** 0.5
+    assert abs(d.std().item() / sigma - 1) < 0.02
+    assert abs(d.mean().item()) < 5 * sigma / 300
+    assert torch.equal(m.weight.detach(), w0)
+
+
+def test_sample_protocol_misuse_is_reported():
+    m = mlp()
+    o = pk.IVONPoCo(m.parameters(), lr=0.1, ess=10.0)
+    with pytest.raises(RuntimeError, match="correction is not active"):
+        o.sample("outer")
+    with pytest.raises(RuntimeError, match="active sample"):
+        o.accumulate()
+    o.sample()
+    with pytest.raises(RuntimeError, match="already"):
+        o.sample()
+    with pytest.raises(RuntimeError, match="restore"):
+        o.step()
+    with pytest.raises(RuntimeError, match="restore"):
+        o.state_dict()
+    o.restore()
+    with pytest.raises(ValueError, match="kind"):
+        o.sample("middle")
+    with pytest.raises(RuntimeError, match="no outer loop"):
+        pk.IVON(m.parameters(), lr=0.1, ess=1.0).refresh([])
+
+
+def test_alpha_schedules():
+    assert Constant(0.3)(10) == 0.3
+    lin = Linear(0.2, 0.8, total_steps=100)
+    assert lin(0) == pytest.approx(0.2) and lin(50) == pytest.approx(0.5) and lin(500) == pytest.approx(0.8)
+    dec = Linear(0.8, 0.2, total_steps=10)
+    assert dec(10) == pytest.approx(0.2)
+    w = WarmupConstant(0.5, warmup=3)
+    assert [w(t) for t in range(5)] == [0, 0, 0, 0.5, 0.5]
+
+
+def test_double_loop_driver_counts_gradient_evaluations():
+    """The paper's count: 2 n N + floor(n N / m) |M| (one epoch of inner steps here)."""
+    prob = Problem(n=96)
+    m = mlp()
+    o = pk.SVRG(m.parameters(), lr=0.05)
+    loop = DoubleLoop(o, refresh_every=6, warmup_steps=6, alpha=Linear(0.2, 0.8, 24))
+    B, M = 4, 96
+    for t in range(24):                  # 24 steps x 4 = 96 = one epoch
+        if loop.refresh_due():
+            loop.refresh([prob.closure(o, m, c) for c in prob.chunks(4)], examples=M)
+        loop.step(prob.closure(o, m, prob.batches(24, size=B)[t]), examples=B)
+    assert loop.refresh_steps == [6, 12, 18]
+    # 6 warm-up steps at 1 gradient, 18 corrected steps at 2, 3 refreshes of 96
+    assert loop.grad_evals == 6 * B + 18 * 2 * B + 3 * M
+    assert o.param_groups[0]["alpha"] == pytest.approx(0.2 + 0.6 * 23 / 24)

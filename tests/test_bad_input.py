@@ -1,0 +1,248 @@
+"""Bad input gets a clear error and changes nothing: parameters back at the mean, every
+buffer and counter as before."""
+import copy
+import math
+
+import pytest
+import torch
+
+import poco_kernels as pk
+from helpers import Problem, mlp, params_of, run
+
+
+def snapshot(opt, model):
+    return (params_of(model), {b.index: {k: v.clone() for k, v in b.buffers.items()}
+                               for b in opt._buckets},
+            opt.step_count, opt.refresh_count, copy.deepcopy(opt.param_groups[0]))
+
+
+def assert_unchanged(before, opt, model):
+    params, bufs, step, refreshes, _ = before
+    for a, b in zip(params, params_of(model)):
+        assert torch.equal(a, b)
+    for b in opt._buckets:
+        for k, v in bufs[b.index].items():
+            assert torch.equal(v, b.buffers[k]), k
+    assert (opt.step_count, opt.refresh_count) == (step, refreshes)
+    assert opt._active is None
+    assert all(c == 0 for c in opt._pending.count.values())
+
+
+def _ivon_poco(model, **kw):
+    return pk.IVONPoCo(model.parameters(), lr=0.05, ess=300.0, beta2=0.999, alpha=0.5, **kw)
+
+
+@pytest.mark.parametrize("cls,kw,match", [
+    (pk.IVON, dict(lr=-1.0, ess=1.0), "lr"),
+    (pk.IVON, dict(lr=0.1, ess=0.0), "ess"),
+    (pk.IVON, dict(lr=0.1, ess=1.0, beta2=1.0), "beta2"),
+    (pk.IVON, dict(lr=0.1, ess=1.0, hess_init=0.0), "hess_init"),
+    (pk.IVON, dict(lr=0.1, ess=1.0, mc_samples=0), "mc_samples"),
+    (pk.IVON, dict(lr=0.1, ess=1.0, clip_radius=0.0), "clip_radius"),
+    (pk.IVON, dict(lr=0.1, ess=math.nan), "ess"),
+    (pk.IVONPoCo, dict(lr=0.1, ess=1.0, alpha=1.5), "alpha"),
+    (pk.IVONPoCo, dict(lr=0.1, ess=1.0, rho1=1.0), "rho1.*OLD"),
+    (pk.IVONPoCo, dict(lr=0.1, ess=1.0, outer_noise="same"), "outer_noise"),
+    (pk.SVRG, dict(lr=0.1, momentum=-0.1), "momentum"),
+    (pk.SVRG, dict(lr=0.1, nesterov=True), "Nesterov"),
+    (pk.SVRGAdamW, dict(betas=(0.9, 1.0)), "betas"),
+    (pk.VSGDPoCo, dict(sigma=-1.0), "sigma"),
+    (pk.IVON, dict(lr=0.1, ess=1.0, seed=-3), "seed"),
+    (pk.IVON, dict(lr=0.1, ess=1.0, backend="cuda"), "backend"),
+])
+def test_invalid_hyperparameters_at_construction(cls, kw, match):
+    with pytest.raises(ValueError, match=match):
+        cls(mlp().parameters(), **kw)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpp"])
+def test_unavailable_backend_is_a_clear_error(backend):
+    with pytest.raises(RuntimeError, match="not available"):
+        pk.IVON(mlp().parameters(), lr=0.1, ess=1.0, backend=backend)
+
+
+def test_invalid_hyperparameter_set_later_is_caught_at_step():
+    prob = Problem()
+    m = mlp()
+    o = _ivon_poco(m)
+    run(o, m, prob, 3, refresh_every=2)
+    before = snapshot(o, m)
+    o.param_groups[0]["beta1"] = 1.5
+    with pytest.raises(ValueError, match="beta1"):
+        o.step(prob.closure(o, m, prob.batches(1)[0]))
+    assert_unchanged(before, o, m)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+@pytest.mark.parametrize("where", ["inner", "outer", "refresh"])
+def test_non_finite_gradient(bad, where):
+    prob = Problem()
+    m = mlp()
+    o = _ivon_poco(m)
+    run(o, m, prob, 3, refresh_every=2)
+    before = snapshot(o, m)
+    calls = {"n": 0}
+    idx = prob.batches(1)[0]
+
+    def closure():
+        calls["n"] += 1
+        o.zero_grad()
+        loss = prob.loss(m, idx)
+        target = {"inner": 1, "outer": 2, "refresh": 1}[where]
+        if calls["n"] == target:
+            loss = loss * bad
+        loss.backward()
+        return loss
+
+    with pytest.raises(ValueError, match="non-finite gradient"):
+        if where == "refresh":
+            o.refresh([closure])
+        else:
+            o.step(closure)
+    assert_unchanged(before, o, m)
+
+
+def test_found_inf_skips_the_step_like_torch_amp():
+    prob = Problem()
+    m = mlp()
+    o = _ivon_poco(m)
+    run(o, m, prob, 3, refresh_every=2)
+    before = snapshot(o, m)
+    idx = prob.batches(1)[0]
+
+    def closure():
+        o.zero_grad()
+        loss = prob.loss(m, idx) * math.inf
+        loss.backward()
+        return loss
+
+    o.step(closure, found_inf=torch.tensor([1.0]))
+    assert_unchanged(before, o, m)
+    # grad_scale unscales: a step on scaled grads equals the step on unscaled ones
+    m1, m2 = mlp(), mlp()
+    o1, o2 = _ivon_poco(m1), _ivon_poco(m2)
+
+    def scaled(opt, model, s):
+        def c():
+            opt.zero_grad()
+            loss = prob.loss(model, idx)
+            (loss * s).backward()
+            return loss
+        return c
+    o1.step(scaled(o1, m1, 1.0))
+    o2.step(scaled(o2, m2, 1024.0), grad_scale=torch.tensor(1024.0), found_inf=torch.tensor([0.0]))
+    for a, b in zip(params_of(m1), params_of(m2)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_closure_raising_restores_the_mean():
+    prob = Problem()
+    m = mlp()
+    o = _ivon_poco(m)
+    run(o, m, prob, 3, refresh_every=2)
+    before = snapshot(o, m)
+
+    def closure():
+        o.zero_grad()
+        prob.loss(m, prob.batches(1)[0]).backward()
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        o.step(closure)
+    assert_unchanged(before, o, m)
+
+
+def test_step_without_outer_gradient_when_correction_active():
+    prob = Problem()
+    m = mlp()
+    o = _ivon_poco(m)
+    run(o, m, prob, 3, refresh_every=2)
+    before = snapshot(o, m)
+    with o.sampled("inner"):
+        prob.loss(m, prob.batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="outer sample"):
+        o.step()
+    assert_unchanged(before, o, m)
+
+
+def test_noisy_step_without_any_sample_is_a_clear_error():
+    """ivon-opt crashes here (gradient accumulation without sampled_params)."""
+    prob = Problem()
+    m = mlp()
+    o = pk.IVON(m.parameters(), lr=0.05, ess=300.0)
+    before = snapshot(o, m)
+    prob.loss(m, prob.batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="posterior sample"):
+        o.step()
+    assert_unchanged(before, o, m)
+
+
+def test_svrg_step_with_correction_but_no_closure():
+    prob = Problem()
+    m = mlp()
+    o = pk.SVRG(m.parameters(), lr=0.1)
+    run(o, m, prob, 2, refresh_every=1)
+    before = snapshot(o, m)
+    prob.loss(m, prob.batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="outer sample"):
+        o.step()
+    assert_unchanged(before, o, m)
+
+
+def test_sparse_and_complex_parameters_are_refused():
+    with pytest.raises(ValueError, match="complex"):
+        pk.IVON([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))], lr=0.1, ess=1.0)
+    with pytest.raises(ValueError, match="sparse"):
+        pk.SVRG([torch.zeros(3, 3).to_sparse().requires_grad_()], lr=0.1)
+
+
+def test_sparse_gradient_is_refused_and_changes_nothing():
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    o = pk.SVRG(emb.parameters(), lr=0.1)
+    before = snapshot(o, emb)
+
+    def closure():
+        o.zero_grad()
+        loss = emb(torch.tensor([1, 2])).sum()
+        loss.backward()
+        return loss
+    with pytest.raises(RuntimeError, match="sparse"):
+        o.step(closure)
+    assert_unchanged(before, o, emb)
+
+
+@pytest.mark.parametrize("corrupt", ["groups", "shape", "class", "missing", "count"])
+def test_mismatched_state_dict(corrupt):
+    prob = Problem()
+    m = mlp()
+    o = _ivon_poco(m)
+    run(o, m, prob, 3, refresh_every=2)
+    sd = copy.deepcopy(o.state_dict())
+    m2 = mlp()
+    o2 = _ivon_poco(m2)
+    run(o2, m2, prob, 1)
+    before = snapshot(o2, m2)
+    if corrupt == "groups":
+        sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0]))
+    elif corrupt == "shape":
+        sd["state"][0]["h"] = torch.zeros(2, 2)
+    elif corrupt == "class":
+        sd["poco"]["optimizer"] = "IVON"
+    elif corrupt == "missing":
+        del sd["state"][2]["g_out"]
+    elif corrupt == "count":
+        sd["param_groups"][0]["params"] = sd["param_groups"][0]["params"][:-1]
+    with pytest.raises(ValueError):
+        o2.load_state_dict(sd)
+    assert_unchanged(before, o2, m2)
+
+
+def test_state_dict_with_bad_hyperparameter_is_refused():
+    m = mlp()
+    o = _ivon_poco(m)
+    sd = copy.deepcopy(o.state_dict())
+    sd["param_groups"][0]["ess"] = -1.0
+    before = snapshot(o, m)
+    with pytest.raises(ValueError, match="ess"):
+        o.load_state_dict(sd)
+    assert_unchanged(before, o, m)
