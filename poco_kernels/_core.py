@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from . import noise as _noise
+from .reference import perturb
 
 KIND_INNER, KIND_OUTER, KIND_REFRESH = 0, 1, 2
 KIND_NAMES = {"inner": KIND_INNER, "outer": KIND_OUTER, "refresh": KIND_REFRESH}
@@ -100,6 +101,15 @@ class _Pending:
             self.sums[(int(k), int(b), n)] = v.to(device=bk.device, dtype=bk.dtype).clone()
 
 
+def _mean_loss(losses: List[Any]):
+    """The closure's loss for one evaluation; the (detached) mean for several."""
+    if not losses or losses[0] is None:
+        return None
+    if len(losses) == 1:
+        return losses[0]
+    return torch.stack([torch.as_tensor(l).detach().float() for l in losses]).mean()
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -144,6 +154,7 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         self._pending = _Pending()
         self._active: Optional[Tuple[int, int]] = None   # (kind, draw) of the sample in params
         self._active_eps: Dict[int, Optional[Tensor]] = {}
+        self._eps_cache: Dict[int, Tuple[Tuple[int, ...], Tensor]] = {}
 
     # ------------------------------------------------------------------ construction
     def _validate_group(self, group: Dict[str, Any]) -> None:  # pragma: no cover - abstract
@@ -202,8 +213,17 @@ class PosteriorOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ noise
     def _eps(self, b: Bucket, kind: int, draw: int, counter: int) -> Tensor:
-        return _noise.randn(b.numel, self.seed, counter, _noise.stream_id(b.index, kind, draw),
-                            device=b.device, dtype=b.dtype)
+        """The standard normal of (bucket, kind, draw, counter).  The last one drawn per
+        bucket is kept: the outer sample with shared noise, and VSGD-PoCo's refresh fold,
+        ask again for the draw just made (regenerating costs ~100 integer ops/element)."""
+        key = (self.seed, kind, draw, counter)
+        hit = self._eps_cache.get(b.index)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        eps = _noise.randn(b.numel, self.seed, counter, _noise.stream_id(b.index, kind, draw),
+                           device=b.device, dtype=b.dtype)
+        self._eps_cache[b.index] = (key, eps)
+        return eps
 
     def _centre_sigma(self, b: Bucket, group: Dict[str, Any], kind: int, draw: int
                       ) -> Tuple[Tensor, Optional[Tensor], Optional[Tuple[int, int, int]]]:
@@ -244,7 +264,6 @@ class PosteriorOptimizer(torch.optim.Optimizer):
                 centre, sigma, spec = self._centre_sigma(b, group, k, draw)
                 eps = None if sigma is None else self._eps(b, *spec)
                 self._active_eps[b.index] = eps
-                from .reference import perturb
                 b.write_params(perturb(centre, sigma, eps))
         self._active = (k, draw)
         self._pending.draws[k] = draw + 1
@@ -362,7 +381,7 @@ class PosteriorOptimizer(torch.optim.Optimizer):
             except BaseException:
                 pend.clear((KIND_INNER, KIND_OUTER))
                 raise
-            loss = sum(losses) / len(losses) if losses[0] is not None else None
+            loss = _mean_loss(losses)
         elif pend.count[KIND_INNER] == 0:
             if self.noisy:
                 pend.clear((KIND_INNER, KIND_OUTER))
@@ -371,6 +390,7 @@ class PosteriorOptimizer(torch.optim.Optimizer):
                     "closure, or run the backward pass inside `with optimizer.sampled():` "
                     "(see the README, 'Training loops without closures')")
             # noiseless optimizer, torch-style use: the gradients in .grad are at the mean
+            self._sync_mean()
             self._active = (KIND_INNER, 0)
             self._active_eps = {}
             self.accumulate(clear_grads=False)
@@ -396,6 +416,7 @@ class PosteriorOptimizer(torch.optim.Optimizer):
             self._step += 1
         finally:
             pend.clear((KIND_INNER, KIND_OUTER))
+            self._eps_cache.clear()
         return loss
 
     def _check_finite(self, g, ge, outer) -> None:
@@ -482,9 +503,8 @@ class PosteriorOptimizer(torch.optim.Optimizer):
             self._refreshes += 1
         finally:
             pend.clear((KIND_REFRESH,))
-        if losses and losses[0] is not None:
-            return sum(losses) / len(losses)
-        return None
+            self._eps_cache.clear()
+        return _mean_loss(losses)
 
     def _refresh_update(self, b, group, gM, geM, first: bool) -> Dict[str, Tensor]:
         raise NotImplementedError
@@ -517,19 +537,19 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         _check(len(groups) == len(saved_groups),
                f"state dict has {len(saved_groups)} parameter groups, the optimizer {len(groups)}")
-        index_of = {}
+        saved_index = {}
         for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
             _check(len(g["params"]) == len(sg["params"]),
                    f"group {gi}: state dict has {len(sg['params'])} parameters, the optimizer "
                    f"{len(g['params'])}")
-            index_of.update({i: p for i, p in zip(sg["params"], g["params"])})
+            saved_index.update({id(p): i for i, p in zip(sg["params"], g["params"])})
             merged = {**sg, "params": g["params"]}
             self._validate_group(dict(merged))
         # per-parameter buffers: names, shapes
         copies, lazy, drop = [], {}, set()
         for b in self._buckets:
             for p, off in zip(b.params, b.offsets):
-                idx = next(i for i, q in index_of.items() if q is p)
+                idx = saved_index[id(p)]
                 saved = state_dict["state"].get(idx)
                 _check(saved is not None, f"state dict has no state for parameter {idx}")
                 _check(isinstance(saved, dict), f"parameter {idx}: state is not a dict")
@@ -571,7 +591,7 @@ class PosteriorOptimizer(torch.optim.Optimizer):
                 b.buffers[name] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
             self._expose(b)
             for p, off in zip(b.params, b.offsets):
-                idx = next(i for i, q in index_of.items() if q is p)
+                idx = saved_index[id(p)]
                 for name in names:
                     copies.append((self.state[p][name], state_dict["state"][idx][name]))
         with torch.no_grad():
