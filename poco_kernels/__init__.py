@@ -7,6 +7,7 @@ in :mod:`poco_kernels.reference`.
 """
 from .ivon import IVON, IVONPoCo
 from .svrg import SVRG, SVRGAdamW, VSGDPoCo
+from .von_poco import VONPoCo
 
-__all__ = ["IVON", "IVONPoCo", "SVRG", "SVRGAdamW", "VSGDPoCo"]
+__all__ = ["IVON", "IVONPoCo", "SVRG", "SVRGAdamW", "VSGDPoCo", "VONPoCo"]
 __version__ = "0.1.0"

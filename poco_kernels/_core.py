@@ -131,6 +131,8 @@ class PosteriorOptimizer(torch.optim.Optimizer):
     uses_hessian: bool = True
     #: the optimizer has an outer loop (refresh) and a correction
     _has_correction: bool = True
+    #: appended to the error raised when an update would produce non-finite state
+    _divergence_hint: str = "Lower the learning rate."
     #: per-parameter buffers created at their first use (not present before)
     _lazy_buffers: Tuple[str, ...] = ()
 
@@ -432,9 +434,7 @@ class PosteriorOptimizer(torch.optim.Optimizer):
                 if not bool(torch.isfinite(t).all()):
                     raise FloatingPointError(
                         f"the update produced non-finite values in {name!r}: the step was not "
-                        "taken and the optimizer state is unchanged. For IVON-PoCo this means the "
-                        "corrected Hessian estimate drove h + weight_decay toward 0; see the "
-                        "README ('Stability') for the settings that keep it stable")
+                        f"taken and the optimizer state is unchanged. {self._divergence_hint}")
 
     def _commit(self, new: Dict[int, Dict[str, Tensor]]) -> None:
         for b in self._buckets:

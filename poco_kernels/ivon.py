@@ -147,6 +147,8 @@ class IVONPoCo(IVON):
     """
 
     _has_correction = True
+    _divergence_hint = ("The corrected Hessian estimate drove h + weight_decay toward 0: see "
+                        "the README, 'Stability of IVON-PoCo', for the settings that keep it stable.")
 
     def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,

@@ -22,7 +22,8 @@ u = (gbar + wd m + c a dh dm)/(h + wd) :func:`ivon_direction`      Alg. 3 lines 
 m <- m - lr clip(u, xi)                :func:`ivon_mean`           Alg. 3 line 15
 SGD / AdamW step on a corrected grad   :func:`sgd_step`,           Alg. 1 l. 8; alpha-SVRG
                                        :func:`adamw_step`
-VON-PoCo precision and mean            :func:`von_poco_step`       Alg. 4, Thm. 3
+VON-PoCo precision and mean            :func:`von_poco_step`,      Alg. 4, Thm. 3
+                                       :func:`blr_precision_term`
 =====================================  ==========================  ======================
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ __all__ = [
     "ivon_sigma", "perturb", "price_hessian", "outer_fold", "control_variate",
     "ivon_momentum", "ivon_hessian", "ivon_direction", "ivon_hessian_correction",
     "ivon_mean", "ivon_lr",
-    "sgd_step", "adamw_step", "von_poco_step", "make_spd",
+    "sgd_step", "adamw_step", "von_poco_step", "make_spd", "blr_precision_term",
 ]
 
 
@@ -177,7 +178,25 @@ def make_spd(S: Tensor, min_eig: float) -> Tensor:
     evals, evecs = torch.linalg.eigh(S)
     if bool((evals >= min_eig).all()):
         return S
-    return (evecs * evals.clamp_min(min_eig)) @ evecs.T
+    S = (evecs * evals.clamp_min(min_eig)) @ evecs.T
+    return 0.5 * (S + S.T)
+
+
+def blr_precision_term(S: Tensor, G: Tensor, beta: float, L: Optional[Tensor] = None) -> Tensor:
+    """Second-order term ``0.5 beta^2 (G - S) S^-1 (G - S)`` of the positivity-preserving
+    Bayesian-learning-rule update of a Gaussian precision (Lin, Schmidt & Khan, ICML 2020)::
+
+        S_new = (1 - beta) S + beta G + 0.5 beta^2 (G - S) S^-1 (G - S)
+
+    the matrix form of IVON's h update (:func:`poco_kernels.reference.ivon_hessian`).  With
+    ``Z = beta (S^-1/2 G S^-1/2 - I)``, ``S^-1/2 S_new S^-1/2 = I + Z + Z^2 / 2 >= I / 2``:
+    ``S_new`` is positive definite for ANY symmetric ``G`` (indefinite ``G = N H_in``
+    included) and at most halves per step.  ``L``: Cholesky factor of ``S`` if known.
+    """
+    if L is None:
+        L = torch.linalg.cholesky(S)
+    X = torch.linalg.solve_triangular(L, G - S, upper=False)      # L^-1 (G - S)
+    return (0.5 * beta * beta) * (X.mT @ X)
 
 
 def von_poco_step(m: Tensor, S: Tensor, m_out: Tensor, g_i_in: Tensor, g_i_o: Tensor,

@@ -19,10 +19,21 @@ The optimizer differentiates the returned loss twice with :mod:`torch.autograd`
 back to a row loop for operations without a batching rule).  ``.grad`` is neither read
 nor written.  A closure that calls ``backward()`` itself frees the graph and gets a clear
 error.  ``sample()``, ``accumulate()`` and ``sampled()`` are refused.
+
+A step calls its closure at ``theta_in`` and, once the correction is active, a second time
+at ``theta_out`` on the SAME mini-batch: the closure must be deterministic (no dropout).
+The :class:`~poco_kernels.driver.DoubleLoop` driver works unchanged (its gradient count is
+right; each evaluation also costs a Hessian, i.e. ``d`` extra backward passes)::
+
+    opt = VONPoCo(model.parameters(), ess=N, lr=0.2, beta=0.1,
+                  prior_precision=delta, min_eig=delta)      # delta: the loss's L2 weight
+    for epoch in range(E):
+        opt.refresh([lambda i=i: loss_fn(model(X[i]), Y[i]) for i in chunks])
+        for i in batches:
+            opt.step(lambda: loss_fn(model(X[i]), Y[i]))
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -37,6 +48,7 @@ __all__ = ["VONPoCo"]
 #: the largest bucket (number of scalar parameters) VON-PoCo accepts: S is dense d x d and
 #: every Hessian costs d backward passes.
 MAX_DIM = 8192
+PRECISION_UPDATES = ("paper", "blr")
 
 
 class VONPoCo(PosteriorOptimizer):
@@ -65,12 +77,13 @@ class VONPoCo(PosteriorOptimizer):
 
         g_in = g_B(theta_in) - alpha (g_B(theta_out) - g_out)
         H_oi = alpha (H_out - H_B(theta_out));   H_in = H_B(theta_in) + H_oi
-        S    = spd((1 - beta) S + beta ess H_in)
+        S    = spd((1 - beta) S + beta ess H_in  [+ 0.5 beta^2 D S^-1 D,  D = ess H_in - S])
         m    = m - lr ess S^-1 (g_in + H_oi (m - m_out))
 
     Before the first refresh, or with ``alpha = 0``, this is plain VON (one closure
     evaluation per step).  ``noise_scale = 0`` (delta method) is a deterministic
-    Newton-SVRG; with ``lr = beta = alpha = 1`` and full batches it is Newton's method.
+    Newton-SVRG; with ``precision_update="paper"``, ``lr = beta = alpha = 1`` and full
+    batches it is Newton's method.
 
     Hyperparameters (per group):
 
@@ -82,13 +95,27 @@ class VONPoCo(PosteriorOptimizer):
       guess of the per-example (mean-loss) Hessian, as IVON's ``hess_init``.  It does NOT
       add a regulariser: as in the paper, the prior ``l_0 / N`` belongs in the loss.  If the
       mean loss holds ``0.5 * delta * |theta|^2``, ``prior_precision = delta`` starts ``q``
-      at the prior's precision.
-    * ``min_eig``: SPD guard, per-example units: after every update all eigenvalues of ``S``
-      are raised to at least ``ess * min_eig`` (:func:`~poco_kernels.reference.make_spd`,
-      the Frobenius-nearest such matrix).  The corrected ``H_in`` can be indefinite even
-      for convex losses; this keeps ``S`` invertible and the samples defined.  Must be in
-      ``(0, prior_precision]``.  In float32 keep ``max eig(S) / (ess * min_eig)`` well
-      below ``1e6``: a step whose ``S`` is not Cholesky-factorisable is refused.
+      at the prior's precision (and ``min_eig = delta`` is then the natural floor: the
+      true Hessian of such a loss is ``>= delta``).
+    * ``precision_update``: how ``S`` is kept positive definite.  The corrected ``H_in``
+      is indefinite in general, even for convex losses (it is a difference of Hessians).
+
+      - ``"blr"`` (default): the positivity-preserving Bayesian-learning-rule update
+        (Lin, Schmidt & Khan 2020; the matrix form of IVON's ``h`` update), i.e. the paper's
+        update plus ``0.5 beta^2 D S^-1 D`` (:func:`poco_kernels.reference.blr_precision_term`): positive definite
+        for any ``H_in``, ``S`` can at most halve per step, then the ``min_eig`` floor.
+        Same fixed points as the paper's update and the same to first order in ``beta``.
+      - ``"paper"``: Alg. 4 line 11 exactly, then every eigenvalue below the floor is
+        raised to it (:func:`~poco_kernels.reference.make_spd`, the Frobenius-nearest such
+        matrix).  A clamped direction gets curvature ``ess * min_eig``, so the mean
+        update along it is ``1 / min_eig`` times the gradient: on mini-batches this
+        often diverges (measured in tests/test_von_poco.py: breast-cancer logistic regression,
+        batch 10-32, the ``H_oi (m - m_out)`` term feeding back far from ``m_out``).
+
+    * ``min_eig``: floor, per-example units: after every update all eigenvalues of ``S``
+      are at least ``ess * min_eig``.  Must be in ``(0, prior_precision]``.  In float32
+      keep ``max eig(S) / (ess * min_eig)`` well below ``1e6``: a step whose ``S`` is not
+      Cholesky-factorisable is refused (FloatingPointError, state unchanged).
     * ``noise_scale``: multiplies the sampling noise (``>= 0``; 0 = no sampling).
     * ``rho1``, ``rho2``: outer momentum of ``g_out`` and ``H_out`` in ``[0, 1)``.
 
@@ -103,6 +130,9 @@ class VONPoCo(PosteriorOptimizer):
     are as before.
     """
 
+    _divergence_hint = ("Huge gradients against a small precision: lower lr, raise min_eig, "
+                        "or refresh more often.")
+
     noisy = True
     uses_hessian = True
     _has_correction = True
@@ -111,11 +141,12 @@ class VONPoCo(PosteriorOptimizer):
 
     def __init__(self, params, ess: float, lr: float = 0.1, beta: float = 0.1,
                  alpha: float = 1.0, prior_precision: float = 1.0, min_eig: float = 1e-4,
-                 noise_scale: float = 1.0, rho1: float = 0.0, rho2: float = 0.0, *,
-                 seed: int = 0, backend: str = "auto"):
+                 noise_scale: float = 1.0, rho1: float = 0.0, rho2: float = 0.0,
+                 precision_update: str = "blr", *, seed: int = 0, backend: str = "auto"):
         defaults = dict(lr=lr, beta=beta, ess=ess, alpha=alpha,
                         prior_precision=prior_precision, min_eig=min_eig,
-                        noise_scale=noise_scale, rho1=rho1, rho2=rho2)
+                        noise_scale=noise_scale, rho1=rho1, rho2=rho2,
+                        precision_update=precision_update)
         super().__init__(params, defaults, seed=seed, backend=backend)
 
     # ------------------------------------------------------------------ construction
@@ -133,6 +164,9 @@ class VONPoCo(PosteriorOptimizer):
         check_range(group, "noise_scale", lo=0.0)
         for k in ("rho1", "rho2"):
             check_range(group, k, lo=0.0, hi=1.0, hi_open=True)
+        _check(group["precision_update"] in PRECISION_UPDATES,
+               f"invalid precision_update: {group['precision_update']!r} (expected one of "
+               f"{PRECISION_UPDATES})")
 
     def _init_buffers(self, b: Bucket, group) -> Dict[str, Tensor]:
         _check(b.param_dtype in (torch.float32, torch.float64),
@@ -242,12 +276,14 @@ class VONPoCo(PosteriorOptimizer):
             i += len(b.params)
             flat = torch.cat([torch.zeros(p.numel(), device=b.device, dtype=p.dtype)
                               if g is None else g.reshape(-1) for g, p in zip(gs, b.params)])
-            H = self._hessian(flat, b)
             g = flat.detach().to(b.dtype)
-            for t in (g, H):
-                if not bool(torch.isfinite(t).all()):
-                    raise ValueError("non-finite gradient or Hessian (inf or nan): the step was "
-                                     "not taken and the optimizer state is unchanged")
+            if not bool(torch.isfinite(g).all()):
+                raise ValueError("non-finite gradient (inf or nan): the step was not taken and "
+                                 "the optimizer state is unchanged")
+            H = self._hessian(flat, b)
+            if not bool(torch.isfinite(H).all()):
+                raise ValueError("non-finite Hessian (inf or nan): the step was not taken and "
+                                 "the optimizer state is unchanged")
             out.append((g, H))
         return out
 
@@ -312,11 +348,18 @@ class VONPoCo(PosteriorOptimizer):
                 g_o, H_o = torch.zeros_like(g_i), torch.zeros_like(H_i)
                 outer = dict(m_out=m, g_out=torch.zeros_like(g_i), H_out=torch.zeros_like(H_i),
                              alpha=0.0)
-            ess = float(group["ess"])
+            ess, beta, alpha = float(group["ess"]), float(group["beta"]), outer["alpha"]
+            if group["precision_update"] == "blr":
+                # von_poco_step forms S_new = (1 - beta) S + beta ess H_in with
+                # H_in = H_i + alpha (H_out - H_o); adding the BLR term / (beta ess) to H_i
+                # gives the positivity-preserving update (then the same floor).
+                H_in = H_i + alpha * (outer["H_out"] - H_o)
+                L = self._cholesky(S, "the precision S")
+                H_i = H_i + R.blr_precision_term(S, ess * H_in, beta, L) / (beta * ess)
             m_new, S_new = R.von_poco_step(
                 m, S, outer["m_out"], g_i, g_o, outer["g_out"], H_i, H_o, outer["H_out"],
-                lr=float(group["lr"]), beta=float(group["beta"]), ess=ess,
-                alpha=outer["alpha"], min_eig=ess * float(group["min_eig"]))
+                lr=float(group["lr"]), beta=beta, ess=ess, alpha=alpha,
+                min_eig=ess * float(group["min_eig"]))
             new[b.index] = {"mean": m_new, "precision": S_new}
         self._commit_checked(new)
         self._step += 1
