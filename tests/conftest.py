@@ -1,6 +1,10 @@
 import os
 import sys
 
+# Triton runs through its CPU interpreter in the tests: this must be set before anything
+# (torch included) imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 
