@@ -228,8 +228,9 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         return eps
 
     def _centre_sigma(self, b: Bucket, group: Dict[str, Any], kind: int, draw: int
-                      ) -> Tuple[Tensor, Optional[Tensor], Optional[Tuple[int, int, int]]]:
-        """(centre, sigma, (noise kind, draw, counter)) of a sample; sigma None: no noise."""
+                      ) -> Tuple[Tensor, Optional[Tensor], Optional[Tuple[int, ...]]]:
+        """(centre, sigma, (noise kind, draw, counter[, sign])) of a sample; sigma None:
+        no noise; sign -1: the mirror image of that draw (antithetic sampling)."""
         raise NotImplementedError
 
     def correction_active(self) -> bool:
@@ -264,7 +265,9 @@ class PosteriorOptimizer(torch.optim.Optimizer):
             for b in self._buckets:
                 group = self.param_groups[b.group_index]
                 centre, sigma, spec = self._centre_sigma(b, group, k, draw)
-                eps = None if sigma is None else self._eps(b, *spec)
+                eps = None if sigma is None else self._eps(b, *spec[:3])
+                if eps is not None and len(spec) > 3 and spec[3] < 0:
+                    eps = -eps                 # antithetic draw: the mirror image
                 self._active_eps[b.index] = eps
                 b.write_params(perturb(centre, sigma, eps))
         self._active = (k, draw)
@@ -461,7 +464,8 @@ class PosteriorOptimizer(torch.optim.Optimizer):
 
         ``closures``: one closure per chunk of the mega-batch (each zeroes grads, runs
         forward and backward on its chunk, returns its mean loss); the outer gradient is
-        the mean over the chunks, at ONE posterior sample for the whole mega-batch.  Chunks
+        the mean over the chunks, at ONE posterior sample for the whole mega-batch (or at
+        each of ``refresh_samples`` samples, where the optimizer has that option).  Chunks
         should be of equal size (or their losses weighted accordingly).  Without closures,
         use what ``sample("refresh")`` / ``accumulate()`` collected.  Returns the mean loss.
         """
@@ -476,17 +480,20 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         if closures is not None:
             if pend.count[KIND_REFRESH]:
                 raise RuntimeError("refresh(closures) with refresh gradients already accumulated")
-            self.sample("refresh")
+            closures = list(closures)
             try:
-                for c in closures:
-                    with torch.enable_grad():
-                        losses.append(c())
-                    self.accumulate()
+                for _ in range(self._closure_samples("refresh_samples")):
+                    self.sample("refresh")
+                    try:
+                        for c in closures:
+                            with torch.enable_grad():
+                                losses.append(c())
+                            self.accumulate()
+                    finally:
+                        self.restore()
             except BaseException:
                 pend.clear((KIND_REFRESH,))
                 raise
-            finally:
-                self.restore()
         try:
             if pend.count[KIND_REFRESH] == 0:
                 raise ValueError("refresh() needs at least one chunk of the mega-batch")

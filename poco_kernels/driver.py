@@ -95,7 +95,8 @@ class DoubleLoop:
     def refresh(self, closures: Iterable[Callable], examples: int):
         """Refresh on a mega-batch of ``examples`` examples given as chunk closures."""
         loss = self.optimizer.refresh(closures)
-        self.grad_evals += examples
+        k = max(int(g.get("refresh_samples", 1)) for g in self.optimizer.param_groups)
+        self.grad_evals += k * examples
         self.refresh_steps.append(self.steps)
         return loss
 

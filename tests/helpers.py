@@ -47,7 +47,7 @@ def run(opt, model, prob, steps, *, refresh_every=None, warmup=0, start=0, batch
     for t in range(start, steps):
         if refresh_every and t >= warmup and (t - warmup) % refresh_every == 0:
             opt.refresh([prob.closure(opt, model, c) for c in chunks])
-        losses.append(float(opt.step(prob.closure(opt, model, batches[t]))))
+        losses.append(float(opt.step(prob.closure(opt, model, batches[t])).detach()))
     return losses
 
 

@@ -29,7 +29,7 @@ def test_svrg_without_refresh_is_sgd_exactly(kw):
 
 
 def run_torch(opt, model, prob, steps):
-    return [float(opt.step(prob.closure(opt, model, b))) for b in prob.batches(steps)]
+    return [float(opt.step(prob.closure(opt, model, b)).detach()) for b in prob.batches(steps)]
 
 
 def test_svrg_torch_style_loop_is_sgd_exactly():

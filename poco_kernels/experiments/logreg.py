@@ -18,12 +18,26 @@ float32 and cast).  The regulariser enters every optimizer as its ``weight_decay
 gradients are computed in closed form (``X_B^T (sigmoid(X_B w) - y_B) / B``) instead of with
 autograd, which keeps the per-step cost at the optimizer's own overhead.
 
-Presets (every value can be overridden by its flag):
+Presets (every value can be overridden by its flag; ``--lr`` is the learning rate of every
+method, IVON's included, unless ``--ivon-lr`` is given):
 
-* ``quick`` (default): lr 0.01, batch 5, 12,000 inner steps, 2,000 warm-up steps, a refresh
-  every 2,000 steps on the full training set; about 1-2 minutes on two CPU cores.
+* ``quick`` (default): lr 0.05, batch 5, 12,000 inner steps, 2,000 warm-up steps, a refresh
+  every 2,000 steps on the full training set; about 1.5-2 minutes on two CPU cores.  The
+  paper's lr 0.01 needs ~10^5 steps on this problem (its slowest direction contracts by
+  ``lr * lam`` per step), hence the larger lr in a short run.
 * ``paper``: the paper's settings, lr 0.01, batch 5, 20,000 warm-up steps, a refresh every
   10,000 steps on a mega-batch of 50,000 (the full data when smaller), 100,000 steps.
+
+Common defaults: ``lam = 0.01``; IVON(-PoCo) with ivon-opt's defaults (``hess_init 1``,
+``beta1 0.9``, ``beta2 0.99999``) and ``ess = 100 N``; IVON-PoCo as in Sec. 5.1 (alpha 1, no
+outer momentum, Hessian-correction term scaled by 0.01), shared outer noise, one refresh
+sample.  Why not ``ess = N``: with 455 examples and 31 weights the posterior is wide
+(sigma ~ 0.25 per weight), and IVON-PoCo's one-sample refresh leaves its mean about one
+posterior standard deviation from the optimum after every refresh (the outer gradient
+``g_out`` is the full gradient at ONE sample, a persistent error ~ ``H sigma eps``), so its
+objective gap floors near ``sum_j H_jj sigma_j^2 / 2`` (~1e-4 relative with ``ess = 100 N``,
+~1e-2 with ``ess = N``).  IVON-PoCo diverged on this problem with ``beta2 <= 0.9999`` or
+``hess_corr_scale = 1``; see the stability notes of the package README.
 
 Methods: ``sgd`` (``torch.optim.SGD``), ``svrg`` (:class:`~poco_kernels.SVRG`), ``vsgd``
 (:class:`~poco_kernels.VSGDPoCo` never refreshed), ``vsgd-poco``, ``ivon``
@@ -39,7 +53,7 @@ import csv
 import math
 import sys
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -47,10 +61,10 @@ import torch
 
 __all__ = ["Config", "Problem", "Reference", "MethodResult", "PRESETS", "METHODS",
            "DATASETS", "load_problem", "objective", "accuracy", "lbfgs_reference",
-           "run_method", "run_study", "format_table", "main"]
+           "gradient", "run_method", "run_study", "format_table", "write_csv", "main"]
 
 DTYPE = torch.float64
-METHODS = ("sgd", "svrg", "vsgd", "vsgd-poco", "ivon", "ivon-poco")
+METHODS = ("sgd", "svrg", "vsgd", "vsgd-poco", "ivon", "ivon-poco", "ivon-poco-pair")
 DATASETS = ("breast_cancer", "digits-binary", "wine-binary", "iris-binary", "synthetic")
 
 
@@ -60,21 +74,25 @@ class Config:
     """Settings of one study; the defaults are the ``quick`` preset."""
     dataset: str = "breast_cancer"
     test_size: float = 0.2
-    l2: float = 1e-3                     # lam of F (and every optimizer's weight_decay)
+    l2: float = 1e-2                     # lam of F (and every optimizer's weight_decay)
     n_synthetic: int = 20_000            # examples of the 'synthetic' data set
     methods: Tuple[str, ...] = METHODS
     steps: int = 12_000
-    lr: float = 0.01
+    lr: float = 0.05
     batch: int = 5
     refresh_every: int = 2_000
     warmup: int = 2_000
     megabatch: int = 50_000              # the full training set when larger
+    refresh_samples: int = 1             # posterior samples per refresh (IVON-PoCo; Alg. 3: 1)
+    refresh_antithetic: bool = False     # mirrored refresh pairs (ivon-poco-pair always)
+    hess_floor: Optional[float] = None   # IVON-PoCo: corrected hhat >= -c (h + wd)
     alpha: float = 1.0
     # VSGD
     vsgd_sigma: float = 0.01
     # IVON / IVON-PoCo
     ivon_lr: Optional[float] = None      # None: --lr
-    ess: Optional[float] = None          # None: the number of training examples
+    ess: Optional[float] = None          # None: ess_per_example * N
+    ess_per_example: float = 100.0
     hess_init: float = 1.0
     beta1: float = 0.9
     beta2: float = 0.99999
@@ -89,11 +107,14 @@ class Config:
     eval_every: int = 0                  # 0: steps // 100 (at least 1)
     log_every: int = 0                   # 0: no progress lines
     lbfgs_gtol: float = 1e-10
+    blowup: float = 10.0                 # F(m) > blowup * F(0): the run has blown up
 
 
 PRESETS: Dict[str, Dict[str, object]] = {
-    "quick": dict(steps=12_000, warmup=2_000, refresh_every=2_000, megabatch=50_000),
-    "paper": dict(steps=100_000, warmup=20_000, refresh_every=10_000, megabatch=50_000),
+    "quick": dict(steps=12_000, warmup=2_000, refresh_every=2_000, megabatch=50_000,
+                  lr=0.05),
+    "paper": dict(steps=100_000, warmup=20_000, refresh_every=10_000, megabatch=50_000,
+                  lr=0.01),
 }
 
 
@@ -275,7 +296,12 @@ class MethodResult:
 
     @property
     def status(self) -> str:
-        return "ok" if self.diverged_at is None else f"diverged@{self.diverged_at}"
+        """``ok``; ``diverged@k``: the package refused update k (non-finite values);
+        ``blow-up@k``: F(m) exceeded ``blowup * F(0)`` at the recorded step k."""
+        if self.diverged_at is None:
+            return "ok"
+        kind = "blow-up" if self.error.startswith("blow-up") else "diverged"
+        return f"{kind}@{self.diverged_at}"
 
 
 def _make_optimizer(method: str, w: torch.Tensor, cfg: Config, n: int):
@@ -290,29 +316,36 @@ def _make_optimizer(method: str, w: torch.Tensor, cfg: Config, n: int):
                            alpha=cfg.alpha if method == "vsgd-poco" else 0.0,
                            weight_decay=lam, mc_samples=cfg.mc_samples, seed=cfg.seed)
     ivon_kw = dict(lr=cfg.lr if cfg.ivon_lr is None else cfg.ivon_lr,
-                   ess=float(n) if cfg.ess is None else cfg.ess, hess_init=cfg.hess_init,
+                   ess=cfg.ess_per_example * n if cfg.ess is None else cfg.ess,
+                   hess_init=cfg.hess_init,
                    beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=lam,
                    mc_samples=cfg.mc_samples, clip_radius=cfg.clip_radius, seed=cfg.seed)
     if method == "ivon":
         return pk.IVON([w], **ivon_kw)
-    if method == "ivon-poco":
+    if method in ("ivon-poco", "ivon-poco-pair"):
+        pair = method == "ivon-poco-pair"     # the stability recipe: a mirrored refresh pair
         return pk.IVONPoCo([w], alpha=cfg.alpha, rho1=cfg.rho1, rho2=cfg.rho2,
                            hess_corr_scale=cfg.hess_corr_scale, outer_noise=cfg.outer_noise,
-                           **ivon_kw)
+                           refresh_samples=2 if pair else cfg.refresh_samples,
+                           refresh_antithetic=pair or cfg.refresh_antithetic,
+                           hess_floor=cfg.hess_floor, **ivon_kw)
     raise ValueError(f"unknown method {method!r} (expected one of {METHODS})")
 
 
 def _has_outer_loop(method: str) -> bool:
-    return method in ("svrg", "vsgd-poco", "ivon-poco")
+    return method in ("svrg", "vsgd-poco", "ivon-poco", "ivon-poco-pair")
 
 
 def run_method(method: str, prob: Problem, ref: Reference, cfg: Config,
-               log=None, optimizer_factory=None) -> MethodResult:
+               log=None, optimizer_factory=None, callback=None) -> MethodResult:
     """Train one method for ``cfg.steps`` inner steps from ``w = 0``.
 
     ``optimizer_factory(w, cfg, n)`` replaces the method's optimizer (for studies of
     variants); ``log`` (a callable taking a string) receives progress lines every
-    ``cfg.log_every`` steps."""
+    ``cfg.log_every`` steps; ``callback(step, optimizer, F(m))`` is called at every
+    recorded point.  A refused update (the package raises ``FloatingPointError``, or a
+    ``ValueError`` on non-finite gradients) ends the run with ``diverged_at`` set; so does
+    ``F(m) > cfg.blowup * F(0)`` at a recorded point (a finite blow-up)."""
     n = prob.n
     w = torch.zeros(prob.d, dtype=DTYPE, requires_grad=True)
     opt = (optimizer_factory(w, cfg, n) if optimizer_factory is not None
@@ -323,19 +356,27 @@ def run_method(method: str, prob: Problem, ref: Reference, cfg: Config,
     batches = _Batches(prob.Xtr, prob.ytr, cfg.batch, cfg.seed)
     mega_gen = torch.Generator().manual_seed(cfg.seed + 1)
     mega_full = cfg.megabatch >= n
+    mega_n = min(cfg.megabatch, n)
     mega_closure = _BatchGrad(w)
     if mega_full:
         mega_closure.set(prob.Xtr, prob.ytr)
+    k_refresh = max(int(g.get("refresh_samples", 1)) for g in opt.param_groups)
     samples = max(int(g.get("mc_samples", 1)) for g in opt.param_groups)
     eval_every = cfg.eval_every or max(cfg.steps // 100, 1)
     res = MethodResult(method, math.nan, math.nan, math.nan, math.nan, 0.0, 0.0, 0)
     evals = 0
     f_star = ref.f
+    f_limit = cfg.blowup * objective(w, prob.Xtr, prob.ytr, prob.l2)
 
     def record(t):
         f = objective(w, prob.Xtr, prob.ytr, prob.l2)
         res.trace.append((t, evals / n, f))
+        if callback is not None:
+            callback(t, opt, f)
         return f
+
+    class _BlowUp(Exception):
+        pass
 
     eval_time = 0.0
     t_start = time.perf_counter()
@@ -345,36 +386,38 @@ def run_method(method: str, prob: Problem, ref: Reference, cfg: Config,
         while t < cfg.steps:
             if (outer and t >= cfg.warmup and (t - cfg.warmup) % cfg.refresh_every == 0):
                 te = time.perf_counter()
-                if not res.trace or res.trace[-1][0] != t:
+                if res.trace[-1][0] != t:
                     record(t)
                 eval_time += time.perf_counter() - te
                 if not mega_full:
-                    idx = torch.randperm(n, generator=mega_gen)[:cfg.megabatch]
+                    idx = torch.randperm(n, generator=mega_gen)[:mega_n]
                     mega_closure.set(prob.Xtr[idx], prob.ytr[idx])
-                opt.refresh([mega_closure])
-                evals += min(cfg.megabatch, n)
+                opt.refresh([mega_closure])       # at k_refresh posterior samples
+                evals += mega_n * k_refresh
                 res.refresh_steps.append(t)
-            Xb, yb = batches.next()
-            closure.set(Xb, yb)
+            closure.set(*batches.next())
             active = outer and opt.correction_active()
             opt.step(closure)
             evals += cfg.batch * samples * (2 if active else 1)
             t += 1
-            if t % eval_every == 0 or t == cfg.steps or (res.refresh_steps
-                                                       and t == res.refresh_steps[-1] + 1):
+            if t % eval_every == 0 or t == cfg.steps:
                 te = time.perf_counter()
                 f = record(t)
                 if log is not None and cfg.log_every and t % cfg.log_every == 0:
                     log(f"  {method:>10s} step {t:>7d}  evals/N {evals / n:9.2f}  F {f:.10f}  "
                         f"gap {(f - f_star) / abs(f_star):.3e}")
                 eval_time += time.perf_counter() - te
-    except (FloatingPointError, ValueError) as e:     # refused update: state unchanged
+                if not (f <= f_limit):
+                    raise _BlowUp(f"F(m) = {f:.3g} > {cfg.blowup:g} F(0)")
+    except (FloatingPointError, ValueError, _BlowUp) as e:
         if isinstance(e, ValueError) and "non-finite" not in str(e):
             raise
-        res.diverged_at = t + 1
-        res.error = str(e).split(":")[0]
+        if isinstance(e, _BlowUp):                 # finite, but far off: stop here
+            res.diverged_at, res.error = t, f"blow-up: {e}"
+        else:                                      # update t + 1 refused, state unchanged
+            res.diverged_at, res.error = t + 1, f"{type(e).__name__}: {str(e).split(':')[0]}"
         if log is not None:
-            log(f"  {method:>10s} diverged at step {t + 1}: {res.error}")
+            log(f"  {method:>10s} stopped at step {res.diverged_at}: {res.error}")
     res.seconds = time.perf_counter() - t_start - eval_time
     res.steps = t
     m = w.detach().clone()            # the parameters hold the mean between steps
@@ -383,7 +426,7 @@ def run_method(method: str, prob: Problem, ref: Reference, cfg: Config,
     res.test_acc = accuracy(m, prob.Xte, prob.yte)
     res.train_acc = accuracy(m, prob.Xtr, prob.ytr)
     res.grad_evals_per_example = evals / n
-    if not res.trace or res.trace[-1][0] != t:
+    if res.trace[-1][0] != t:
         res.trace.append((t, evals / n, res.objective))
     return res
 
@@ -428,12 +471,13 @@ def write_csv(path: str, ref: Reference, results: Sequence[MethodResult]) -> Non
     with open(path, "w", newline="") as fh:
         wr = csv.writer(fh)
         wr.writerow(["method", "train_objective", "rel_gap", "test_acc", "lbfgs_test_acc",
-                     "grad_evals_per_example", "wall_s", "status"])
+                     "grad_evals_per_example", "wall_s", "status", "note"])
         wr.writerow(["lbfgs", repr(ref.f), 0.0, ref.test_acc, ref.test_acc, "", ref.seconds,
-                     "ok"])
+                     "ok", f"max|grad F| {ref.grad_norm:.3e}"])
         for r in results:
             wr.writerow([r.method, repr(r.objective), repr(r.rel_gap), r.test_acc,
-                         ref.test_acc, r.grad_evals_per_example, r.seconds, r.status])
+                         ref.test_acc, r.grad_evals_per_example, r.seconds, r.status,
+                         r.error])
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -451,7 +495,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(d.methods),
                    help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--steps", type=int, default=None, help="inner steps (preset)")
-    p.add_argument("--lr", type=float, default=d.lr, help="learning rate of every method")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate of every method (preset)")
     p.add_argument("--batch", type=int, default=d.batch)
     p.add_argument("--refresh-every", type=int, default=None, help="inner steps between "
                    "refreshes (preset)")
@@ -459,6 +504,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="inner steps before the first refresh (preset)")
     p.add_argument("--megabatch", type=int, default=None,
                    help="mega-batch size; the full training set when larger (preset)")
+    p.add_argument("--refresh-samples", type=int, default=d.refresh_samples,
+                   help="IVON-PoCo: posterior samples per refresh, averaged (Alg. 3: 1)")
+    p.add_argument("--refresh-antithetic", action="store_true",
+                   help="IVON-PoCo: refresh samples in mirrored pairs +eps, -eps")
+    p.add_argument("--hess-floor", type=float, default=None,
+                   help="IVON-PoCo: floor the corrected Hessian estimate at -c (h + wd)")
     p.add_argument("--alpha", type=float, default=d.alpha, help="correction weight")
     p.add_argument("--l2", type=float, default=d.l2, help="lam of the objective = "
                    "weight_decay of every optimizer")
@@ -467,7 +518,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vsgd-sigma", type=float, default=d.vsgd_sigma)
     p.add_argument("--ivon-lr", type=float, default=None, help="IVON(-PoCo) lr (default --lr)")
     p.add_argument("--ess", type=float, default=None,
-                   help="IVON effective sample size (default: number of training examples)")
+                   help="IVON effective sample size (default: --ess-per-example x N)")
+    p.add_argument("--ess-per-example", type=float, default=d.ess_per_example,
+                   help="ess as a multiple of the number N of training examples")
     p.add_argument("--hess-init", type=float, default=d.hess_init)
     p.add_argument("--beta1", type=float, default=d.beta1)
     p.add_argument("--beta2", type=float, default=d.beta2)
@@ -484,6 +537,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="record F(m) every this many steps (0: steps/100)")
     p.add_argument("--log-every", type=int, default=None,
                    help="progress line every this many steps (default: steps/10; 0: none)")
+    p.add_argument("--blowup", type=float, default=d.blowup,
+                   help="stop a run as 'blow-up' once F(m) > BLOWUP * F(0) at a recorded step")
     p.add_argument("--csv", default=None, metavar="PATH", help="also write the table as CSV")
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads (one thread is fastest for these tiny models)")
@@ -500,16 +555,18 @@ def config_from_args(args: argparse.Namespace) -> Config:
     steps = pick(args.steps, "steps")
     cfg = Config(
         dataset=args.dataset, test_size=args.test_size, l2=args.l2,
-        n_synthetic=args.n_synthetic, methods=methods, steps=steps, lr=args.lr,
+        n_synthetic=args.n_synthetic, methods=methods, steps=steps, lr=pick(args.lr, "lr"),
         batch=args.batch, refresh_every=pick(args.refresh_every, "refresh_every"),
         warmup=pick(args.warmup, "warmup"), megabatch=pick(args.megabatch, "megabatch"),
+        refresh_samples=args.refresh_samples, refresh_antithetic=args.refresh_antithetic,
+        hess_floor=args.hess_floor, ess_per_example=args.ess_per_example,
         alpha=args.alpha, vsgd_sigma=args.vsgd_sigma, ivon_lr=args.ivon_lr, ess=args.ess,
         hess_init=args.hess_init, beta1=args.beta1, beta2=args.beta2,
         clip_radius=args.clip_radius, mc_samples=args.mc_samples, rho1=args.rho1,
         rho2=args.rho2, hess_corr_scale=args.hess_corr_scale, outer_noise=args.outer_noise,
-        seed=args.seed, eval_every=args.eval_every,
+        seed=args.seed, eval_every=args.eval_every, blowup=args.blowup,
         log_every=max(steps // 10, 1) if args.log_every is None else args.log_every)
-    for k in ("steps", "batch", "refresh_every", "megabatch"):
+    for k in ("steps", "batch", "refresh_every", "megabatch", "refresh_samples"):
         if getattr(cfg, k) < 1:
             raise SystemExit(f"--{k.replace('_', '-')} must be positive")
     if cfg.warmup < 0:
@@ -519,9 +576,17 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    cfg = config_from_args(args)
+    threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = config_from_args(args)
+    try:
+        return _main(args, cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(args: argparse.Namespace, cfg: Config) -> int:
     log = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     prob = load_problem(cfg)
@@ -530,8 +595,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"d = {prob.d} (incl. bias), lam = {cfg.l2}, float64")
     log(f"settings: steps {cfg.steps}, lr {cfg.lr}, batch {cfg.batch}, warm-up {cfg.warmup}, "
         f"refresh every {cfg.refresh_every}, mega-batch {min(cfg.megabatch, prob.n)}, "
-        f"alpha {cfg.alpha}, ess {prob.n if cfg.ess is None else cfg.ess}, beta2 {cfg.beta2}, "
-        f"hess_corr_scale {cfg.hess_corr_scale}, outer_noise {cfg.outer_noise}, seed {cfg.seed}")
+        f"alpha {cfg.alpha}; IVON: lr {cfg.lr if cfg.ivon_lr is None else cfg.ivon_lr}, "
+        f"ess {cfg.ess_per_example * prob.n if cfg.ess is None else cfg.ess:g}, "
+        f"hess_init {cfg.hess_init}, beta2 {cfg.beta2}, hess_corr_scale {cfg.hess_corr_scale}, "
+        f"rho {cfg.rho1}/{cfg.rho2}, outer_noise {cfg.outer_noise}, "
+        f"refresh samples {cfg.refresh_samples}; VSGD sigma {cfg.vsgd_sigma}; seed {cfg.seed}")
     log(f"L-BFGS-B: F* = {ref.f:.12f}, max|grad F| = {ref.grad_norm:.2e}, "
         f"test acc {ref.test_acc:.4f}")
     results = []
