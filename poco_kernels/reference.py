@@ -213,7 +213,8 @@ def blr_precision_term(S: Tensor, G: Tensor, beta: float, L: Optional[Tensor] = 
 
 def von_poco_step(m: Tensor, S: Tensor, m_out: Tensor, g_i_in: Tensor, g_i_o: Tensor,
                   g_out: Tensor, H_i_in: Tensor, H_i_o: Tensor, H_out: Tensor, *, lr: float,
-                  beta: float, ess: float, alpha: float, min_eig: float
+                  beta: float, ess: float, alpha: float, min_eig: float,
+                  precision_update: str = "paper", L: Optional[Tensor] = None
                   ) -> Tuple[Tensor, Tensor]:
     """One inner step of VON-PoCo (Alg. 4, Thm. 3; mean-loss form, ``ess`` = N), in the
     paper's order (S before m)::
@@ -228,11 +229,20 @@ def von_poco_step(m: Tensor, S: Tensor, m_out: Tensor, g_i_in: Tensor, g_i_o: Te
     refresh sample; ``alpha = 1`` is the paper's exact correction, ``alpha = 0`` is VON.
     ``H_in`` can be indefinite even for convex losses, so ``S`` is projected back onto
     ``{S : eig(S) >= min_eig}`` after the update (:func:`make_spd`).
+
+    ``precision_update="blr"`` adds the positivity-preserving second-order term
+    :func:`blr_precision_term` to the S update (``L``: Cholesky factor of ``S``, if known),
+    so S stays positive definite for any ``H_in`` before the same projection.
     """
     g_in = control_variate(g_i_in, g_i_o, g_out, alpha)
     H_oi = alpha * (H_out - H_i_o)
     H_in = H_i_in + H_oi
-    S_new = make_spd((1.0 - beta) * S + (beta * ess) * H_in, min_eig)
+    S_new = (1.0 - beta) * S + (beta * ess) * H_in
+    if precision_update == "blr":
+        S_new = S_new + blr_precision_term(S, ess * H_in, beta, L)
+    elif precision_update != "paper":
+        raise ValueError(f"precision_update must be 'paper' or 'blr', got {precision_update!r}")
+    S_new = make_spd(S_new, min_eig)
     rhs = g_in + H_oi @ (m - m_out)
     m_new = m - (lr * ess) * torch.linalg.solve(S_new, rhs)
     return m_new, S_new

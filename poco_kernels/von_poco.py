@@ -348,18 +348,14 @@ class VONPoCo(PosteriorOptimizer):
                 g_o, H_o = torch.zeros_like(g_i), torch.zeros_like(H_i)
                 outer = dict(m_out=m, g_out=torch.zeros_like(g_i), H_out=torch.zeros_like(H_i),
                              alpha=0.0)
-            ess, beta, alpha = float(group["ess"]), float(group["beta"]), outer["alpha"]
-            if group["precision_update"] == "blr":
-                # von_poco_step forms S_new = (1 - beta) S + beta ess H_in with
-                # H_in = H_i + alpha (H_out - H_o); adding the BLR term / (beta ess) to H_i
-                # gives the positivity-preserving update (then the same floor).
-                H_in = H_i + alpha * (outer["H_out"] - H_o)
-                L = self._cholesky(S, "the precision S")
-                H_i = H_i + R.blr_precision_term(S, ess * H_in, beta, L) / (beta * ess)
+            ess = float(group["ess"])
+            blr = group["precision_update"] == "blr"
             m_new, S_new = R.von_poco_step(
                 m, S, outer["m_out"], g_i, g_o, outer["g_out"], H_i, H_o, outer["H_out"],
-                lr=float(group["lr"]), beta=beta, ess=ess, alpha=alpha,
-                min_eig=ess * float(group["min_eig"]))
+                lr=float(group["lr"]), beta=float(group["beta"]), ess=ess,
+                alpha=outer["alpha"], min_eig=ess * float(group["min_eig"]),
+                precision_update=group["precision_update"],
+                L=self._cholesky(S, "the precision S") if blr else None)
             new[b.index] = {"mean": m_new, "precision": S_new}
         self._commit_checked(new)
         self._step += 1

@@ -117,9 +117,7 @@ def test_low_level_protocol_equals_closure():
             o2.refresh()
         for _ in range(2):
             with o2.sampled("inner"):
-                # gradient accumulation over two half-batches inside one sample
-                b = batches[t]
-                (prob.loss(m2, b) * 1.0).backward()
+                prob.loss(m2, batches[t]).backward()
         if o2.correction_active():
             for _ in range(2):
                 with o2.sampled("outer"):

@@ -32,6 +32,14 @@ def _ivon_poco(model, **kw):
     return pk.IVONPoCo(model.parameters(), lr=0.05, ess=300.0, beta2=0.999, alpha=0.5, **kw)
 
 
+def _warm_ivon_poco():
+    """An IVON-PoCo three steps in, correction active; with its snapshot."""
+    prob, m = Problem(), mlp()
+    o = _ivon_poco(m)
+    run(o, m, prob, 3, refresh_every=2)
+    return prob, m, o, snapshot(o, m)
+
+
 @pytest.mark.parametrize("cls,kw,match", [
     (pk.IVON, dict(lr=-1.0, ess=1.0), "lr"),
     (pk.IVON, dict(lr=0.1, ess=0.0), "ess"),
@@ -62,11 +70,7 @@ def test_unavailable_backend_is_a_clear_error(backend):
 
 
 def test_invalid_hyperparameter_set_later_is_caught_at_step():
-    prob = Problem()
-    m = mlp()
-    o = _ivon_poco(m)
-    run(o, m, prob, 3, refresh_every=2)
-    before = snapshot(o, m)
+    prob, m, o, before = _warm_ivon_poco()
     o.param_groups[0]["beta1"] = 1.5
     with pytest.raises(ValueError, match="beta1"):
         o.step(prob.closure(o, m, prob.batches(1)[0]))
@@ -76,11 +80,7 @@ def test_invalid_hyperparameter_set_later_is_caught_at_step():
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 @pytest.mark.parametrize("where", ["inner", "outer", "refresh"])
 def test_non_finite_gradient(bad, where):
-    prob = Problem()
-    m = mlp()
-    o = _ivon_poco(m)
-    run(o, m, prob, 3, refresh_every=2)
-    before = snapshot(o, m)
+    prob, m, o, before = _warm_ivon_poco()
     calls = {"n": 0}
     idx = prob.batches(1)[0]
 
@@ -103,11 +103,7 @@ def test_non_finite_gradient(bad, where):
 
 
 def test_found_inf_skips_the_step_like_torch_amp():
-    prob = Problem()
-    m = mlp()
-    o = _ivon_poco(m)
-    run(o, m, prob, 3, refresh_every=2)
-    before = snapshot(o, m)
+    prob, m, o, before = _warm_ivon_poco()
     idx = prob.batches(1)[0]
 
     def closure():
@@ -136,11 +132,7 @@ def test_found_inf_skips_the_step_like_torch_amp():
 
 
 def test_closure_raising_restores_the_mean():
-    prob = Problem()
-    m = mlp()
-    o = _ivon_poco(m)
-    run(o, m, prob, 3, refresh_every=2)
-    before = snapshot(o, m)
+    prob, m, o, before = _warm_ivon_poco()
 
     def closure():
         o.zero_grad()
@@ -153,11 +145,7 @@ def test_closure_raising_restores_the_mean():
 
 
 def test_step_without_outer_gradient_when_correction_active():
-    prob = Problem()
-    m = mlp()
-    o = _ivon_poco(m)
-    run(o, m, prob, 3, refresh_every=2)
-    before = snapshot(o, m)
+    prob, m, o, before = _warm_ivon_poco()
     with o.sampled("inner"):
         prob.loss(m, prob.batches(1)[0]).backward()
     with pytest.raises(RuntimeError, match="outer sample"):
