@@ -72,6 +72,31 @@ class Bucket:
                 p.copy_(flat[off:off + p.numel()].view_as(p))
 
 
+COUNTER_STEPS, COUNTER_REFRESHES = 0, 1
+
+
+@dataclass
+class SampleSpec:
+    """A posterior sample ``centre + sigma * sign * eps`` (see ``_sample_spec``).
+
+    ``sigma``: a constant or a per-element buffer; or ``h`` (with ``ess``, ``wd``):
+    IVON's ``sigma = 1/sqrt(ess (h + wd))``.  ``noise``: ``(noise kind, draw, counter
+    slot, sign)`` of the standard normal, or None for no noise (the sample is ``centre``).
+    """
+    centre: Tensor
+    noise: Optional[Tuple[int, int, int, float]] = None
+    sigma: Any = None
+    h: Optional[Tensor] = None
+    ess: float = 0.0
+    wd: float = 0.0
+
+    def sigma_tensor(self):
+        if self.h is not None:
+            from .reference import ivon_sigma
+            return ivon_sigma(self.h, self.ess, self.wd)
+        return self.sigma
+
+
 class _Pending:
     """Gradient sums collected since the last step/refresh, per sample kind."""
 
@@ -120,7 +145,7 @@ class PosteriorOptimizer(torch.optim.Optimizer):
 
     Subclasses define the hyperparameters (``_validate_group``), the per-bucket buffers
     (``_init_buffers``), where samples are centred and how wide they are
-    (``_centre_sigma``), whether Hessian estimates are needed (``uses_hessian``) and the
+    (``_sample_spec``), whether Hessian estimates are needed (``uses_hessian``) and the
     two updates ``_inner_update`` and ``_refresh_update``, written with
     :mod:`poco_kernels.reference`.
     """
@@ -227,11 +252,15 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         self._eps_cache[b.index] = (key, eps)
         return eps
 
-    def _centre_sigma(self, b: Bucket, group: Dict[str, Any], kind: int, draw: int
-                      ) -> Tuple[Tensor, Optional[Tensor], Optional[Tuple[int, ...]]]:
-        """(centre, sigma, (noise kind, draw, counter[, sign])) of a sample; sigma None:
-        no noise; sign -1: the mirror image of that draw (antithetic sampling)."""
+    def _sample_spec(self, b: Bucket, group: Dict[str, Any], kind: int, draw: int) -> "SampleSpec":
+        """Where a sample of ``kind`` (draw ``draw``) is centred, how wide it is, and which
+        noise it uses: the one statement that both backends follow."""
         raise NotImplementedError
+
+    def _counter(self, slot: int) -> int:
+        """The noise counter of a slot: steps taken (``COUNTER_STEPS``) or refreshes
+        taken (``COUNTER_REFRESHES``)."""
+        return self._step if slot == COUNTER_STEPS else self._refreshes
 
     def correction_active(self) -> bool:
         """True when a step needs the gradient at the outer sample too: after the first
@@ -264,12 +293,16 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for b in self._buckets:
                 group = self.param_groups[b.group_index]
-                centre, sigma, spec = self._centre_sigma(b, group, k, draw)
-                eps = None if sigma is None else self._eps(b, *spec[:3])
-                if eps is not None and len(spec) > 3 and spec[3] < 0:
-                    eps = -eps                 # antithetic draw: the mirror image
+                spec = self._sample_spec(b, group, k, draw)
+                sigma, eps = None, None
+                if spec.noise is not None:
+                    nk, nd, slot, sign = spec.noise
+                    sigma = spec.sigma_tensor()
+                    eps = self._eps(b, nk, nd, self._counter(slot))
+                    if sign < 0:
+                        eps = -eps             # antithetic draw: the mirror image
                 self._active_eps[b.index] = eps
-                b.write_params(perturb(centre, sigma, eps))
+                b.write_params(perturb(spec.centre, sigma, eps))
         self._active = (k, draw)
         self._pending.draws[k] = draw + 1
 

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from . import reference as R
-from ._core import (KIND_INNER, KIND_OUTER, KIND_REFRESH, Bucket, PosteriorOptimizer,
-                    _check, check_range)
+from ._core import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KIND_REFRESH,
+                    Bucket, PosteriorOptimizer, SampleSpec, _check, check_range)
 
 __all__ = ["IVON", "IVONPoCo", "ivon_inner_update", "ivon_refresh_update"]
 
@@ -108,17 +108,16 @@ class IVON(PosteriorOptimizer):
                                 dtype=b.dtype),
                 "momentum": z()}
 
-    def _sigma(self, b: Bucket, group) -> Tensor:
-        return R.ivon_sigma(b.buffers["h"], group["ess"], group["weight_decay"])
-
-    def _centre_sigma(self, b, group, kind, draw):
+    def _sample_spec(self, b, group, kind, draw):
+        h = dict(h=b.buffers["h"], ess=group["ess"], wd=group["weight_decay"])
         if kind == KIND_INNER:
-            return b.buffers["mean"], self._sigma(b, group), (KIND_INNER, draw, self._step)
+            return SampleSpec(b.buffers["mean"], (KIND_INNER, draw, COUNTER_STEPS, 1.0), **h)
         if kind == KIND_REFRESH:
             if group.get("refresh_antithetic", False):     # draws 2j, 2j+1: +eps_j, -eps_j
-                return (b.buffers["mean"], self._sigma(b, group),
-                        (KIND_REFRESH, draw // 2, self._refreshes, -1 if draw % 2 else 1))
-            return b.buffers["mean"], self._sigma(b, group), (KIND_REFRESH, draw, self._refreshes)
+                noise = (KIND_REFRESH, draw // 2, COUNTER_REFRESHES, -1.0 if draw % 2 else 1.0)
+            else:
+                noise = (KIND_REFRESH, draw, COUNTER_REFRESHES, 1.0)
+            return SampleSpec(b.buffers["mean"], noise, **h)
         raise AssertionError(kind)
 
     def _inner_update(self, b, group, g_in, ge_in, outer, t):
@@ -209,11 +208,12 @@ class IVONPoCo(IVON):
             bufs[name] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
         return bufs
 
-    def _centre_sigma(self, b, group, kind, draw):
+    def _sample_spec(self, b, group, kind, draw):
         if kind == KIND_OUTER:
             noise_kind = KIND_INNER if group["outer_noise"] == "shared" else KIND_OUTER
-            return b.buffers["m_out"], b.buffers["sigma_out"], (noise_kind, draw, self._step)
-        return super()._centre_sigma(b, group, kind, draw)
+            return SampleSpec(b.buffers["m_out"], (noise_kind, draw, COUNTER_STEPS, 1.0),
+                              sigma=b.buffers["sigma_out"])
+        return super()._sample_spec(b, group, kind, draw)
 
     def _inner_update(self, b, group, g_in, ge_in, outer, t):
         o = None

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from . import reference as R
-from ._core import KIND_INNER, KIND_OUTER, KIND_REFRESH, PosteriorOptimizer, _check, check_range
+from ._core import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KIND_REFRESH,
+                    PosteriorOptimizer, SampleSpec, _check, check_range)
 
 __all__ = ["SVRG", "SVRGAdamW", "VSGDPoCo"]
 
@@ -43,14 +44,14 @@ class _SVRGBase(PosteriorOptimizer):
         return {"g_out": torch.zeros(b.numel, device=b.device, dtype=b.dtype),
                 "theta_out": torch.zeros(b.numel, device=b.device, dtype=b.dtype)}
 
-    def _centre_sigma(self, b, group, kind, draw):
+    def _sample_spec(self, b, group, kind, draw):
         if kind == KIND_OUTER:             # the fixed refresh sample
-            return b.buffers["theta_out"], None, None
-        sigma = self._noise_sigma(group)
+            return SampleSpec(b.buffers["theta_out"])
         if not self.noisy:
-            return b.buffers["mean"], None, None
-        counter = self._step if kind == KIND_INNER else self._refreshes
-        return b.buffers["mean"], sigma, (kind, draw, counter)
+            return SampleSpec(b.buffers["mean"])
+        slot = COUNTER_STEPS if kind == KIND_INNER else COUNTER_REFRESHES
+        return SampleSpec(b.buffers["mean"], (kind, draw, slot, 1.0),
+                          sigma=self._noise_sigma(group))
 
     def _corrected(self, group, g_in, outer, b) -> Tensor:
         if outer is None:

@@ -1,0 +1,340 @@
+"""Triton kernels of the family, over flat per-bucket buffers.
+
+Each kernel is the fused form of reference functions; the ``Reference:`` line of each
+names them (:mod:`poco_kernels.reference`), and ``tests/test_triton_kernels.py`` checks
+each against them.  Host wrappers (launch, torch custom-op registration) are in
+:mod:`poco_kernels.kernels.triton_ops`.
+
+Conventions shared by all kernels:
+
+* element indices are int64 (``pid * BLOCK + arange``, pid widened first), so buffers
+  above 2**31 elements work;
+* state is float32 (the buffer pointers' dtype), parameters and gradients float32,
+  bfloat16 or float16 (cast on load and store);
+* the noise ``eps`` is regenerated, never stored: Philox4x32-10 keyed by ``seed`` with
+  counters ``(index low word, index high word, counter, stream)`` and ``tl.randn``'s
+  transform, exactly :func:`poco_kernels.noise.randn`; ``counter`` (the step or refresh
+  count) is read from the device control tensor ``ctl`` so no host value changes per step;
+* ``ctl`` (int64, per device): ``[steps taken, refreshes taken, bad-gradient flag,
+  skipped updates]``.  An update reads ``found_inf`` (AMP) and the bad flag and, when
+  either is set, writes no state (the parameters get the old mean back);
+  :func:`finish_kernel` then advances the counters and clears the flag;
+* hyperparameters are run-time scalars (a new learning rate does not recompile); only
+  the code path (which terms exist) is ``constexpr``.
+"""
+import triton
+import triton.language as tl
+
+# ``sigma`` of a sample (``sample_kernel``/``accumulate_kernel``)
+SIGMA_NONE, SIGMA_IVON, SIGMA_BUFFER, SIGMA_CONST = 0, 1, 2, 3
+# update family of ``step_kernel``
+FAMILY_IVON, FAMILY_SGD, FAMILY_ADAMW = 0, 1, 2
+# slots of the control tensor
+CTL_STEPS, CTL_REFRESHES, CTL_BAD, CTL_SKIPPED = 0, 1, 2, 3
+CTL_SIZE = 4
+
+BLOCK = 1024
+NUM_WARPS = 4
+
+_NO_SPEC = ["n", "stream", "stream_o", "counter_slot"]
+
+
+@triton.jit
+def _randn(seed, idx, counter, stream):
+    """Standard normal of element ``idx`` (int64) of stream ``(seed, counter, stream)``:
+    :func:`poco_kernels.noise.randn`'s counter layout and ``tl.randn``'s transform."""
+    c0 = (idx & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (idx >> 32).to(tl.uint32)
+    zero = c0 * 0
+    c2 = zero + counter.to(tl.uint32)
+    c3 = zero + stream.to(tl.uint32)
+    o0, o1, _, _ = tl.philox(seed, c0, c1, c2, c3)
+    u1 = tl.random.uint_to_uniform_float(o0)
+    u2 = tl.random.uint_to_uniform_float(o1)
+    n1, _ = tl.random.pair_uniform_to_normal(u1, u2)
+    return n1
+
+
+@triton.jit
+def _ivon_sigma(h, ess, wd):
+    """Reference: ivon_sigma."""
+    return 1.0 / tl.sqrt(ess * (h + wd))
+
+
+@triton.jit
+def _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
+    """True when this update must not change the state: AMP overflow or a non-finite
+    gradient seen by ``accumulate_kernel``."""
+    skip = tl.load(ctl_ptr + 2) != 0
+    if HAS_FOUND_INF:
+        skip = skip | (tl.load(found_inf_ptr) != 0)
+    return skip
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, n, seed, stream,
+                  counter_slot, ess, wd, sigma_const, sign,
+                  SIGMA_MODE: tl.constexpr, SYNC: tl.constexpr, BLOCK: tl.constexpr):
+    """Write the posterior sample ``theta = centre + sigma * sign * eps`` into the flat
+    parameters, in their dtype.  ``SYNC``: the parameters hold the mean (float32
+    parameters, torch.optim convention) and are first copied to the ``mean`` buffer,
+    which is then the centre.  Reference: perturb, ivon_sigma."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    if SYNC:
+        centre = tl.load(param_ptr + idx, mask=mask).to(tl.float32)
+        tl.store(mean_ptr + idx, centre, mask=mask)
+    else:
+        centre = tl.load(centre_ptr + idx, mask=mask)
+    if SIGMA_MODE == 0:
+        theta = centre
+    else:
+        if SIGMA_MODE == 1:
+            sigma = _ivon_sigma(tl.load(h_ptr + idx, mask=mask, other=1.0), ess, wd)
+        elif SIGMA_MODE == 2:
+            sigma = tl.load(sigma_ptr + idx, mask=mask)
+        else:
+            sigma = sigma_const
+        counter = tl.load(ctl_ptr + counter_slot)
+        eps = _randn(seed, idx, counter, stream) * sign
+        theta = centre + sigma * eps
+    tl.store(param_ptr + idx, theta.to(param_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, n, seed, stream, counter_slot,
+                      sign, FIRST: tl.constexpr, GE: tl.constexpr, BLOCK: tl.constexpr):
+    """Fold one gradient (flat, parameter dtype) into the running sums of its sample kind:
+    ``acc_g (+)= g``; with ``GE`` (several draws of the kind) also ``acc_ge += g * eps``
+    of the active draw.  A non-finite gradient sets the control tensor's bad flag (one
+    atomic per block that has one), so the update that follows is skipped on device."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    g = tl.load(grad_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    nonfinite = tl.sum(((g != g) | (tl.abs(g) == float("inf"))).to(tl.int32), axis=0)
+    if nonfinite > 0:
+        tl.atomic_max(ctl_ptr + 2, 1)
+    if FIRST:
+        tl.store(acc_g_ptr + idx, g, mask=mask)
+    else:
+        tl.store(acc_g_ptr + idx, tl.load(acc_g_ptr + idx, mask=mask) + g, mask=mask)
+    if GE:
+        counter = tl.load(ctl_ptr + counter_slot)
+        eps = _randn(seed, idx, counter, stream) * sign
+        tl.store(acc_ge_ptr + idx, tl.load(acc_ge_ptr + idx, mask=mask) + g * eps, mask=mask)
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def fold_ge_kernel(acc_g_ptr, acc_ge_ptr, ctl_ptr, n, seed, stream, counter_slot, sign,
+                   BLOCK: tl.constexpr):
+    """``acc_ge = acc_g * eps`` of draw 0: when a second draw of a kind starts, the sum of
+    ``g * eps`` that the update would otherwise regenerate is materialised."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    counter = tl.load(ctl_ptr + counter_slot)
+    eps = _randn(seed, idx, counter, stream) * sign
+    tl.store(acc_ge_ptr + idx, tl.load(acc_g_ptr + idx, mask=mask) * eps, mask=mask)
+
+
+@triton.jit
+def _estimate(acc_ptr, idx, mask, scale):
+    """Mean gradient of a sample kind (sum * 1/count * 1/grad_scale)."""
+    return tl.load(acc_ptr + idx, mask=mask, other=0.0) * scale
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def step_kernel(
+        # state (read and written)
+        mean_ptr, param_ptr, s1_ptr, s2_ptr,
+        # gradient sums of the inner (in) and outer (o) samples
+        g_in_ptr, ge_in_ptr, g_o_ptr, ge_o_ptr,
+        # outer state (read)
+        g_out_ptr, h_out_ptr, m_out_ptr, sigma_out_ptr,
+        # control
+        ctl_ptr, found_inf_ptr, grad_scale_ptr,
+        n, seed, stream, stream_o, sign_o, inv_n_in, inv_n_o,
+        # hyperparameters
+        lr, beta1, beta2, wd, ess, alpha, hess_corr, floor_c, clip, momentum, dampening, eps_adam,
+        mom_first,
+        FAMILY: tl.constexpr, CORR: tl.constexpr, GE_IN: tl.constexpr, GE_O: tl.constexpr,
+        SHARED_NOISE: tl.constexpr, HESS_CORR: tl.constexpr, FLOOR: tl.constexpr,
+        CLIP: tl.constexpr, DEBIAS: tl.constexpr, MOMENTUM: tl.constexpr,
+        NESTEROV: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr,
+        BLOCK: tl.constexpr):
+    """One inner step of every optimizer of the diagonal family, in one pass.
+
+    ``FAMILY_IVON`` (IVON, IVON-PoCo(Mo); ``s1`` = momentum ``g``, ``s2`` = Hessian ``h``):
+    regenerate the inner (and outer) noise, form the Price Hessian estimates of both
+    gradients, the control variates of gradient and Hessian, the optional floor, momentum,
+    the positivity-preserving Hessian update, debiasing, weight decay, the
+    Hessian-correction term, clipping, the mean; write the mean into the parameters.
+    Reference: price_hessian, control_variate, hessian_floor, ivon_momentum, ivon_hessian,
+    ivon_direction, ivon_hessian_correction, ivon_mean (``lr`` already ``ivon_lr``).
+
+    ``FAMILY_SGD`` (SVRG, alpha-SVRG, VSGD-PoCo; ``s1`` = momentum buffer): control
+    variate, then torch.optim.SGD's update.  Reference: control_variate, sgd_step.
+
+    ``FAMILY_ADAMW`` (alpha-SVRG over AdamW; ``s1`` = exp_avg, ``s2`` = exp_avg_sq):
+    control variate, then torch.optim.AdamW's update.  Reference: adamw_step.
+
+    The correction (``CORR``) is weighted by ``alpha`` once a refresh has been taken
+    (``ctl[1] > 0``), by 0 before.  ``ctl[0]`` is the number of steps taken (the noise
+    counter; ``t = ctl[0] + 1`` debiases).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    skip = _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF)
+    wmask = mask & (skip == 0)
+    steps = tl.load(ctl_ptr + 0)
+    t = (steps + 1).to(tl.float32)
+    scale = 1.0
+    if HAS_SCALE:
+        scale = 1.0 / tl.load(grad_scale_ptr).to(tl.float32)
+
+    m = tl.load(mean_ptr + idx, mask=mask, other=0.0)
+    g_in = _estimate(g_in_ptr, idx, mask, inv_n_in * scale)
+    ghat = g_in
+    if CORR:
+        a = tl.where(tl.load(ctl_ptr + 1) > 0, alpha, 0.0)
+        g_o = _estimate(g_o_ptr, idx, mask, inv_n_o * scale)
+        g_out = tl.load(g_out_ptr + idx, mask=mask, other=0.0)
+        ghat = g_in - a * (g_o - g_out)
+
+    if FAMILY == 0:
+        g = tl.load(s1_ptr + idx, mask=mask, other=0.0)
+        h = tl.load(s2_ptr + idx, mask=mask, other=1.0)
+        sigma = _ivon_sigma(h, ess, wd)
+        if GE_IN:
+            ge_in = _estimate(ge_in_ptr, idx, mask, inv_n_in * scale)
+        else:
+            eps_i = _randn(seed, idx, steps, stream)
+            ge_in = g_in * eps_i
+        hhat = ge_in / sigma
+        extra = 0.0
+        if CORR:
+            if GE_O:
+                ge_o = _estimate(ge_o_ptr, idx, mask, inv_n_o * scale)
+            else:
+                if SHARED_NOISE:
+                    eps_o = eps_i
+                else:
+                    eps_o = _randn(seed, idx, steps, stream_o)
+                ge_o = g_o * (eps_o * sign_o)
+            sigma_out = tl.load(sigma_out_ptr + idx, mask=mask, other=1.0)
+            h_out = tl.load(h_out_ptr + idx, mask=mask, other=0.0)
+            h_o = ge_o / sigma_out
+            hhat = hhat - a * (h_o - h_out)
+            if FLOOR:
+                hhat = tl.maximum(hhat, -floor_c * (h + wd))
+            if HESS_CORR:
+                m_out = tl.load(m_out_ptr + idx, mask=mask, other=0.0)
+                extra = (hess_corr * a) * (h_out - h_o) * (m - m_out)
+        g_new = beta1 * g + (1.0 - beta1) * ghat
+        d = h - hhat
+        h_new = (beta2 * h + (1.0 - beta2) * hhat
+                 + (0.5 * (1.0 - beta2) * (1.0 - beta2)) * d * d / (h + wd))
+        if DEBIAS:
+            gbar = g_new / (1.0 - tl.exp2(t * tl.log2(beta1)))
+        else:
+            gbar = g_new
+        u = (gbar + wd * m + extra) / (h_new + wd)
+        if CLIP:
+            u = tl.minimum(tl.maximum(u, -clip), clip)
+        m_new = m - lr * u
+        tl.store(s1_ptr + idx, g_new, mask=wmask)
+        tl.store(s2_ptr + idx, h_new, mask=wmask)
+    elif FAMILY == 1:
+        d_p = ghat + wd * m
+        if MOMENTUM:
+            buf = tl.load(s1_ptr + idx, mask=mask, other=0.0)
+            buf = tl.where(mom_first != 0, d_p, momentum * buf + (1.0 - dampening) * d_p)
+            tl.store(s1_ptr + idx, buf, mask=wmask)
+            if NESTEROV:
+                d_p = d_p + momentum * buf
+            else:
+                d_p = buf
+        m_new = m - lr * d_p
+    else:
+        ea = tl.load(s1_ptr + idx, mask=mask, other=0.0)
+        eas = tl.load(s2_ptr + idx, mask=mask, other=0.0)
+        m_dec = m * (1.0 - lr * wd)
+        ea = ea + (1.0 - beta1) * (ghat - ea)
+        eas = beta2 * eas + (1.0 - beta2) * ghat * ghat
+        bc1 = 1.0 - tl.exp2(t * tl.log2(beta1))
+        bc2 = 1.0 - tl.exp2(t * tl.log2(beta2))
+        denom = tl.sqrt(eas) / tl.sqrt(bc2) + eps_adam
+        m_new = m_dec - (lr / bc1) * ea / denom
+        tl.store(s1_ptr + idx, ea, mask=wmask)
+        tl.store(s2_ptr + idx, eas, mask=wmask)
+    tl.store(mean_ptr + idx, m_new, mask=wmask)
+    # the parameters always get the mean back (the old one when the update is skipped)
+    m_param = tl.where(skip, m, m_new)
+    tl.store(param_ptr + idx, m_param.to(param_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr, m_out_ptr,
+                   sigma_out_ptr, ctl_ptr, found_inf_ptr, grad_scale_ptr,
+                   n, seed, stream, inv_n, ess, wd, rho1, rho2, sigma_const,
+                   FAMILY: tl.constexpr, GE: tl.constexpr, NOISY: tl.constexpr,
+                   HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """The outer refresh, one pass.
+
+    ``FAMILY_IVON``: ``sigma``, the Price Hessian of the mega-batch gradient (noise of the
+    refresh sample regenerated unless several draws were summed, ``GE``), the outer folds
+    with outer momentum (the first refresh takes the estimate as it is), the snapshot
+    ``m_out = m``, ``sigma_out = sigma``.  Reference: ivon_sigma, price_hessian, outer_fold.
+
+    ``FAMILY_SGD``/``FAMILY_ADAMW``: ``g_out = gM`` and the refresh point
+    ``theta_out = m (+ sigma eps)`` (``m_out_ptr``).  Reference: perturb.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    skip = _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF)
+    wmask = mask & (skip == 0)
+    scale = 1.0
+    if HAS_SCALE:
+        scale = 1.0 / tl.load(grad_scale_ptr).to(tl.float32)
+    refreshes = tl.load(ctl_ptr + 1)
+    m = tl.load(mean_ptr + idx, mask=mask, other=0.0)
+    gM = _estimate(acc_g_ptr, idx, mask, inv_n * scale)
+    if FAMILY == 0:
+        h = tl.load(h_ptr + idx, mask=mask, other=1.0)
+        sigma = _ivon_sigma(h, ess, wd)
+        if GE:
+            geM = _estimate(acc_ge_ptr, idx, mask, inv_n * scale)
+        else:
+            geM = gM * _randn(seed, idx, refreshes, stream)
+        hM = geM / sigma
+        first = refreshes == 0
+        g_old = tl.load(g_out_ptr + idx, mask=mask, other=0.0)
+        h_old = tl.load(h_out_ptr + idx, mask=mask, other=0.0)
+        g_new = tl.where(first, gM, rho1 * g_old + (1.0 - rho1) * gM)
+        h_new = tl.where(first, hM, rho2 * h_old + (1.0 - rho2) * hM)
+        tl.store(g_out_ptr + idx, g_new, mask=wmask)
+        tl.store(h_out_ptr + idx, h_new, mask=wmask)
+        tl.store(m_out_ptr + idx, m, mask=wmask)
+        tl.store(sigma_out_ptr + idx, sigma, mask=wmask)
+    else:
+        tl.store(g_out_ptr + idx, gM, mask=wmask)
+        if NOISY:
+            theta = m + sigma_const * _randn(seed, idx, refreshes, stream)
+        else:
+            theta = m
+        tl.store(m_out_ptr + idx, theta, mask=wmask)
+
+
+@triton.jit
+def finish_kernel(ctl_ptr, found_inf_ptr, slot, HAS_FOUND_INF: tl.constexpr):
+    """After an update: advance the counter in ``slot`` (steps or refreshes) unless the
+    update was skipped, count skipped updates, clear the bad-gradient flag."""
+    skip = _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF)
+    s = skip.to(tl.int64)
+    tl.store(ctl_ptr + slot, tl.load(ctl_ptr + slot) + 1 - s)
+    tl.store(ctl_ptr + 3, tl.load(ctl_ptr + 3) + s)
+    tl.store(ctl_ptr + 2, tl.load(ctl_ptr + 2) * 0)

@@ -1,0 +1,205 @@
+"""Host wrappers of :mod:`poco_kernels.kernels.triton_kernels`: launch, and registration as
+torch custom ops.
+
+Each wrapper launches one kernel over a flat buffer.  In eager mode the kernel is launched
+directly (no dispatcher overhead); while ``torch.compile`` traces, the same call goes
+through a ``poco_kernels::*`` custom op that declares what it mutates, so a compiled
+training step keeps the optimizer kernels as opaque nodes instead of breaking the graph.
+Nothing here synchronises with the host or allocates.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import triton
+from torch import Tensor
+
+from . import triton_kernels as K
+
+__all__ = ["sample", "accumulate", "fold_ge", "step", "refresh", "finish", "step_flags"]
+
+# bit layout of the ``flags`` of ``step``
+_STEP_BITS = ("CORR", "GE_IN", "GE_O", "SHARED_NOISE", "HESS_CORR", "FLOOR", "CLIP", "DEBIAS",
+              "MOMENTUM", "NESTEROV")
+
+
+def step_flags(family: int, **bits: bool) -> int:
+    """Pack the code-path switches of :func:`step` into one int (family in bits 0-1)."""
+    unknown = set(bits) - set(_STEP_BITS)
+    if unknown:
+        raise ValueError(f"unknown step flags {sorted(unknown)}")
+    f = int(family)
+    for i, name in enumerate(_STEP_BITS):
+        if bits.get(name, False):
+            f |= 1 << (i + 2)
+    return f
+
+
+def _unpack(flags: int):
+    return {"FAMILY": flags & 3,
+            **{name: bool(flags >> (i + 2) & 1) for i, name in enumerate(_STEP_BITS)}}
+
+
+def _grid(n: int):
+    return (triton.cdiv(n, K.BLOCK),)
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+# --------------------------------------------------------------------------- launches
+def _sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
+            sigma: Optional[Tensor], ctl: Tensor, seed: int, stream: int, counter_slot: int,
+            ess: float, wd: float, sigma_const: float, sign: float, sigma_mode: int,
+            sync: bool) -> None:
+    n = param.numel()
+    if n == 0:
+        return
+    K.sample_kernel[_grid(n)](
+        param, centre, mean, h if h is not None else mean, sigma if sigma is not None else mean,
+        ctl, n, seed, stream, counter_slot, ess, wd, sigma_const, sign,
+        SIGMA_MODE=sigma_mode, SYNC=sync, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+
+
+def _accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor, seed: int,
+                stream: int, counter_slot: int, sign: float, first: bool, ge: bool) -> None:
+    n = grad.numel()
+    if n == 0:
+        return
+    K.accumulate_kernel[_grid(n)](
+        grad, acc_g, acc_ge if acc_ge is not None else acc_g, ctl, n, seed, stream,
+        counter_slot, sign, FIRST=first, GE=ge, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+
+
+def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, stream: int,
+             counter_slot: int, sign: float) -> None:
+    n = acc_g.numel()
+    if n == 0:
+        return
+    K.fold_ge_kernel[_grid(n)](acc_g, acc_ge, ctl, n, seed, stream, counter_slot, sign,
+                               BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+
+
+def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
+          g_in: Tensor, ge_in: Optional[Tensor], g_o: Optional[Tensor], ge_o: Optional[Tensor],
+          g_out: Optional[Tensor], h_out: Optional[Tensor], m_out: Optional[Tensor],
+          sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
+          grad_scale: Optional[Tensor], ints: Sequence[int], hp: Sequence[float],
+          flags: int) -> None:
+    n = mean.numel()
+    if n == 0:
+        return
+    seed, stream, stream_o = ints
+    (sign_o, inv_n_in, inv_n_o, lr, beta1, beta2, wd, ess, alpha, hess_corr, floor_c, clip,
+     momentum, dampening, eps_adam, mom_first) = hp
+    d = mean
+    K.step_kernel[_grid(n)](
+        mean, param, s1 if s1 is not None else d, s2 if s2 is not None else d,
+        g_in, ge_in if ge_in is not None else d, g_o if g_o is not None else d,
+        ge_o if ge_o is not None else d, g_out if g_out is not None else d,
+        h_out if h_out is not None else d, m_out if m_out is not None else d,
+        sigma_out if sigma_out is not None else d,
+        ctl, found_inf if found_inf is not None else ctl,
+        grad_scale if grad_scale is not None else ctl,
+        n, seed, stream, stream_o, sign_o, inv_n_in, inv_n_o,
+        lr, beta1, beta2, wd, ess, alpha, hess_corr, floor_c, clip, momentum, dampening,
+        eps_adam, mom_first,
+        **_unpack(flags), HAS_FOUND_INF=found_inf is not None,
+        HAS_SCALE=grad_scale is not None, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+
+
+def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
+             g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor, sigma_out: Optional[Tensor],
+             ctl: Tensor, found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
+             stream: int, hp: Sequence[float], family: int, ge: bool, noisy: bool) -> None:
+    n = mean.numel()
+    if n == 0:
+        return
+    inv_n, ess, wd, rho1, rho2, sigma_const = hp
+    d = mean
+    K.refresh_kernel[_grid(n)](
+        mean, h if h is not None else d, acc_g, acc_ge if acc_ge is not None else d, g_out,
+        h_out if h_out is not None else d, m_out, sigma_out if sigma_out is not None else d,
+        ctl, found_inf if found_inf is not None else ctl,
+        grad_scale if grad_scale is not None else ctl,
+        n, seed, stream, inv_n, ess, wd, rho1, rho2, sigma_const,
+        FAMILY=family, GE=ge, NOISY=noisy, HAS_FOUND_INF=found_inf is not None,
+        HAS_SCALE=grad_scale is not None, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+
+
+def _finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:
+    K.finish_kernel[(1,)](ctl, found_inf if found_inf is not None else ctl, slot,
+                          HAS_FOUND_INF=found_inf is not None, num_warps=1)
+
+
+# --------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("poco_kernels::sample", mutates_args=("param", "mean"))
+def _sample_op(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
+               sigma: Optional[Tensor], ctl: Tensor, seed: int, stream: int,
+               counter_slot: int, ess: float, wd: float, sigma_const: float, sign: float,
+               sigma_mode: int, sync: bool) -> None:
+    _sample(param, centre, mean, h, sigma, ctl, seed, stream, counter_slot, ess, wd,
+            sigma_const, sign, sigma_mode, sync)
+
+
+@torch.library.custom_op("poco_kernels::accumulate", mutates_args=("acc_g", "acc_ge", "ctl"))
+def _accumulate_op(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor,
+                   seed: int, stream: int, counter_slot: int, sign: float, first: bool,
+                   ge: bool) -> None:
+    _accumulate(grad, acc_g, acc_ge, ctl, seed, stream, counter_slot, sign, first, ge)
+
+
+@torch.library.custom_op("poco_kernels::fold_ge", mutates_args=("acc_ge",))
+def _fold_ge_op(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, stream: int,
+                counter_slot: int, sign: float) -> None:
+    _fold_ge(acc_g, acc_ge, ctl, seed, stream, counter_slot, sign)
+
+
+@torch.library.custom_op("poco_kernels::step", mutates_args=("mean", "param", "s1", "s2"))
+def _step_op(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
+             g_in: Tensor, ge_in: Optional[Tensor], g_o: Optional[Tensor],
+             ge_o: Optional[Tensor], g_out: Optional[Tensor], h_out: Optional[Tensor],
+             m_out: Optional[Tensor], sigma_out: Optional[Tensor], ctl: Tensor,
+             found_inf: Optional[Tensor], grad_scale: Optional[Tensor], ints: List[int],
+             hp: List[float], flags: int) -> None:
+    _step(mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out, m_out, sigma_out, ctl,
+          found_inf, grad_scale, ints, hp, flags)
+
+
+@torch.library.custom_op("poco_kernels::refresh",
+                         mutates_args=("g_out", "h_out", "m_out", "sigma_out"))
+def _refresh_op(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
+                g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor,
+                sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
+                grad_scale: Optional[Tensor], seed: int, stream: int, hp: List[float],
+                family: int, ge: bool, noisy: bool) -> None:
+    _refresh(mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out, ctl, found_inf,
+             grad_scale, seed, stream, hp, family, ge, noisy)
+
+
+@torch.library.custom_op("poco_kernels::finish", mutates_args=("ctl",))
+def _finish_op(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:
+    _finish(ctl, found_inf, slot)
+
+
+for _op in (_sample_op, _accumulate_op, _fold_ge_op, _step_op, _refresh_op, _finish_op):
+    _op.register_fake(lambda *args, **kwargs: None)
+
+
+def _dispatch(direct, op):
+    def call(*args):
+        return (op if _compiling() else direct)(*args)
+    call.__name__ = direct.__name__.lstrip("_")
+    call.__doc__ = (f"Launch ``{call.__name__}`` (directly in eager mode, through the custom op "
+                    f"``{op._qualname}`` under torch.compile).")
+    return call
+
+
+sample = _dispatch(_sample, _sample_op)
+accumulate = _dispatch(_accumulate, _accumulate_op)
+fold_ge = _dispatch(_fold_ge, _fold_ge_op)
+step = _dispatch(_step, _step_op)
+refresh = _dispatch(_refresh, _refresh_op)
+finish = _dispatch(_finish, _finish_op)
