@@ -161,27 +161,67 @@ class PosteriorOptimizer(torch.optim.Optimizer):
     #: per-parameter buffers created at their first use (not present before)
     _lazy_buffers: Tuple[str, ...] = ()
 
-    def __init__(self, params, defaults: Dict[str, Any], *, seed: int = 0, backend: str = "auto"):
+    #: the optimizer has Triton kernels (``_triton_step``/``_triton_refresh``)
+    _triton_capable: bool = True
+
+    def __init__(self, params, defaults: Dict[str, Any], *, seed: int = 0, backend: str = "auto",
+                 check_finite: Optional[bool] = None):
         _check(isinstance(seed, int) and 0 <= seed < 2 ** 63,
                f"seed must be an int in [0, 2**63), got {seed!r}")
         _check(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
-        if backend in ("triton", "cpp"):
+        _check(check_finite is None or isinstance(check_finite, bool),
+               f"check_finite must be None or a bool, got {check_finite!r}")
+        if backend == "cpp":
             raise RuntimeError(
-                f"backend={backend!r} is not available in this build of poco_kernels: "
-                "only the pure-PyTorch reference backend ('torch', or 'auto') is implemented")
-        self.backend = "torch"
+                "backend='cpp' is not available in this build of poco_kernels: use 'torch' "
+                "(the reference) or 'triton'")
         self.seed = seed
         super().__init__(params, defaults)
         for g in self.param_groups:
             self._validate_group(g)
         self._build_buckets()
-        # global counters (in the state dict)
+        self.backend = self._resolve_backend(backend)
+        #: raise on non-finite gradients (the triton backend then reads one flag from the
+        #: device per update; without it a bad update is skipped on the device and counted
+        #: in ``skipped_updates``).  Default: True for 'torch', False for 'triton'.
+        self.check_finite = (self.backend == "torch") if check_finite is None else check_finite
+        # global counters (in the state dict); with the triton backend: updates attempted,
+        # the device holds the updates taken
         self._step = 0            # completed inner steps
         self._refreshes = 0       # completed refreshes
         self._pending = _Pending()
         self._active: Optional[Tuple[int, int]] = None   # (kind, draw) of the sample in params
         self._active_eps: Dict[int, Optional[Tensor]] = {}
         self._eps_cache: Dict[int, Tuple[Tuple[int, ...], Tensor]] = {}
+        self._engine = None
+        if self.backend == "triton":
+            from ._triton_backend import TritonEngine
+            self._engine = TritonEngine(self)
+
+    def _resolve_backend(self, backend: str) -> str:
+        """'auto': Triton when every parameter is on a CUDA device, not float64, and
+        triton imports; the reference otherwise.  'triton': that, or a clear error."""
+        if backend == "torch":
+            return "torch"
+        from .kernels import triton_status
+        reasons = []
+        if not self._triton_capable:
+            reasons.append(f"{type(self).__name__} has no Triton kernels")
+        for b in self._buckets:
+            if b.param_dtype == torch.float64:
+                reasons.append("float64 parameters are not supported by the Triton kernels "
+                               "(float32, bfloat16, float16)")
+            why = triton_status(b.device)
+            if why is not None:
+                reasons.append(why)
+            elif backend == "auto" and b.device.type != "cuda":
+                reasons.append("'auto' picks Triton for CUDA parameters only")
+        if not reasons:
+            return "triton"
+        if backend == "triton":
+            raise RuntimeError("backend='triton' cannot run here: " + "; ".join(dict.fromkeys(reasons))
+                               + ". Use backend='torch' (the reference) or 'auto'.")
+        return "torch"
 
     # ------------------------------------------------------------------ construction
     def _validate_group(self, group: Dict[str, Any]) -> None:  # pragma: no cover - abstract
@@ -236,7 +276,12 @@ class PosteriorOptimizer(torch.optim.Optimizer):
             self._build_buckets()
             for b_new, b_old in zip(self._buckets, old):
                 b_new.buffers = b_old.buffers
+                for attr in ("flat_param", "grad_flat", "grad_views"):
+                    if hasattr(b_old, attr):
+                        setattr(b_new, attr, getattr(b_old, attr))
                 self._expose(b_new)
+            if self._engine is not None:
+                self._engine.flatten()
 
     # ------------------------------------------------------------------ noise
     def _eps(self, b: Bucket, kind: int, draw: int, counter: int) -> Tensor:
@@ -288,8 +333,14 @@ class PosteriorOptimizer(torch.optim.Optimizer):
                                    "(no refresh yet, or alpha == 0 in every group)")
         draw = self._pending.draws[k]
         _check(draw < _noise.MAX_DRAWS, f"at most {_noise.MAX_DRAWS} samples of one kind per step")
-        self._sync_mean()
         self._active_eps = {}
+        if self._engine is not None:
+            with torch.no_grad():
+                self._engine.sample(k, draw)
+            self._active = (k, draw)
+            self._pending.draws[k] = draw + 1
+            return
+        self._sync_mean()
         with torch.no_grad():
             for b in self._buckets:
                 group = self.param_groups[b.group_index]
@@ -312,7 +363,14 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         or once per chunk of a mega-batch."""
         if self._active is None:
             raise RuntimeError("accumulate() needs an active sample: call sample() first")
-        k, _ = self._active
+        k, draw = self._active
+        if self._engine is not None:
+            with torch.no_grad():
+                self._engine.accumulate(k, draw)
+            self._pending.count[k] += 1
+            if clear_grads:
+                self._clear_grads()
+            return
         with torch.no_grad():
             for b in self._buckets:
                 g = b.flat_grads()
@@ -325,15 +383,24 @@ class PosteriorOptimizer(torch.optim.Optimizer):
                     self._pending.sums[key] = self._pending.sums[key] + ge if key in self._pending.sums else ge
         self._pending.count[k] += 1
         if clear_grads:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    p.grad = None
+            self._clear_grads()
 
-    def restore(self) -> None:
-        """Put the posterior mean back into the parameters (ends the active sample)."""
-        with torch.no_grad():
-            for b in self._buckets:
-                b.write_params(b.buffers["mean"])
+    def _clear_grads(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def restore(self, _lazy: bool = False) -> None:
+        """Put the posterior mean back into the parameters (ends the active sample).
+        (``_lazy``, internal: leave the sample there because the next sample or the
+        update overwrites the parameters anyway.)"""
+        if not (_lazy and self._engine is not None):
+            with torch.no_grad():
+                if self._engine is not None:
+                    self._engine.restore()
+                else:
+                    for b in self._buckets:
+                        b.write_params(b.buffers["mean"])
         self._active = None
         self._active_eps = {}
 
@@ -353,6 +420,10 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         """Parameters of the state dtype are the source of truth for the mean (as in
         ``torch.optim``); low-precision ones keep a float32 master copy in the state."""
         if self._active is not None:
+            return
+        if self._engine is not None:
+            with torch.no_grad():
+                self._engine.sync_mean()
             return
         with torch.no_grad():
             for b in self._buckets:
@@ -376,14 +447,16 @@ class PosteriorOptimizer(torch.optim.Optimizer):
     def _closure_samples(self, group_key: str = "mc_samples") -> int:
         return max(int(g.get(group_key, 1)) for g in self.param_groups)
 
-    def _run_closure(self, closure: Callable, kind: str) -> Tensor:
+    def _run_closure(self, closure: Callable, kind: str, lazy: bool = False) -> Tensor:
         self.sample(kind)
+        ok = False
         try:
             with torch.enable_grad():
                 loss = closure()
             self.accumulate()
+            ok = True
         finally:
-            self.restore()
+            self.restore(_lazy=lazy and ok)
         return loss
 
     # ------------------------------------------------------------------ step
@@ -410,14 +483,17 @@ class PosteriorOptimizer(torch.optim.Optimizer):
             if pend.count[KIND_INNER] or pend.count[KIND_OUTER]:
                 raise RuntimeError("step(closure) with gradients already accumulated by "
                                    "sample()/accumulate(): use one protocol per step")
+            lazy = self._engine is not None      # the update writes the parameters
             try:
-                losses = [self._run_closure(closure, "inner")
+                losses = [self._run_closure(closure, "inner", lazy)
                           for _ in range(self._closure_samples())]
                 if self.correction_active():
                     for _ in range(self._closure_samples()):
-                        self._run_closure(closure, "outer")
+                        self._run_closure(closure, "outer", lazy)
             except BaseException:
                 pend.clear((KIND_INNER, KIND_OUTER))
+                if self._engine is not None and not self._engine.params_hold_mean:
+                    self.restore()
                 raise
             loss = _mean_loss(losses)
         elif pend.count[KIND_INNER] == 0:
@@ -431,9 +507,14 @@ class PosteriorOptimizer(torch.optim.Optimizer):
             self._sync_mean()
             self._active = (KIND_INNER, 0)
             self._active_eps = {}
+            if self._engine is not None:
+                self._engine.active_noise.clear()
             self.accumulate(clear_grads=False)
             self._active = None
         try:
+            if self._engine is not None:
+                self._engine_update("step", grad_scale, found_inf)
+                return loss
             if found_inf is not None and bool(found_inf.detach().float().sum() != 0):
                 return loss            # AMP overflow: skip, state untouched
             if self.correction_active() and pend.count[KIND_OUTER] == 0:
@@ -456,6 +537,22 @@ class PosteriorOptimizer(torch.optim.Optimizer):
             pend.clear((KIND_INNER, KIND_OUTER))
             self._eps_cache.clear()
         return loss
+
+    def _engine_update(self, which: str, grad_scale, found_inf) -> None:
+        """An update through the Triton backend: no host reads (unless ``check_finite``)."""
+        if which == "step":
+            corr = self.correction_active()
+            if corr and self._pending.count[KIND_OUTER] == 0:
+                self._engine.restore()
+                raise RuntimeError(
+                    "the posterior correction is active but no gradient at the outer sample "
+                    "was given: pass a closure to step(), or also run `with "
+                    "optimizer.sampled('outer'):` on the same mini-batch")
+            self._engine.step(corr, grad_scale, found_inf)
+            self._step += 1
+        else:
+            self._engine.refresh(grad_scale, found_inf)
+            self._refreshes += 1
 
     def _check_finite(self, g, ge, outer) -> None:
         ts = [g, ge] + (list(outer) if outer is not None else [])
@@ -530,6 +627,9 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         try:
             if pend.count[KIND_REFRESH] == 0:
                 raise ValueError("refresh() needs at least one chunk of the mega-batch")
+            if self._engine is not None:
+                self._engine_update("refresh", grad_scale, found_inf)
+                return _mean_loss(losses)
             if found_inf is not None and bool(found_inf.detach().float().sum() != 0):
                 return None
             new = {}
@@ -553,6 +653,10 @@ class PosteriorOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         if self._active is not None:
             raise RuntimeError("state_dict() while a sample is in the parameters: call restore() first")
+        if self._engine is not None:
+            with torch.no_grad():
+                self._engine.materialise_ge()
+            self._step, self._refreshes, _ = self._engine.counters()
         sd = super().state_dict()
         extra = {}
         for b in self._buckets:       # buffers that are not per-parameter (VON-PoCo's S)
@@ -647,17 +751,27 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         self._pending = pend
         for b in self._buckets:
             b.write_params(b.buffers["mean"])
+        if self._engine is not None:
+            self._engine.params_hold_mean = True
+            self._engine.set_counters(self._step, self._refreshes)
 
     # ------------------------------------------------------------------ misc
     @property
     def step_count(self) -> int:
-        """Number of inner steps taken."""
-        return self._step
+        """Number of inner steps taken (triton backend: read from the device)."""
+        return self._engine.counters()[0] if self._engine is not None else self._step
 
     @property
     def refresh_count(self) -> int:
-        """Number of refreshes of the outer estimate."""
-        return self._refreshes
+        """Number of refreshes of the outer estimate (triton backend: read from the device)."""
+        return self._engine.counters()[1] if self._engine is not None else self._refreshes
+
+    @property
+    def skipped_updates(self) -> int:
+        """Updates skipped on the device (AMP overflow, or non-finite gradients without
+        ``check_finite``) since the optimizer was built or loaded; triton backend only
+        (the reference backend skips AMP overflows and raises on non-finite gradients)."""
+        return self._engine.counters()[2] if self._engine is not None else 0
 
     def flat_state(self, name: str) -> List[Tensor]:
         """The flat buffer ``name`` of every bucket (read-only use, for tests and tools)."""

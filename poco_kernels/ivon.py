@@ -21,6 +21,8 @@ from ._core import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KI
 
 __all__ = ["IVON", "IVONPoCo", "ivon_inner_update", "ivon_refresh_update"]
 
+FAMILY_IVON, FAMILY_SGD, FAMILY_ADAMW = 0, 1, 2   # = poco_kernels.kernels.triton_kernels
+
 
 def ivon_inner_update(*, mean: Tensor, h: Tensor, g: Tensor, g_in: Tensor, ge_in: Tensor,
                       outer: Optional[Dict[str, Tensor]], group: Dict[str, Any], step: int
@@ -84,11 +86,12 @@ class IVON(PosteriorOptimizer):
     def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
                  clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True,
-                 *, seed: int = 0, backend: str = "auto", **extra):
+                 *, seed: int = 0, backend: str = "auto",
+                 check_finite: Optional[bool] = None, **extra):
         defaults = dict(lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
                         weight_decay=weight_decay, mc_samples=mc_samples,
                         clip_radius=clip_radius, debias=debias, rescale_lr=rescale_lr, **extra)
-        super().__init__(params, defaults, seed=seed, backend=backend)
+        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite)
 
     def _validate_group(self, group):
         check_range(group, "lr", lo=0.0)
@@ -124,6 +127,23 @@ class IVON(PosteriorOptimizer):
         return ivon_inner_update(mean=b.buffers["mean"], h=b.buffers["h"],
                                  g=b.buffers["momentum"], g_in=g_in, ge_in=ge_in, outer=None,
                                  group=group, step=t)
+
+    def _triton_step(self, b, group):
+        """The step kernel's arguments (``poco_kernels.kernels.triton_kernels.step_kernel``,
+        IVON family): the same maths as :func:`ivon_inner_update`."""
+        wd, clip = group["weight_decay"], group["clip_radius"]
+        poco = self._has_correction
+        return dict(
+            family=FAMILY_IVON, s1=b.buffers["momentum"], s2=b.buffers["h"],
+            flags=dict(DEBIAS=group["debias"], CLIP=math.isfinite(clip),
+                       HESS_CORR=poco and group["hess_corr_scale"] != 0.0,
+                       FLOOR=poco and group["hess_floor"] is not None),
+            hp=dict(lr=R.ivon_lr(group["lr"], group["hess_init"], wd, group["rescale_lr"]),
+                    beta1=group["beta1"], beta2=group["beta2"], wd=wd, ess=group["ess"],
+                    clip=clip if math.isfinite(clip) else 0.0,
+                    alpha=group["alpha"] if poco else 0.0,
+                    hess_corr=group["hess_corr_scale"] if poco else 0.0,
+                    floor=(group["hess_floor"] or 0.0) if poco else 0.0))
 
 
 class IVONPoCo(IVON):
@@ -171,9 +191,10 @@ class IVONPoCo(IVON):
                  hess_corr_scale: float = 0.01, outer_noise: str = "shared",
                  refresh_samples: int = 1, refresh_antithetic: bool = False,
                  hess_floor: Optional[float] = None,
-                 *, seed: int = 0, backend: str = "auto"):
+                 *, seed: int = 0, backend: str = "auto",
+                 check_finite: Optional[bool] = None):
         super().__init__(params, lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
-                         clip_radius, debias, rescale_lr, seed=seed, backend=backend,
+                         clip_radius, debias, rescale_lr, seed=seed, backend=backend, check_finite=check_finite,
                          alpha=alpha, rho1=rho1, rho2=rho2, hess_corr_scale=hess_corr_scale,
                          outer_noise=outer_noise, refresh_samples=refresh_samples,
                          refresh_antithetic=refresh_antithetic, hess_floor=hess_floor)
@@ -224,6 +245,14 @@ class IVONPoCo(IVON):
         return ivon_inner_update(mean=b.buffers["mean"], h=b.buffers["h"],
                                  g=b.buffers["momentum"], g_in=g_in, ge_in=ge_in, outer=o,
                                  group=group, step=t)
+
+    def _triton_refresh(self, b, group):
+        """The refresh kernel's arguments (IVON family): :func:`ivon_refresh_update`."""
+        return dict(family=FAMILY_IVON, h=b.buffers["h"], g_out=b.buffers["g_out"],
+                    h_out=b.buffers["h_out"], m_out=b.buffers["m_out"],
+                    sigma_out=b.buffers["sigma_out"],
+                    hp=dict(ess=group["ess"], wd=group["weight_decay"], rho1=group["rho1"],
+                            rho2=group["rho2"]))
 
     def _refresh_update(self, b, group, gM, geM, first):
         return ivon_refresh_update(mean=b.buffers["mean"], h=b.buffers["h"], gM=gM, geM=geM,

@@ -13,7 +13,7 @@
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Optional, Dict
 
 import torch
 from torch import Tensor
@@ -23,6 +23,8 @@ from ._core import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KI
                     PosteriorOptimizer, SampleSpec, _check, check_range)
 
 __all__ = ["SVRG", "SVRGAdamW", "VSGDPoCo"]
+
+FAMILY_IVON, FAMILY_SGD, FAMILY_ADAMW = 0, 1, 2   # = poco_kernels.kernels.triton_kernels
 
 
 class _SVRGBase(PosteriorOptimizer):
@@ -59,6 +61,11 @@ class _SVRGBase(PosteriorOptimizer):
         g_o, _ = outer
         return R.control_variate(g_in, g_o, b.buffers["g_out"], group["alpha"])
 
+    def _triton_refresh(self, b, group):
+        """The refresh kernel's arguments (first-order family): ``_refresh_update``."""
+        return dict(family=FAMILY_SGD, g_out=b.buffers["g_out"], m_out=b.buffers["theta_out"],
+                    hp=dict(sigma=float(self._noise_sigma(group))))
+
     def _refresh_update(self, b, group, gM, geM, first):
         sigma = self._noise_sigma(group)
         if self.noisy:
@@ -77,10 +84,11 @@ class SVRG(_SVRGBase):
 
     def __init__(self, params, lr: float = 1e-3, alpha: float = 1.0, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-                 *, seed: int = 0, backend: str = "auto", **extra):
+                 *, seed: int = 0, backend: str = "auto",
+                 check_finite: Optional[bool] = None, **extra):
         defaults = dict(lr=lr, alpha=alpha, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, **extra)
-        super().__init__(params, defaults, seed=seed, backend=backend)
+        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite)
 
     def _validate_group(self, group):
         super()._validate_group(group)
@@ -90,6 +98,20 @@ class SVRG(_SVRGBase):
         if group["nesterov"]:
             _check(group["momentum"] > 0 and group["dampening"] == 0,
                    "Nesterov momentum requires a momentum and zero dampening")
+
+    def _triton_step(self, b, group):
+        """The step kernel's arguments (SGD family): ``control_variate`` + ``sgd_step``."""
+        mom = group["momentum"]
+        first = 0.0
+        if mom != 0 and "momentum_buffer" not in b.buffers:   # torch.optim.SGD: buf = d_p
+            b.buffers["momentum_buffer"] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
+            self._expose(b)
+            first = 1.0
+        return dict(family=FAMILY_SGD, s1=b.buffers.get("momentum_buffer"),
+                    flags=dict(MOMENTUM=mom != 0, NESTEROV=group["nesterov"]),
+                    hp=dict(lr=group["lr"], wd=group["weight_decay"], momentum=mom,
+                            dampening=group["dampening"], alpha=group["alpha"],
+                            mom_first=first))
 
     def _inner_update(self, b, group, g_in, ge_in, outer, t):
         ghat = self._corrected(group, g_in, outer, b)
@@ -112,9 +134,9 @@ class VSGDPoCo(SVRG):
     def __init__(self, params, lr: float = 1e-3, sigma: float = 1e-3, alpha: float = 1.0,
                  momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False, mc_samples: int = 1, *, seed: int = 0,
-                 backend: str = "auto"):
+                 backend: str = "auto", check_finite: Optional[bool] = None):
         super().__init__(params, lr, alpha, momentum, dampening, weight_decay, nesterov,
-                         seed=seed, backend=backend, sigma=sigma, mc_samples=mc_samples)
+                         seed=seed, backend=backend, check_finite=check_finite, sigma=sigma, mc_samples=mc_samples)
 
     def _validate_group(self, group):
         super()._validate_group(group)
@@ -131,10 +153,10 @@ class SVRGAdamW(_SVRGBase):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, alpha: float = 1.0, *, seed: int = 0,
-                 backend: str = "auto"):
+                 backend: str = "auto", check_finite: Optional[bool] = None):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         alpha=alpha)
-        super().__init__(params, defaults, seed=seed, backend=backend)
+        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite)
 
     def _validate_group(self, group):
         super()._validate_group(group)
@@ -150,6 +172,14 @@ class SVRGAdamW(_SVRGBase):
         bufs["exp_avg"] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
         bufs["exp_avg_sq"] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
         return bufs
+
+    def _triton_step(self, b, group):
+        """The step kernel's arguments (AdamW family): ``control_variate`` + ``adamw_step``."""
+        beta1, beta2 = group["betas"]
+        return dict(family=FAMILY_ADAMW, s1=b.buffers["exp_avg"], s2=b.buffers["exp_avg_sq"],
+                    flags={}, hp=dict(lr=group["lr"], beta1=beta1, beta2=beta2,
+                                      wd=group["weight_decay"], eps=group["eps"],
+                                      alpha=group["alpha"]))
 
     def _inner_update(self, b, group, g_in, ge_in, outer, t):
         ghat = self._corrected(group, g_in, outer, b)

@@ -130,6 +130,8 @@ class VONPoCo(PosteriorOptimizer):
     are as before.
     """
 
+    _triton_capable = False     # dense d x d matrices: the reference backend only
+
     _divergence_hint = ("Huge gradients against a small precision: lower lr, raise min_eig, "
                         "or refresh more often.")
 
@@ -142,12 +144,13 @@ class VONPoCo(PosteriorOptimizer):
     def __init__(self, params, ess: float, lr: float = 0.1, beta: float = 0.1,
                  alpha: float = 1.0, prior_precision: float = 1.0, min_eig: float = 1e-4,
                  noise_scale: float = 1.0, rho1: float = 0.0, rho2: float = 0.0,
-                 precision_update: str = "blr", *, seed: int = 0, backend: str = "auto"):
+                 precision_update: str = "blr", *, seed: int = 0, backend: str = "auto",
+                 check_finite: Optional[bool] = None):
         defaults = dict(lr=lr, beta=beta, ess=ess, alpha=alpha,
                         prior_precision=prior_precision, min_eig=min_eig,
                         noise_scale=noise_scale, rho1=rho1, rho2=rho2,
                         precision_update=precision_update)
-        super().__init__(params, defaults, seed=seed, backend=backend)
+        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite)
 
     # ------------------------------------------------------------------ construction
     def _validate_group(self, group):

@@ -63,10 +63,20 @@ def test_invalid_hyperparameters_at_construction(cls, kw, match):
         cls(mlp().parameters(), **kw)
 
 
-@pytest.mark.parametrize("backend", ["triton", "cpp"])
-def test_unavailable_backend_is_a_clear_error(backend):
+def test_unavailable_backend_is_a_clear_error():
     with pytest.raises(RuntimeError, match="not available"):
-        pk.IVON(mlp().parameters(), lr=0.1, ess=1.0, backend=backend)
+        pk.IVON(mlp().parameters(), lr=0.1, ess=1.0, backend="cpp")
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: pk.IVON(mlp(dtype=torch.float64).parameters(), lr=0.1, ess=1.0,
+                     backend="triton"), "float64"),
+    (lambda: pk.VONPoCo(torch.nn.Linear(3, 1).parameters(), lr=0.1, ess=1.0,
+                        backend="triton"), "no Triton kernels"),
+])
+def test_triton_backend_refuses_what_it_cannot_run(make, match):
+    with pytest.raises(RuntimeError, match=match):
+        make()
 
 
 def test_invalid_hyperparameter_set_later_is_caught_at_step():

@@ -65,9 +65,9 @@ def _ivon_sigma(h, ess, wd):
 def _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
     """True when this update must not change the state: AMP overflow or a non-finite
     gradient seen by ``accumulate_kernel``."""
-    skip = tl.load(ctl_ptr + 2) != 0
+    skip = (tl.load(ctl_ptr + 2) != 0).to(tl.int32)
     if HAS_FOUND_INF:
-        skip = skip | (tl.load(found_inf_ptr) != 0)
+        skip = tl.maximum(skip, (tl.load(found_inf_ptr) != 0).to(tl.int32))
     return skip
 
 
@@ -188,7 +188,7 @@ def step_kernel(
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     skip = _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF)
-    wmask = mask & (skip == 0)
+    wmask = mask & ((idx * 0 + skip) == 0)   # (a scalar mask, broadcast explicitly)
     steps = tl.load(ctl_ptr + 0)
     t = (steps + 1).to(tl.float32)
     scale = 1.0
@@ -272,7 +272,7 @@ def step_kernel(
         tl.store(s2_ptr + idx, eas, mask=wmask)
     tl.store(mean_ptr + idx, m_new, mask=wmask)
     # the parameters always get the mean back (the old one when the update is skipped)
-    m_param = tl.where(skip, m, m_new)
+    m_param = tl.where(wmask, m_new, m)
     tl.store(param_ptr + idx, m_param.to(param_ptr.dtype.element_ty), mask=mask)
 
 
@@ -296,7 +296,7 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     skip = _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF)
-    wmask = mask & (skip == 0)
+    wmask = mask & ((idx * 0 + skip) == 0)   # (a scalar mask, broadcast explicitly)
     scale = 1.0
     if HAS_SCALE:
         scale = 1.0 / tl.load(grad_scale_ptr).to(tl.float32)
@@ -337,4 +337,4 @@ def finish_kernel(ctl_ptr, found_inf_ptr, slot, HAS_FOUND_INF: tl.constexpr):
     s = skip.to(tl.int64)
     tl.store(ctl_ptr + slot, tl.load(ctl_ptr + slot) + 1 - s)
     tl.store(ctl_ptr + 3, tl.load(ctl_ptr + 3) + s)
-    tl.store(ctl_ptr + 2, tl.load(ctl_ptr + 2) * 0)
+    tl.store(ctl_ptr + 2, s * 0)

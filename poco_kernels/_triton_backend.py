@@ -1,0 +1,330 @@
+"""The Triton backend of :class:`~poco_kernels._core.PosteriorOptimizer`.
+
+What changes against the reference backend:
+
+* **Flat parameters.**  The parameters of a bucket become views of one flat buffer of
+  their dtype (``p.data`` is re-pointed once, at construction), so a sample, a restore
+  and a step each write all of a bucket's parameters in one launch.
+* **Gradient sums in place.**  Per (sample kind, bucket) one float32 buffer holds the sum
+  of the gradients; a second, the sum of ``gradient * eps``, only once a kind has more
+  than one draw (Monte-Carlo samples, antithetic refreshes).  With one draw, the update
+  regenerates ``eps`` instead of reading it.  Buffers are allocated at first use and
+  reused: no allocation per step in steady state.
+* **Counters on the device.**  Steps and refreshes taken live in a device tensor
+  (``ctl``, one per device): kernels read the noise counter and the debiasing step from
+  it, and a skipped update (AMP ``found_inf``, or a non-finite gradient seen while
+  accumulating) leaves it and the state as they were, without the host looking.  The
+  host keeps counts of updates *attempted*, for its own bookkeeping only.
+* **No host synchronisation inside a step**, unless ``check_finite=True`` asks for the
+  reference backend's error on non-finite gradients (one device-to-host read per update).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import noise as _noise
+from .kernels import triton_kernels as K
+from .kernels import triton_ops as ops
+
+_SIGMA_MODE = {"none": K.SIGMA_NONE, "h": K.SIGMA_IVON, "buffer": K.SIGMA_BUFFER,
+               "const": K.SIGMA_CONST}
+
+
+class TritonEngine:
+    """Owns the flat parameter/gradient buffers, the gradient sums and the control
+    tensors of one optimizer; the optimizer delegates sample/accumulate/restore/step/
+    refresh to it."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.ctl: Dict[torch.device, Tensor] = {}
+        self.pool: Dict[Tuple[int, int], List[Optional[Tensor]]] = {}
+        self.active_noise: Dict[int, Optional[Tuple[int, int, float]]] = {}
+        self.params_hold_mean = True
+        self.flatten()
+
+    # ------------------------------------------------------------------ layout
+    def flatten(self) -> None:
+        """Make every bucket's parameters views of one flat buffer (and give it a flat
+        gradient buffer).  Idempotent: buckets already flat keep their storage."""
+        for b in self.opt._buckets:
+            flat = getattr(b, "flat_param", None)
+            if flat is None or not self._is_flat(b):
+                flat = torch.empty(b.numel, device=b.device, dtype=b.param_dtype)
+                with torch.no_grad():
+                    for p, off in zip(b.params, b.offsets):
+                        flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                    for p, off in zip(b.params, b.offsets):
+                        p.data = flat[off:off + p.numel()].view_as(p)
+                b.flat_param = flat
+                b.grad_flat = torch.zeros(b.numel, device=b.device, dtype=b.param_dtype)
+                b.grad_views = [b.grad_flat[off:off + p.numel()].view_as(p)
+                                for p, off in zip(b.params, b.offsets)]
+            if b.device not in self.ctl:
+                self.ctl[b.device] = torch.zeros(K.CTL_SIZE, device=b.device, dtype=torch.int64)
+        self.set_counters(self.opt._step, self.opt._refreshes)
+
+    @staticmethod
+    def _is_flat(b) -> bool:
+        base = b.flat_param.data_ptr()
+        size = b.flat_param.element_size()
+        return all(p.data_ptr() == base + off * size and p.is_contiguous()
+                   for p, off in zip(b.params, b.offsets))
+
+    def check_layout(self) -> None:
+        for b in self.opt._buckets:
+            if not self._is_flat(b):
+                raise RuntimeError(
+                    "a parameter's storage was replaced since the optimizer was built "
+                    "(e.g. by model.to(...) or `p.data = ...`): with backend='triton' the "
+                    "parameters are views of the optimizer's flat buffers; build the "
+                    "optimizer after moving the model, or copy into parameters in place")
+
+    def set_counters(self, steps: int, refreshes: int) -> None:
+        for c in self.ctl.values():
+            c.copy_(torch.tensor([steps, refreshes, 0, int(c[3]) if c.numel() > 3 else 0],
+                                 dtype=torch.int64))
+
+    def counters(self) -> Tuple[int, int, int]:
+        """(steps taken, refreshes taken, updates skipped) -- reads the device."""
+        c = next(iter(self.ctl.values())).tolist() if self.ctl else [self.opt._step,
+                                                                      self.opt._refreshes, 0, 0]
+        return int(c[0]), int(c[1]), int(c[3])
+
+    def _ctl(self, b) -> Tensor:
+        return self.ctl[b.device]
+
+    # ------------------------------------------------------------------ sampling
+    def sync_mean(self) -> None:
+        """float32 parameters are the truth for the mean while they hold it."""
+        if not self.params_hold_mean:
+            return
+        for b in self.opt._buckets:
+            if b.param_dtype == b.dtype:
+                b.buffers["mean"].copy_(b.flat_param)
+
+    def sample(self, kind: int, draw: int) -> None:
+        self.check_layout()
+        opt = self.opt
+        for b in opt._buckets:
+            group = opt.param_groups[b.group_index]
+            spec = opt._sample_spec(b, group, kind, draw)
+            is_mean = spec.centre is b.buffers["mean"]
+            sync = self.params_hold_mean and is_mean and b.param_dtype == b.dtype
+            if spec.noise is None:
+                self.active_noise[b.index] = None
+                if is_mean:
+                    if sync:
+                        b.buffers["mean"].copy_(b.flat_param)
+                    elif not self.params_hold_mean or b.param_dtype != b.dtype:
+                        b.flat_param.copy_(spec.centre)
+                else:
+                    if self.params_hold_mean and b.param_dtype == b.dtype:
+                        b.buffers["mean"].copy_(b.flat_param)
+                    b.flat_param.copy_(spec.centre)
+                continue
+            if self.params_hold_mean and not is_mean and b.param_dtype == b.dtype:
+                b.buffers["mean"].copy_(b.flat_param)
+            nk, nd, slot, sign = spec.noise
+            stream = _noise.stream_id(b.index, nk, nd)
+            self.active_noise[b.index] = (stream, slot, float(sign))
+            if spec.h is not None:
+                mode, h, sig, const = K.SIGMA_IVON, spec.h, None, 0.0
+            elif isinstance(spec.sigma, Tensor):
+                mode, h, sig, const = K.SIGMA_BUFFER, None, spec.sigma, 0.0
+            else:
+                mode, h, sig, const = K.SIGMA_CONST, None, None, float(spec.sigma)
+            ops.sample(b.flat_param, b.flat_param if sync else spec.centre, b.buffers["mean"],
+                       h, sig, self._ctl(b), opt.seed, stream, slot, float(spec.ess),
+                       float(spec.wd), const, float(sign), mode, sync)
+        self.params_hold_mean = False
+
+    def restore(self) -> None:
+        for b in self.opt._buckets:
+            b.flat_param.copy_(b.buffers["mean"])
+        self.params_hold_mean = True
+
+    # ------------------------------------------------------------------ accumulation
+    def _buffers(self, kind: int, b) -> List[Optional[Tensor]]:
+        key = (kind, b.index)
+        if key not in self.pool:
+            self.pool[key] = [torch.empty(b.numel, device=b.device, dtype=b.dtype), None]
+        return self.pool[key]
+
+    def _acc(self, kind: int, b, name: str) -> Tensor:
+        """The pool buffer of a pending sum, holding the pending value (a state dict
+        loaded since may have put another tensor there)."""
+        bufs = self._buffers(kind, b)
+        i = 0 if name == "g" else 1
+        if bufs[i] is None:
+            bufs[i] = torch.empty(b.numel, device=b.device, dtype=b.dtype)
+        sums = self.opt._pending.sums
+        cur = sums.get((kind, b.index, name))
+        if cur is not None and cur is not bufs[i]:
+            bufs[i].copy_(cur)
+            sums[(kind, b.index, name)] = bufs[i]
+        return bufs[i]
+
+    def _gather_grads(self, b) -> Tensor:
+        """The bucket's gradients as one flat buffer of the parameter dtype: free when the
+        gradients already are views of it, one foreach copy otherwise."""
+        base, size = b.grad_flat.data_ptr(), b.grad_flat.element_size()
+        srcs, dsts, zero = [], [], []
+        for p, off, view in zip(b.params, b.offsets, b.grad_views):
+            g = p.grad
+            if g is None:
+                zero.append(view)
+            elif g.data_ptr() != base + off * size or g.dtype != b.param_dtype:
+                if g.is_sparse:
+                    raise RuntimeError("poco_kernels optimizers do not support sparse gradients")
+                srcs.append(g.detach())
+                dsts.append(view)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        if zero:
+            torch._foreach_zero_(zero)
+        return b.grad_flat
+
+    def noise_of(self, kind: int, b, draw: int = 0) -> Optional[Tuple[int, int, float]]:
+        """(stream, counter slot, sign) of draw ``draw`` of a kind, or None (no noise)."""
+        spec = self.opt._sample_spec(b, self.opt.param_groups[b.group_index], kind, draw)
+        if spec.noise is None:
+            return None
+        nk, nd, slot, sign = spec.noise
+        return _noise.stream_id(b.index, nk, nd), slot, float(sign)
+
+    def accumulate(self, kind: int, draw: int) -> None:
+        opt = self.opt
+        sums = opt._pending.sums
+        for b in opt._buckets:
+            grad = self._gather_grads(b)
+            first = (kind, b.index, "g") not in sums
+            acc_g = self._acc(kind, b, "g")
+            noise = self.active_noise.get(b.index)
+            want_ge = opt.uses_hessian and noise is not None
+            ge_live = (kind, b.index, "ge") in sums
+            acc_ge = None
+            if want_ge and (draw >= 1 or ge_live):
+                acc_ge = self._acc(kind, b, "ge")
+                if not ge_live:
+                    if first:
+                        acc_ge.zero_()
+                    else:              # sums so far are all of draw 0: materialise g * eps_0
+                        s0, slot0, sign0 = self.noise_of(kind, b, 0)
+                        ops.fold_ge(acc_g, acc_ge, self._ctl(b), opt.seed, s0, slot0, sign0)
+                    sums[(kind, b.index, "ge")] = acc_ge
+            stream, slot, sign = noise if noise is not None else (0, 0, 1.0)
+            ops.accumulate(grad, acc_g, acc_ge, self._ctl(b), opt.seed, stream, slot, sign,
+                           first, acc_ge is not None)
+            sums[(kind, b.index, "g")] = acc_g
+
+    def materialise_ge(self) -> None:
+        """Give every pending noisy sum its ``g * eps`` sum (for the state dict, which
+        has the reference backend's layout)."""
+        opt = self.opt
+        if not opt.uses_hessian:
+            return
+        for kind, count in opt._pending.count.items():
+            if count == 0:
+                continue
+            for b in opt._buckets:
+                if (kind, b.index, "ge") in opt._pending.sums:
+                    continue
+                noise = self.noise_of(kind, b, 0)
+                if noise is None:
+                    continue
+                acc_g = self._acc(kind, b, "g")
+                acc_ge = self._acc(kind, b, "ge")
+                ops.fold_ge(acc_g, acc_ge, self._ctl(b), opt.seed, *noise)
+                opt._pending.sums[(kind, b.index, "ge")] = acc_ge
+
+    # ------------------------------------------------------------------ updates
+    def _amp(self, b, found_inf: Optional[Tensor], grad_scale: Optional[Tensor]):
+        fi = None if found_inf is None else found_inf.to(b.device, non_blocking=True)
+        gs = None if grad_scale is None else grad_scale.to(b.device, non_blocking=True)
+        return fi, gs
+
+    def _raise_if_bad(self, slot: int, found_inf) -> None:
+        bad = any(bool(c[K.CTL_BAD] != 0) for c in self.ctl.values())
+        if bad:
+            for c in self.ctl.values():
+                ops.finish(c, found_inf, slot)
+            raise ValueError("non-finite gradient (inf or nan): the update was not taken and "
+                             "the optimizer state is unchanged (with AMP, pass found_inf to skip)")
+
+    def _finish(self, slot: int, found_inf: Optional[Tensor]) -> None:
+        for dev, c in self.ctl.items():
+            fi = None if found_inf is None else found_inf.to(dev, non_blocking=True)
+            ops.finish(c, fi, slot)
+
+    def step(self, corr: bool, grad_scale, found_inf) -> None:
+        from ._core import KIND_INNER, KIND_OUTER, COUNTER_STEPS
+        opt = self.opt
+        pend = opt._pending
+        sums = pend.sums
+        n_in = pend.count[KIND_INNER]
+        n_o = pend.count[KIND_OUTER] if corr else 0
+        for b in opt._buckets:
+            group = opt.param_groups[b.group_index]
+            t = opt._triton_step(b, group)
+            g_in = self._acc(KIND_INNER, b, "g")
+            ge_in = self._acc(KIND_INNER, b, "ge") if (KIND_INNER, b.index, "ge") in sums else None
+            noise_in = self.noise_of(KIND_INNER, b, 0) if opt.uses_hessian else None
+            g_o = ge_o = noise_o = None
+            if corr:
+                g_o = self._acc(KIND_OUTER, b, "g")
+                if (KIND_OUTER, b.index, "ge") in sums:
+                    ge_o = self._acc(KIND_OUTER, b, "ge")
+                noise_o = self.noise_of(KIND_OUTER, b, 0) if opt.uses_hessian else None
+            shared = (noise_in is not None and noise_o is not None and noise_in == noise_o
+                      and ge_in is None and ge_o is None)
+            flags = ops.step_flags(
+                t["family"], CORR=corr, GE_IN=ge_in is not None, GE_O=ge_o is not None,
+                SHARED_NOISE=shared, **t["flags"])
+            hp = t["hp"]
+            fi, gs = self._amp(b, found_inf, grad_scale)
+            ops.step(b.buffers["mean"], b.flat_param, t.get("s1"), t.get("s2"), g_in, ge_in,
+                     g_o, ge_o, b.buffers.get("g_out") if corr else None,
+                     b.buffers.get("h_out") if corr else None,
+                     b.buffers.get("m_out") if corr else None,
+                     b.buffers.get("sigma_out") if corr else None,
+                     self._ctl(b), fi, gs,
+                     [opt.seed, noise_in[0] if noise_in else 0, noise_o[0] if noise_o else 0],
+                     [noise_o[2] if noise_o else 1.0, 1.0 / n_in, 1.0 / n_o if n_o else 0.0,
+                      hp.get("lr", 0.0), hp.get("beta1", 0.0), hp.get("beta2", 0.0),
+                      hp.get("wd", 0.0), hp.get("ess", 1.0), hp.get("alpha", 0.0),
+                      hp.get("hess_corr", 0.0), hp.get("floor", 0.0), hp.get("clip", 0.0),
+                      hp.get("momentum", 0.0), hp.get("dampening", 0.0), hp.get("eps", 0.0),
+                      hp.get("mom_first", 0.0)],
+                     flags)
+        self.params_hold_mean = True
+        if opt.check_finite:
+            self._raise_if_bad(COUNTER_STEPS, found_inf)
+        self._finish(COUNTER_STEPS, found_inf)
+
+    def refresh(self, grad_scale, found_inf) -> None:
+        from ._core import KIND_REFRESH, COUNTER_REFRESHES
+        opt = self.opt
+        pend = opt._pending
+        n = pend.count[KIND_REFRESH]
+        for b in opt._buckets:
+            group = opt.param_groups[b.group_index]
+            r = opt._triton_refresh(b, group)
+            acc_g = self._acc(KIND_REFRESH, b, "g")
+            acc_ge = (self._acc(KIND_REFRESH, b, "ge")
+                      if (KIND_REFRESH, b.index, "ge") in pend.sums else None)
+            noise = self.noise_of(KIND_REFRESH, b, 0)
+            fi, gs = self._amp(b, found_inf, grad_scale)
+            hp = r["hp"]
+            ops.refresh(b.buffers["mean"], r.get("h"), acc_g, acc_ge, r["g_out"], r.get("h_out"),
+                        r["m_out"], r.get("sigma_out"), self._ctl(b), fi, gs, opt.seed,
+                        noise[0] if noise else 0,
+                        [1.0 / n, hp.get("ess", 1.0), hp.get("wd", 0.0), hp.get("rho1", 0.0),
+                         hp.get("rho2", 0.0), hp.get("sigma", 0.0)],
+                        r["family"], acc_ge is not None, noise is not None)
+        if opt.check_finite:
+            self._raise_if_bad(COUNTER_REFRESHES, found_inf)
+        self._finish(COUNTER_REFRESHES, found_inf)

@@ -1,0 +1,353 @@
+"""Ahead-of-time compilation of the Triton kernels for real GPU targets, no GPU needed.
+
+Every kernel of :mod:`poco_kernels.kernels.triton_kernels` is compiled, in the code paths
+that matter (:func:`variants`), with ``triton.compile`` for a ``GPUTarget("cuda", cc, 32)``;
+the PTX is then assembled by Triton's bundled ``ptxas -v`` (same flags as Triton's own
+cubin stage) and the resource usage parsed (:func:`resource_report`): registers per thread,
+spill stores/loads and stack frame.  A kernel that spills, or that does not compile at
+all for a target, shows here instead of on the first GPU run.
+
+Run ``python -m poco_kernels.kernels.aot`` for the table (``--json`` for machine-readable
+rows, ``--cc 80 --cc 90`` to choose targets); ``tests/test_triton_aot.py`` fails on any
+compile error or spill.
+
+Under ``TRITON_INTERPRET=1`` (the test suite) ``triton.jit`` makes interpreter wrappers
+that ``triton.compile`` cannot take, so :func:`report` then compiles in a subprocess with
+the variable removed from its environment.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
+
+__all__ = ["Variant", "variants", "signature", "compile_variant", "ptxas_path",
+           "toolchain_status", "parse_ptxas_log", "resource_report", "report", "format_table",
+           "main"]
+
+DEFAULT_CCS = (80, 90)
+
+# --------------------------------------------------------------------------- argument types
+# Pointer arguments that hold parameters/gradients (their dtype is the parameters'); every
+# other ``*_ptr`` is float32 state, except the int64 control tensor.
+_PARAM_PTRS = {"param_ptr", "grad_ptr"}
+_PTR_TYPES = {"ctl_ptr": "*i64", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32"}
+_I64 = {"n", "seed"}
+_I32 = {"stream", "stream_o", "counter_slot", "slot"}
+_FP32 = {"ess", "wd", "sigma_const", "sign", "sign_o", "inv_n_in", "inv_n_o", "inv_n", "lr",
+         "beta1", "beta2", "alpha", "hess_corr", "floor_c", "clip", "momentum", "dampening",
+         "eps_adam", "mom_first", "rho1", "rho2"}
+
+
+class Variant(NamedTuple):
+    """One compilation: a kernel, its full signature, its constexpr values, its warps."""
+    name: str
+    kernel: Any
+    signature: Dict[str, str]
+    constexprs: Dict[str, Any]
+    num_warps: int
+
+
+def _python_fn(kernel):
+    """The Python function behind a ``triton.jit`` object (compiled or interpreted)."""
+    return getattr(kernel, "fn", kernel)
+
+
+def constexpr_names(kernel) -> List[str]:
+    """The arguments of ``kernel`` annotated ``tl.constexpr``, in order."""
+    import triton.language as tl
+    out = []
+    for p in inspect.signature(_python_fn(kernel)).parameters.values():
+        ann = p.annotation
+        if ann is tl.constexpr or (isinstance(ann, str) and ann.split(".")[-1] == "constexpr"):
+            out.append(p.name)
+    return out
+
+
+def signature(kernel, constexprs: Dict[str, Any], dtype: str = "fp32") -> Dict[str, str]:
+    """The signature of ``kernel`` for ``triton.compile``: every argument of ``arg_names``,
+    typed by name (``dtype`` is the parameters'/gradients' element type), constexpr
+    arguments ``"constexpr"``.  An argument this module does not know, a constexpr without
+    a value or a value for a non-constexpr argument raises: the variants must follow
+    the kernels."""
+    cnames = constexpr_names(kernel)
+    missing = [c for c in cnames if c not in constexprs]
+    extra = [c for c in constexprs if c not in cnames]
+    if missing or extra:
+        raise ValueError(f"{kernel.__name__}: constexprs without a value {missing}, "
+                         f"values for non-constexpr arguments {extra}")
+    sig = {}
+    for a in kernel.arg_names:
+        if a in cnames:
+            sig[a] = "constexpr"
+        elif a in _PARAM_PTRS:
+            sig[a] = "*" + dtype
+        elif a.endswith("_ptr"):
+            sig[a] = _PTR_TYPES.get(a, "*fp32")
+        elif a in _I64:
+            sig[a] = "i64"
+        elif a in _I32:
+            sig[a] = "i32"
+        elif a in _FP32:
+            sig[a] = "fp32"
+        else:
+            raise ValueError(f"{kernel.__name__}: no type known for argument {a!r}; add it "
+                             f"to poco_kernels.kernels.aot")
+    return sig
+
+
+_STEP_OFF = dict(FAMILY=0, CORR=False, GE_IN=False, GE_O=False, SHARED_NOISE=False,
+                 HESS_CORR=False, FLOOR=False, CLIP=False, DEBIAS=False, MOMENTUM=False,
+                 NESTEROV=False, HAS_FOUND_INF=True, HAS_SCALE=True)
+
+
+def variants() -> List[Variant]:
+    """Every kernel, in the code paths that matter (the heaviest ones included)."""
+    from . import triton_kernels as K
+
+    block, warps = K.BLOCK, K.NUM_WARPS
+    out: List[Variant] = []
+
+    def add(name, kernel, dtype="fp32", num_warps=warps, **constexprs):
+        if "BLOCK" in constexpr_names(kernel):
+            constexprs.setdefault("BLOCK", block)
+        out.append(Variant(name, kernel, signature(kernel, constexprs, dtype), constexprs,
+                           num_warps))
+
+    # samples
+    add("sample[ivon,sync,fp32]", K.sample_kernel, "fp32", SIGMA_MODE=K.SIGMA_IVON, SYNC=True)
+    add("sample[buffer,bf16]", K.sample_kernel, "bf16", SIGMA_MODE=K.SIGMA_BUFFER, SYNC=False)
+    # gradient sums (FIRST=False: the read-modify-write of acc_g, the heavier path)
+    add("accumulate[ge,bf16]", K.accumulate_kernel, "bf16", FIRST=False, GE=True)
+    add("accumulate[ge,fp32]", K.accumulate_kernel, "fp32", FIRST=False, GE=True)
+    add("fold_ge", K.fold_ge_kernel)
+    # steps
+    ivon_full = dict(_STEP_OFF, FAMILY=K.FAMILY_IVON, CORR=True, HESS_CORR=True, FLOOR=True,
+                     CLIP=True, DEBIAS=True)
+    add("step[ivon,full,fp32]", K.step_kernel, "fp32", **ivon_full)
+    add("step[ivon,full,bf16]", K.step_kernel, "bf16", **ivon_full)
+    add("step[ivon,nocorr,bf16]", K.step_kernel, "bf16",
+        **dict(_STEP_OFF, FAMILY=K.FAMILY_IVON, CLIP=True, DEBIAS=True))
+    add("step[ivon,ge_in+ge_o,fp32]", K.step_kernel, "fp32",
+        **dict(ivon_full, GE_IN=True, GE_O=True))
+    add("step[sgd,mom+nesterov+corr,bf16]", K.step_kernel, "bf16",
+        **dict(_STEP_OFF, FAMILY=K.FAMILY_SGD, CORR=True, MOMENTUM=True, NESTEROV=True))
+    add("step[adamw,corr,fp32]", K.step_kernel, "fp32",
+        **dict(_STEP_OFF, FAMILY=K.FAMILY_ADAMW, CORR=True))
+    # refreshes
+    add("refresh[ivon]", K.refresh_kernel, FAMILY=K.FAMILY_IVON, GE=False, NOISY=False,
+        HAS_FOUND_INF=True, HAS_SCALE=True)
+    add("refresh[sgd,noisy]", K.refresh_kernel, FAMILY=K.FAMILY_SGD, GE=False, NOISY=True,
+        HAS_FOUND_INF=True, HAS_SCALE=True)
+    # bookkeeping (launched with one warp, see triton_ops._finish)
+    add("finish", K.finish_kernel, num_warps=1, HAS_FOUND_INF=True)
+    return out
+
+
+def _variant(name: str) -> Variant:
+    for v in variants():
+        if v.name == name:
+            return v
+    raise KeyError(name)
+
+
+# --------------------------------------------------------------------------- toolchain
+def interpreting() -> bool:
+    """True when ``triton.jit`` objects are interpreter wrappers (not compilable here)."""
+    import triton
+    from . import triton_kernels as K
+    return not isinstance(K.step_kernel, triton.runtime.JITFunction)
+
+
+def ptxas_path(cc: int) -> str:
+    """Triton's bundled ptxas for ``cc`` (``ptxas-blackwell`` from sm_90 on)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    return get_ptxas(cc).path
+
+
+def toolchain_status(cc: int) -> Optional[str]:
+    """None when ``cc`` can be compiled for here; else the reason it cannot."""
+    try:
+        import triton  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except Exception as exc:
+        return f"triton (with its compiler) cannot be imported: {type(exc).__name__}: {exc}"
+    try:
+        path = ptxas_path(cc)
+    except Exception as exc:
+        return f"no ptxas for sm_{cc}: {type(exc).__name__}: {exc}"
+    if not (path and os.path.isfile(path) and os.access(path, os.X_OK)):
+        return f"ptxas for sm_{cc} not found or not executable: {path!r}"
+    return None
+
+
+def _arch(cc: int) -> str:
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
+    return sm_arch_from_capability(cc)  # sm_80, sm_90a
+
+
+# --------------------------------------------------------------------------- compile
+def compile_variant(variant: Variant, cc: int, aligned: bool = True):
+    """``triton.compile`` of ``variant`` for ``cuda:cc`` (warp size 32); the compiled kernel
+    (``.asm['ptx']``, ``.asm['cubin']``).  ``aligned``: pointers carry
+    ``tt.divisibility=16``, as a launch on torch allocations (16-byte aligned) gets."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not isinstance(variant.kernel, triton.runtime.JITFunction):
+        raise RuntimeError("the kernels are Triton interpreter wrappers (TRITON_INTERPRET is "
+                           "set): compile in a process without it (report() does)")
+    attrs = {}
+    if aligned:
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(variant.kernel.arg_names)
+                 if variant.signature[a].startswith("*")}
+    src = ASTSource(fn=variant.kernel, signature=dict(variant.signature),
+                    constexprs=dict(variant.constexprs), attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                          options={"num_warps": variant.num_warps})
+
+
+_RE_REGS = re.compile(r"Used (\d+) registers")
+_RE_SPILL_ST = re.compile(r"(\d+) bytes spill stores")
+_RE_SPILL_LD = re.compile(r"(\d+) bytes spill loads")
+_RE_STACK = re.compile(r"(\d+) bytes stack frame")
+
+
+def parse_ptxas_log(log: str) -> Dict[str, int]:
+    """Resource usage from ``ptxas -v`` output: the most registers of any function, and
+    spill stores/loads and stack frame summed over every function in the log (a kernel
+    is one entry; any non-inlined callee counts against it)."""
+    regs = [int(x) for x in _RE_REGS.findall(log)]
+    if not regs:
+        raise ValueError(f"no 'Used N registers' line in the ptxas output:\n{log}")
+    return {"registers": max(regs),
+            "spill_stores": sum(int(x) for x in _RE_SPILL_ST.findall(log)),
+            "spill_loads": sum(int(x) for x in _RE_SPILL_LD.findall(log)),
+            "stack": sum(int(x) for x in _RE_STACK.findall(log))}
+
+
+def resource_report(ptx: str, cc: int) -> Dict[str, Any]:
+    """Assemble ``ptx`` with ``ptxas -v`` for ``cc`` (Triton's flags: ``-lineinfo
+    --regAllocOptLevel=2``) and parse its resource usage (:func:`parse_ptxas_log`); the raw
+    log is under ``"log"``."""
+    with tempfile.TemporaryDirectory(prefix="poco_aot_") as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [ptxas_path(cc), "-lineinfo", "-v", "--regAllocOptLevel=2",
+               f"--gpu-name={_arch(cc)}", src, "-o", os.path.join(d, "k.cubin")]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+    log = p.stdout + p.stderr
+    if p.returncode != 0:
+        raise RuntimeError(f"ptxas failed ({p.returncode}): {' '.join(cmd)}\n{log}")
+    return dict(parse_ptxas_log(log), log=log)
+
+
+def _row(name: str, cc: int) -> Dict[str, Any]:
+    """Compile one variant for one target and measure it (one pool task)."""
+    row: Dict[str, Any] = {"variant": name, "cc": cc, "arch": None, "registers": None,
+                           "spill_stores": None, "spill_loads": None, "stack": None,
+                           "seconds": None, "error": None}
+    t0 = time.perf_counter()
+    try:
+        row["arch"] = _arch(cc)
+        compiled = compile_variant(_variant(name), cc)
+        res = resource_report(compiled.asm["ptx"], cc)
+        res.pop("log")
+        row.update(res)
+    except Exception as exc:  # reported per row: one broken variant does not hide the rest
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def _report_here(ccs: Sequence[int], workers: Optional[int]) -> List[Dict[str, Any]]:
+    tasks = [(v.name, cc) for cc in ccs for v in variants()]
+    workers = workers or min(len(tasks), os.cpu_count() or 1)
+    if workers <= 1:
+        return [_row(n, cc) for n, cc in tasks]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(_row, n, cc) for n, cc in tasks]
+        return [f.result() for f in futures]
+
+
+def _report_subprocess(ccs: Sequence[int], workers: Optional[int],
+                       timeout: Optional[float]) -> List[Dict[str, Any]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    cmd = [sys.executable, "-m", "poco_kernels.kernels.aot", "--json"]
+    for cc in ccs:
+        cmd += ["--cc", str(cc)]
+    if workers:
+        cmd += ["--workers", str(workers)]
+    p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return json.loads(lines[-1])
+
+
+def report(ccs: Iterable[int] = DEFAULT_CCS, workers: Optional[int] = None,
+           timeout: Optional[float] = None) -> List[Dict[str, Any]]:
+    """One row per (variant, cc): ``variant, cc, arch, registers, spill_stores, spill_loads,
+    stack, seconds, error`` (``error`` is None when it compiled).  Compiles in parallel
+    processes; in a subprocess without ``TRITON_INTERPRET`` when this one interprets."""
+    ccs = tuple(int(c) for c in ccs)
+    if interpreting():
+        return _report_subprocess(ccs, workers, timeout)
+    return _report_here(ccs, workers)
+
+
+def format_table(rows: Sequence[Dict[str, Any]]) -> str:
+    """The rows as a text table."""
+    head = ("variant", "arch", "regs", "spill st", "spill ld", "stack", "s")
+    body = []
+    for r in rows:
+        if r.get("error"):
+            body.append((r["variant"], r.get("arch") or f"cc{r['cc']}", "ERROR", "", "", "",
+                         str(r.get("seconds", ""))))
+        else:
+            body.append((r["variant"], r["arch"], str(r["registers"]), str(r["spill_stores"]),
+                         str(r["spill_loads"]), str(r["stack"]), str(r["seconds"])))
+    w = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
+    fmt = lambda x: "  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i])  # noqa: E731
+                              for i, c in enumerate(x))
+    lines = [fmt(head), fmt(tuple("-" * n for n in w))] + [fmt(x) for x in body]
+    lines += [f"{r['variant']} [{r.get('arch') or r['cc']}]: {r['error']}"
+              for r in rows if r.get("error")]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m poco_kernels.kernels.aot",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cc", type=int, action="append",
+                    help="compute capability (repeatable; default 80 and 90)")
+    ap.add_argument("--workers", type=int, default=None, help="parallel compile processes")
+    ap.add_argument("--json", action="store_true", help="print the rows as one JSON line")
+    args = ap.parse_args(argv)
+    ccs = tuple(args.cc or DEFAULT_CCS)
+    t0 = time.perf_counter()
+    rows = report(ccs, args.workers)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(format_table(rows))
+        print(f"{len(rows)} compilations in {time.perf_counter() - t0:.1f} s")
+    bad = any(r["error"] or r["spill_stores"] or r["spill_loads"] for r in rows)
+    return 1 if bad and not args.json else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
