@@ -1,0 +1,384 @@
+"""Every Triton kernel against the reference functions, under TRITON_INTERPRET=1.
+
+Fresh random inputs of odd sizes (not multiples of the block), float32 / bfloat16 /
+float16 parameters and gradients, float32 state; tolerances from ``tolerances.py``.
+"""
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from poco_kernels import noise  # noqa: E402
+from poco_kernels import reference as R  # noqa: E402
+from poco_kernels.ivon import ivon_inner_update, ivon_refresh_update  # noqa: E402
+from poco_kernels.kernels import triton_kernels as K  # noqa: E402
+from poco_kernels.kernels import triton_ops as ops  # noqa: E402
+from tolerances import PARAM, STATE, assert_close  # noqa: E402
+
+SIZES = [1, 1023, 2 * K.BLOCK + 77]        # below, around and above the block size
+PDTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SEED = 987654321123
+
+
+def _gen(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return lambda scale=1.0, shift=0.0: torch.randn(n, generator=g) * scale + shift
+
+
+def _ctl(steps=0, refreshes=0, bad=0):
+    return torch.tensor([steps, refreshes, bad, 0], dtype=torch.int64)
+
+
+def _eps(n, counter, stream, sign=1.0):
+    return noise.randn(n, SEED, counter, stream) * sign
+
+
+# --------------------------------------------------------------------------- sample
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("pdtype, sync", [(d, False) for d in PDTYPES] + [(torch.float32, True)])
+@pytest.mark.parametrize("mode", ["none", "h", "buffer", "const"])
+def test_sample_kernel(n, pdtype, mode, sync):
+    """(SYNC is for float32 parameters, which hold the mean between steps.)"""
+    r = _gen(n, hash((n, str(pdtype), mode, sync)) % 2 ** 31)
+    centre = r()
+    h = r().abs() + 0.1
+    sigma_buf = r().abs() * 0.1
+    ess, wd, const, sign, counter, stream = 37.0, 3e-3, 0.25, -1.0, 5, noise.stream_id(3, 1, 2)
+    param = (centre if sync else r()).to(pdtype).clone()
+    mean = torch.full((n,), float("nan"))
+    ctl = _ctl(steps=counter)
+    mode_id = {"none": K.SIGMA_NONE, "h": K.SIGMA_IVON, "buffer": K.SIGMA_BUFFER,
+               "const": K.SIGMA_CONST}[mode]
+    ops.sample(param, param if sync else centre, mean, h, sigma_buf, ctl, SEED, stream, 0,
+               ess, wd, const, sign, mode_id, sync)
+    sigma = {"none": None, "h": R.ivon_sigma(h, ess, wd), "buffer": sigma_buf,
+             "const": const}[mode]
+    eps = None if mode == "none" else _eps(n, counter, stream, sign)
+    expect = R.perturb(centre, sigma, eps).to(pdtype)
+    assert_close(param, expect, PARAM[pdtype], "theta")
+    if sync:
+        assert torch.equal(mean, centre)
+    else:
+        assert torch.isnan(mean).all(), "without SYNC the mean buffer is not written"
+
+
+# --------------------------------------------------------------------------- accumulate
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("pdtype", PDTYPES)
+def test_accumulate_and_fold_kernels(n, pdtype):
+    """Three draws of two chunks each: acc_g is the sum of all gradients, acc_ge the sum
+    of gradient * eps of its draw (draw 0 folded in when draw 1 starts)."""
+    r = _gen(n, n + 17)
+    ctl = _ctl(refreshes=4)
+    acc_g, acc_ge = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
+    exp_g, exp_ge = torch.zeros(n), torch.zeros(n)
+    first = True
+    for draw in range(3):
+        stream, sign = noise.stream_id(1, 2, draw // 2), (-1.0 if draw % 2 else 1.0)
+        if draw == 1:
+            s0 = noise.stream_id(1, 2, 0)
+            ops.fold_ge(acc_g, acc_ge, ctl, SEED, s0, 1, 1.0)
+            assert_close(acc_ge, exp_ge, STATE[torch.float32], "fold")
+        for _ in range(2):
+            g = r().to(pdtype)
+            ops.accumulate(g, acc_g, acc_ge, ctl, SEED, stream, 1, sign, first, draw >= 1)
+            first = False
+            exp_g += g.float()
+            exp_ge += g.float() * _eps(n, 4, stream, sign)
+        assert_close(acc_g, exp_g, STATE[torch.float32], f"acc_g draw {draw}")
+    assert_close(acc_ge, exp_ge, STATE[torch.float32], "acc_ge")
+    assert int(ctl[K.CTL_BAD]) == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_accumulate_flags_nonfinite_gradients(bad):
+    n = 3001
+    g = torch.randn(n)
+    g[2345] = bad
+    ctl = _ctl()
+    acc = torch.zeros(n)
+    ops.accumulate(g, acc, None, ctl, SEED, 0, 0, 1.0, True, False)
+    assert int(ctl[K.CTL_BAD]) == 1
+    ok = _ctl()
+    ops.accumulate(torch.randn(n), acc, None, ok, SEED, 0, 0, 1.0, True, False)
+    assert int(ok[K.CTL_BAD]) == 0
+
+
+# --------------------------------------------------------------------------- IVON step
+def _ivon_group(**kw):
+    g = dict(lr=0.07, ess=50.0, hess_init=0.3, beta1=0.9, beta2=0.995, weight_decay=2e-3,
+             clip_radius=0.4, debias=True, rescale_lr=True, alpha=0.7, hess_corr_scale=0.5,
+             hess_floor=None)
+    g.update(kw)
+    return g
+
+
+IVON_CASES = {
+    "ivon": dict(corr=False),
+    "ivon-noclip-nodebias": dict(corr=False, clip_radius=math.inf, debias=False),
+    "poco-shared": dict(corr=True),
+    "poco-independent": dict(corr=True, independent=True),
+    "poco-floor": dict(corr=True, hess_floor=0.5),
+    "poco-no-hess-corr": dict(corr=True, hess_corr_scale=0.0),
+    "poco-mc2": dict(corr=True, mc=2),
+    "poco-before-first-refresh": dict(corr=True, refreshes=0),
+}
+
+
+def _step_args(case, group, n, pdtype, seed):
+    r = _gen(n, seed)
+    c = dict(case)
+    corr, mc, steps = c.pop("corr"), c.pop("mc", 1), 6
+    independent, refreshes = c.pop("independent", False), c.pop("refreshes", 3)
+    group = dict(group, **c)
+    wd = group["weight_decay"]
+    st = dict(mean=r(), h=r(0.3).abs() + 0.05, momentum=r(0.1))
+    st["param"] = r().to(pdtype)            # holds the sample: overwritten with the new mean
+    s_in = noise.stream_id(2, 0, 0)
+    s_o = noise.stream_id(2, 1 if independent else 0, 0)
+    g_in = sum(r() for _ in range(mc))
+    ge_in = sum(r() for _ in range(mc)) if mc > 1 else None
+    outer = None
+    if corr:
+        outer = dict(g_o=sum(r() for _ in range(mc)),
+                     ge_o=sum(r() for _ in range(mc)) if mc > 1 else None,
+                     g_out=r(), h_out=r(0.5), m_out=st["mean"] + r(0.05),
+                     sigma_out=R.ivon_sigma(st["h"] + r(0.01).abs(), group["ess"], wd))
+    return dict(st=st, g_in=g_in, ge_in=ge_in, outer=outer, mc=mc, steps=steps,
+                refreshes=refreshes, s_in=s_in, s_o=s_o, independent=independent, group=group)
+
+
+def _run_ivon_step(a, found_inf=None, bad=0):
+    st, grp, outer = a["st"], a["group"], a["outer"]
+    wd = grp["weight_decay"]
+    corr = outer is not None
+    flags = ops.step_flags(K.FAMILY_IVON, CORR=corr, GE_IN=a["ge_in"] is not None,
+                           GE_O=corr and outer["ge_o"] is not None,
+                           SHARED_NOISE=corr and not a["independent"] and a["mc"] == 1,
+                           HESS_CORR=grp["hess_corr_scale"] != 0,
+                           FLOOR=grp["hess_floor"] is not None,
+                           CLIP=math.isfinite(grp["clip_radius"]), DEBIAS=grp["debias"])
+    ctl = _ctl(steps=a["steps"], refreshes=a["refreshes"], bad=bad)
+    o = outer or {}
+    hp = [1.0, 1.0 / a["mc"], 1.0 / a["mc"],
+          R.ivon_lr(grp["lr"], grp["hess_init"], wd, grp["rescale_lr"]), grp["beta1"],
+          grp["beta2"], wd, grp["ess"], grp["alpha"], grp["hess_corr_scale"],
+          grp["hess_floor"] or 0.0,
+          grp["clip_radius"] if math.isfinite(grp["clip_radius"]) else 0.0, 0.0, 0.0, 0.0, 0.0]
+    ops.step(st["mean"], st["param"], st["momentum"], st["h"], a["g_in"], a["ge_in"],
+             o.get("g_o"), o.get("ge_o"), o.get("g_out"), o.get("h_out"), o.get("m_out"),
+             o.get("sigma_out"), ctl, found_inf, None, [SEED, a["s_in"], a["s_o"]], hp, flags)
+    return ctl
+
+
+def _ivon_expected(a):
+    st, grp, outer, n = a["st"], a["group"], a["outer"], a["mean_n"]
+    mc = a["mc"]
+    g_in = a["g_in"] / mc
+    ge_in = (a["ge_in"] / mc if a["ge_in"] is not None
+             else g_in * _eps(n, a["steps"], a["s_in"]))
+    o = None
+    if outer is not None and a["refreshes"] > 0:
+        g_o = outer["g_o"] / mc
+        ge_o = (outer["ge_o"] / mc if outer["ge_o"] is not None
+                else g_o * _eps(n, a["steps"], a["s_o"]))
+        o = dict(g_o=g_o, ge_o=ge_o, **{k: outer[k] for k in ("g_out", "h_out", "m_out",
+                                                             "sigma_out")})
+    return ivon_inner_update(mean=st["mean"], h=st["h"], g=st["momentum"], g_in=g_in,
+                             ge_in=ge_in, outer=o, group=grp, step=a["steps"] + 1)
+
+
+@pytest.mark.parametrize("n", SIZES[1:])
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(IVON_CASES))
+def test_step_kernel_ivon_family(n, pdtype, case):
+    a = _step_args(IVON_CASES[case], _ivon_group(), n, pdtype, seed=n * 7 + len(case))
+    a["mean_n"] = n
+    before = {k: v.clone() for k, v in a["st"].items()}
+    a["st"] = {k: v.clone() for k, v in before.items()}
+    exp = _ivon_expected(dict(a, st=before))
+    ctl = _run_ivon_step(a)
+    for k in ("mean", "h", "momentum"):
+        assert_close(a["st"][k], exp[k], STATE[torch.float32], f"{case}: {k}")
+    assert_close(a["st"]["param"], exp["mean"].to(pdtype), PARAM[pdtype], f"{case}: param")
+    assert int(ctl[0]) == a["steps"], "the step kernel does not advance the counter (finish does)"
+
+
+@pytest.mark.parametrize("why", ["found_inf", "bad_gradient"])
+def test_step_kernel_skips_and_puts_the_mean_back(why):
+    n = 2049
+    a = _step_args(IVON_CASES["poco-shared"], _ivon_group(), n, torch.bfloat16, seed=5)
+    before = {k: v.clone() for k, v in a["st"].items()}
+    found_inf = torch.ones(1) if why == "found_inf" else torch.zeros(1)
+    _run_ivon_step(a, found_inf=found_inf, bad=int(why == "bad_gradient"))
+    for k in ("mean", "h", "momentum"):
+        assert torch.equal(a["st"][k], before[k]), k
+    assert_close(a["st"]["param"], before["mean"].to(torch.bfloat16), PARAM[torch.bfloat16],
+                 "param = old mean")
+    # guard: the same call without the skip changes the state
+    a["st"] = {k: v.clone() for k, v in before.items()}
+    _run_ivon_step(a, found_inf=torch.zeros(1))
+    assert not torch.equal(a["st"]["mean"], before["mean"])
+
+
+def test_step_kernel_grad_scale_divides_the_gradients():
+    n = 1500
+    a = _step_args(IVON_CASES["poco-shared"], _ivon_group(), n, torch.float32, seed=9)
+    a["mean_n"] = n
+    before = {k: v.clone() for k, v in a["st"].items()}
+    exp = _ivon_expected(dict(a, st={k: v.clone() for k, v in before.items()}))
+    scale = 1024.0
+    scaled = dict(a, g_in=a["g_in"] * scale,
+                  outer=dict(a["outer"], g_o=a["outer"]["g_o"] * scale))
+    st = {k: v.clone() for k, v in before.items()}
+    o = scaled["outer"]
+    grp = a["group"]
+    flags = ops.step_flags(K.FAMILY_IVON, CORR=True, SHARED_NOISE=True, HESS_CORR=True,
+                           CLIP=True, DEBIAS=True)
+    hp = [1.0, 1.0, 1.0, R.ivon_lr(grp["lr"], grp["hess_init"], grp["weight_decay"], True),
+          grp["beta1"], grp["beta2"], grp["weight_decay"], grp["ess"], grp["alpha"],
+          grp["hess_corr_scale"], 0.0, grp["clip_radius"], 0.0, 0.0, 0.0, 0.0]
+    ops.step(st["mean"], st["param"], st["momentum"], st["h"], scaled["g_in"], None, o["g_o"],
+             None, o["g_out"], o["h_out"], o["m_out"], o["sigma_out"],
+             _ctl(a["steps"], 3), None, torch.tensor([scale]), [SEED, a["s_in"], a["s_o"]],
+             hp, flags)
+    for k in ("mean", "h", "momentum"):
+        assert_close(st[k], exp[k], STATE[torch.float32], k)
+
+
+# --------------------------------------------------------------------------- SGD / AdamW
+SGD_CASES = {
+    "plain": dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, first=False),
+    "momentum-first": dict(momentum=0.9, dampening=0.1, nesterov=False, weight_decay=1e-2,
+                           first=True),
+    "momentum": dict(momentum=0.9, dampening=0.1, nesterov=False, weight_decay=1e-2,
+                     first=False),
+    "nesterov": dict(momentum=0.8, dampening=0.0, nesterov=True, weight_decay=3e-3,
+                     first=False),
+}
+
+
+@pytest.mark.parametrize("n", SIZES[1:])
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(SGD_CASES))
+@pytest.mark.parametrize("corr", [False, True])
+def test_step_kernel_sgd_family(n, pdtype, case, corr):
+    c = SGD_CASES[case]
+    r = _gen(n, n + len(case) + corr)
+    lr, alpha = 0.05, 0.6
+    mean, buf, g_in, g_o, g_out = r(), r(), r(), r(), r()
+    param = r().to(pdtype)
+    m0, b0 = mean.clone(), buf.clone()
+    flags = ops.step_flags(K.FAMILY_SGD, CORR=corr, MOMENTUM=c["momentum"] != 0,
+                           NESTEROV=c["nesterov"])
+    hp = [1.0, 1.0, 1.0, lr, 0.0, 0.0, c["weight_decay"], 1.0, alpha, 0.0, 0.0, 0.0,
+          c["momentum"], c["dampening"], 0.0, float(c["first"])]
+    ops.step(mean, param, buf, None, g_in, None, g_o if corr else None, None,
+             g_out if corr else None, None, None, None, _ctl(4, 1), None, None, [SEED, 0, 0],
+             hp, flags)
+    ghat = R.control_variate(g_in, g_o, g_out, alpha) if corr else g_in
+    exp_m, exp_b = R.sgd_step(m0, ghat, None if c["first"] else b0, lr=lr,
+                              momentum=c["momentum"], dampening=c["dampening"],
+                              weight_decay=c["weight_decay"], nesterov=c["nesterov"])
+    assert_close(mean, exp_m, STATE[torch.float32], "mean")
+    assert_close(param, exp_m.to(pdtype), PARAM[pdtype], "param")
+    if exp_b is not None:
+        assert_close(buf, exp_b, STATE[torch.float32], "momentum_buffer")
+
+
+@pytest.mark.parametrize("n", SIZES[1:])
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("corr", [False, True])
+def test_step_kernel_adamw_family(n, pdtype, corr):
+    r = _gen(n, 3 * n + corr)
+    lr, alpha, b1, b2, eps, wd, steps = 3e-3, 0.5, 0.9, 0.99, 1e-8, 0.05, 11
+    mean, g_in, g_o, g_out = r(), r(), r(), r()
+    ea, eas = r(0.1), r(0.01).square()
+    param = r().to(pdtype)
+    m0, ea0, eas0 = mean.clone(), ea.clone(), eas.clone()
+    hp = [1.0, 1.0, 1.0, lr, b1, b2, wd, 1.0, alpha, 0.0, 0.0, 0.0, 0.0, 0.0, eps, 0.0]
+    ops.step(mean, param, ea, eas, g_in, None, g_o if corr else None, None,
+             g_out if corr else None, None, None, None, _ctl(steps, 2), None, None,
+             [SEED, 0, 0], hp, ops.step_flags(K.FAMILY_ADAMW, CORR=corr))
+    ghat = R.control_variate(g_in, g_o, g_out, alpha) if corr else g_in
+    exp = R.adamw_step(m0, ghat, ea0, eas0, step=steps + 1, lr=lr, beta1=b1, beta2=b2,
+                       eps=eps, weight_decay=wd)
+    for got, e, name in zip((mean, ea, eas), exp, ("mean", "exp_avg", "exp_avg_sq")):
+        assert_close(got, e, STATE[torch.float32], name)
+    assert_close(param, exp[0].to(pdtype), PARAM[pdtype], "param")
+
+
+# --------------------------------------------------------------------------- refresh
+@pytest.mark.parametrize("n", SIZES[1:])
+@pytest.mark.parametrize("refreshes", [0, 3])
+@pytest.mark.parametrize("ge", [False, True])
+def test_refresh_kernel_ivon_family(n, refreshes, ge):
+    r = _gen(n, n + 10 * refreshes + ge)
+    grp = dict(ess=80.0, weight_decay=1e-3, rho1=0.6, rho2=0.1)
+    mean, h = r(), r(0.3).abs() + 0.05
+    g_out, h_out = r(), r()
+    m_out, sigma_out = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
+    k = 3
+    acc_g, acc_ge = r() * k, r() * k
+    stream = noise.stream_id(4, 2, 0)
+    before = dict(g_out=g_out.clone(), h_out=h_out.clone())
+    ops.refresh(mean, h, acc_g, acc_ge if ge else None, g_out, h_out, m_out, sigma_out,
+                _ctl(9, refreshes), None, None, SEED, stream,
+                [1.0 / k, grp["ess"], grp["weight_decay"], grp["rho1"], grp["rho2"], 0.0],
+                K.FAMILY_IVON, ge, True)
+    gM = acc_g / k
+    geM = acc_ge / k if ge else gM * _eps(n, refreshes, stream)
+    exp = ivon_refresh_update(mean=mean, h=h, gM=gM, geM=geM, g_out=before["g_out"],
+                              h_out=before["h_out"], group=grp, first=refreshes == 0)
+    for name, got in (("g_out", g_out), ("h_out", h_out), ("m_out", m_out),
+                      ("sigma_out", sigma_out)):
+        assert_close(got, exp[name], STATE[torch.float32], name)
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_refresh_kernel_sgd_family(noisy):
+    n, k, sigma = 3001, 2, 0.05
+    r = _gen(n, 77 + noisy)
+    mean, acc_g = r(), r()
+    g_out, theta_out = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
+    stream = noise.stream_id(0, 2, 0)
+    ops.refresh(mean, None, acc_g, None, g_out, None, theta_out, None, _ctl(5, 2), None,
+                None, SEED, stream, [1.0 / k, 1.0, 0.0, 0.0, 0.0, sigma], K.FAMILY_SGD,
+                False, noisy)
+    assert_close(g_out, acc_g / k, STATE[torch.float32], "g_out")
+    exp = R.perturb(mean, sigma, _eps(n, 2, stream)) if noisy else mean
+    assert_close(theta_out, exp, STATE[torch.float32], "theta_out")
+
+
+@pytest.mark.parametrize("found_inf, bad, expect", [
+    (None, 0, [8, 3, 0, 1]), (0.0, 0, [8, 3, 0, 1]), (1.0, 0, [7, 3, 0, 2]),
+    (None, 1, [7, 3, 0, 2])])
+def test_finish_kernel(found_inf, bad, expect):
+    ctl = torch.tensor([7, 3, bad, 1], dtype=torch.int64)
+    fi = None if found_inf is None else torch.tensor([found_inf])
+    ops.finish(ctl, fi, 0)
+    assert ctl.tolist() == expect
+
+
+# --------------------------------------------------------------------------- indices
+def test_noise_of_element_indices_past_2_to_32():
+    """Element indices are int64 in every kernel: the noise helper gives element i its
+    stream value for i far past 2**31 and 2**32 (a buffer that large does not fit this
+    machine, so the helper is driven with a large base index)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(out_ptr, base, n, seed, counter, stream, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        idx = base + offs.to(tl.int64)
+        x = K._randn(seed, idx, counter, stream)
+        tl.store(out_ptr + offs, x, mask=offs < n)
+
+    for base in (2 ** 31 - 5, 2 ** 32 - 3, 3 * 2 ** 32 + 11):
+        out = torch.empty(64)
+        probe[(1,)](out, base, 64, SEED, 7, 12345, BLOCK=64)
+        exp = noise.randn(64, SEED, 7, 12345, offset=base)
+        assert_close(out, exp, dict(rtol=1e-5, atol=2e-6), f"base {base}")
