@@ -75,6 +75,8 @@ class TritonEngine:
                    for p, off in zip(b.params, b.offsets))
 
     def check_layout(self) -> None:
+        if torch.compiler.is_compiling():     # storage pointers are not traceable
+            return
         for b in self.opt._buckets:
             if not self._is_flat(b):
                 raise RuntimeError(
@@ -171,13 +173,15 @@ class TritonEngine:
     def _gather_grads(self, b) -> Tensor:
         """The bucket's gradients as one flat buffer of the parameter dtype: free when the
         gradients already are views of it, one foreach copy otherwise."""
-        base, size = b.grad_flat.data_ptr(), b.grad_flat.element_size()
+        compiling = torch.compiler.is_compiling()
+        base = 0 if compiling else b.grad_flat.data_ptr()
+        size = b.grad_flat.element_size()
         srcs, dsts, zero = [], [], []
         for p, off, view in zip(b.params, b.offsets, b.grad_views):
             g = p.grad
             if g is None:
                 zero.append(view)
-            elif g.data_ptr() != base + off * size or g.dtype != b.param_dtype:
+            elif compiling or g.data_ptr() != base + off * size or g.dtype != b.param_dtype:
                 if g.is_sparse:
                     raise RuntimeError("poco_kernels optimizers do not support sparse gradients")
                 srcs.append(g.detach())

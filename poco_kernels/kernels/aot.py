@@ -7,6 +7,12 @@ cubin stage) and the resource usage parsed (:func:`resource_report`): registers 
 spill stores/loads and stack frame.  A kernel that spills, or that does not compile at
 all for a target, shows here instead of on the first GPU run.
 
+What a launch from :mod:`~poco_kernels.kernels.triton_ops` gets is mirrored where it
+matters: ``num_warps``, ``BLOCK``, 16-byte-aligned pointers (``tt.divisibility=16``, as for
+torch allocations), default options otherwise.  Ints are typed by name here (``n``/``seed``
+i64, the large-buffer case); a real launch types them by value (i32 below 2**31), so the
+heaviest step is also compiled with i32 ints.
+
 Run ``python -m poco_kernels.kernels.aot`` for the table (``--json`` for machine-readable
 rows, ``--cc 80 --cc 90`` to choose targets); ``tests/test_triton_aot.py`` fails on any
 compile error or spill.
@@ -116,11 +122,12 @@ def variants() -> List[Variant]:
     block, warps = K.BLOCK, K.NUM_WARPS
     out: List[Variant] = []
 
-    def add(name, kernel, dtype="fp32", num_warps=warps, **constexprs):
+    def add(name, kernel, dtype="fp32", num_warps=warps, types=None, **constexprs):
         if "BLOCK" in constexpr_names(kernel):
             constexprs.setdefault("BLOCK", block)
-        out.append(Variant(name, kernel, signature(kernel, constexprs, dtype), constexprs,
-                           num_warps))
+        sig = signature(kernel, constexprs, dtype)
+        sig.update(types or {})
+        out.append(Variant(name, kernel, sig, constexprs, num_warps))
 
     # samples
     add("sample[ivon,sync,fp32]", K.sample_kernel, "fp32", SIGMA_MODE=K.SIGMA_IVON, SYNC=True)
@@ -134,6 +141,9 @@ def variants() -> List[Variant]:
                      CLIP=True, DEBIAS=True)
     add("step[ivon,full,fp32]", K.step_kernel, "fp32", **ivon_full)
     add("step[ivon,full,bf16]", K.step_kernel, "bf16", **ivon_full)
+    # a launch types its ints by value: n and seed below 2**31 (the usual case) are i32
+    add("step[ivon,full,fp32,i32]", K.step_kernel, "fp32", types={"n": "i32", "seed": "i32"},
+        **ivon_full)
     add("step[ivon,nocorr,bf16]", K.step_kernel, "bf16",
         **dict(_STEP_OFF, FAMILY=K.FAMILY_IVON, CLIP=True, DEBIAS=True))
     add("step[ivon,ge_in+ge_o,fp32]", K.step_kernel, "fp32",

@@ -36,7 +36,10 @@ CTL_SIZE = 4
 BLOCK = 1024
 NUM_WARPS = 4
 
-_NO_SPEC = ["n", "stream", "stream_o", "counter_slot"]
+# Run-time ints that must not create compiled variants (Triton specialises ints equal
+# to 1 or divisible by 16).  ``n`` IS specialised: a bucket size divisible by 16 lets
+# the compiler vectorise the masked loads, and a bucket's size never changes.
+_NO_SPEC = ["seed", "stream", "stream_o", "counter_slot"]
 
 
 @triton.jit
@@ -53,6 +56,19 @@ def _randn(seed, idx, counter, stream):
     u2 = tl.random.uint_to_uniform_float(o1)
     n1, _ = tl.random.pair_uniform_to_normal(u1, u2)
     return n1
+
+
+@triton.jit
+def _to_param(x, ptr):
+    """float32 -> the parameters' dtype, rounding to nearest even.  For bfloat16 it is
+    spelled out in integer ops (what the GPU's ``cvt.rn.bf16.f32`` does; Triton's CPU
+    interpreter would truncate), so every backend writes the same bits."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (0x7FFF + ((bits >> 16) & 1))
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -99,7 +115,7 @@ def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, n,
         counter = tl.load(ctl_ptr + counter_slot)
         eps = _randn(seed, idx, counter, stream) * sign
         theta = centre + sigma * eps
-    tl.store(param_ptr + idx, theta.to(param_ptr.dtype.element_ty), mask=mask)
+    tl.store(param_ptr + idx, _to_param(theta, param_ptr), mask=mask)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
@@ -184,6 +200,7 @@ def step_kernel(
     (``ctl[1] > 0``), by 0 before.  ``ctl[0]`` is the number of steps taken (the noise
     counter; ``t = ctl[0] + 1`` debiases).
     """
+    tl.static_assert(not (SHARED_NOISE and GE_IN), "shared noise is regenerated, not summed")
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
@@ -273,7 +290,7 @@ def step_kernel(
     tl.store(mean_ptr + idx, m_new, mask=wmask)
     # the parameters always get the mean back (the old one when the update is skipped)
     m_param = tl.where(wmask, m_new, m)
-    tl.store(param_ptr + idx, m_param.to(param_ptr.dtype.element_ty), mask=mask)
+    tl.store(param_ptr + idx, _to_param(m_param, param_ptr), mask=mask)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)

@@ -1,0 +1,1203 @@
+"""GPU check-and-benchmark of the Triton backend, in one call on a CUDA machine.
+
+    python3 benchmarks/bench_gpu.py --out $OUT            # CUDA: the full run (a few minutes)
+    python3 benchmarks/bench_gpu.py --smoke --out /tmp/s  # CPU, TRITON_INTERPRET=1, tiny sizes
+
+Sections, in order (each one is written to ``--out`` as soon as it is done, so a crash
+later keeps what came before):
+
+1. **Device**: name, properties, versions, date; device-to-device copy bandwidth of a
+   1 GiB buffer (bytes read + written over the median time): the memory ceiling.
+2. **Checks** (correctness first):
+   * parity: the same trajectory (a quadratic loss, 30 steps, refresh at steps 5, 15, 25)
+     with ``backend="torch"`` and ``backend="triton"`` on the device, for IVON-PoCo (Alg. 3
+     defaults, several groups, fp32 and bf16 parameters, odd sizes), IVON-PoCo with the
+     stabilisers (antithetic refresh pair, floor, 2 MC samples, independent outer noise)
+     and plain IVON (2 MC samples).  Gate: ``max|a - b| / max|b|`` per bucket buffer, the
+     float32 ``mean`` and ``h`` of float32 buckets at ``RTOL_FP32``, the float32 master
+     ``mean`` of bf16 buckets at ``RTOL_BF16_MASTER``;
+   * no host synchronisation in steady-state ``sample``/``accumulate``/``restore``/``step``
+     (``torch.cuda.set_sync_debug_mode``); no new Triton compilation when the learning
+     rate changes every step; no growth of ``torch.cuda.memory_allocated`` across steps;
+   * CUDA-graph capture of one inner step (sample, fixed gradients written in place,
+     accumulate, lazy restore; the outer sample likewise; step), replayed and compared
+     with the same steps run eagerly on a twin optimizer (capture failure is reported,
+     not fatal).
+3. **Benchmarks** at ``--sizes`` (default 2**20, 2**24, 2**27) for float32 and bfloat16
+   parameters: the step kernel alone (launched directly with prepared buffers) for
+   IVON-PoCo with correction and for plain IVON; the optimizer-side cost of a whole
+   IVON-PoCo step (inner and outer sample, two accumulates, step; no model, gradients
+   written once) through three protocols and a CUDA graph; a refresh; IVON's cycle;
+   beside them ``torch.optim.AdamW(fused=True)``, ivon-opt 0.1.3 (its ``step()`` alone and
+   its whole ``sampled_params`` + ``step`` cycle) and the reference backend (sizes up to
+   ``--ref-max-size``).  Times: ``triton.testing.do_bench`` (CUDA events, L2 flushed
+   before each call), median / p20 / p80.  Each row gets the bytes-per-parameter model
+   below, the achieved bandwidth (bytes / median) and its fraction of the copy bandwidth.
+4. Output: ``bench_gpu.csv`` (bench_step.py's schema: kernel, provider, dtype, size,
+   median, p20, p80 (seconds), device, date), ``bench_gpu_bandwidth.csv`` (the same rows
+   with the byte model and bandwidth), ``bench_gpu_report.json`` (everything), and, with
+   ``--record``, ``benchmarks/results/gpu_<device>_<date>.csv``.  A short table is
+   printed last, then the verdict.
+
+Exit status: 0 all passed; otherwise the OR of 1 (parity above tolerance), 2 (a
+synchronisation, JIT-cache, memory or graph-replay check failed) and 4 (a benchmark
+raised).
+
+ivon-opt is pure Python: where it is not installed (the CUDA image has no registry), a
+wheel in ``<repo>/.whl/ivon_opt-*.whl`` is put on ``sys.path`` (zip import); without
+either, its rows are skipped and the report says so.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# The interpreter must be chosen before anything (torch included) imports triton.
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import datetime  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import poco_kernels as pk  # noqa: E402
+
+# --------------------------------------------------------------------------- tolerances
+# tests/tolerances.py does not exist in this repository (checked when this script was
+# written); the values are stated here.  Gate: max|a - b| / max|b| over a bucket buffer.
+RTOL_FP32 = 1e-4           # float32 parameters: mean and h buffers
+RTOL_BF16_MASTER = 1e-3    # bf16 parameters: the float32 master mean buffer
+
+# --------------------------------------------------------------------------- byte models
+# Bytes moved per parameter through device memory, each input read once and each output
+# written once, counted from poco_kernels/kernels/triton_kernels.py (state is float32,
+# S = 4 bytes; P = bytes of one parameter / gradient element: 4 for float32, 2 for bf16).
+S = 4
+
+
+def b_step_poco(P):
+    """step_kernel, FAMILY_IVON, CORR, HESS_CORR (hess_corr_scale 0.01 != 0), shared noise,
+    one draw (GE_IN = GE_O = False: eps regenerated, not read), no AMP:
+    reads  mean, g_in sum, g_o sum, g_out, momentum (s1), h (s2), sigma_out, h_out, m_out
+           (9 x S; the parameters are NOT read),
+    writes momentum, h, mean (3 x S) and the parameters (P)."""
+    return 9 * S + 3 * S + P
+
+
+def b_step_ivon(P):
+    """step_kernel, FAMILY_IVON, no CORR: reads mean, g_in sum, momentum, h (4 x S);
+    writes momentum, h, mean (3 x S) and the parameters (P)."""
+    return 4 * S + 3 * S + P
+
+
+def b_sample_inner(P, sync):
+    """sample_kernel, SIGMA_IVON.  SYNC (float32 parameters holding the mean): reads the
+    parameters (P), writes mean (S), reads h (S), writes the sample (P).  Otherwise (bf16):
+    reads mean, h (2 x S), writes the sample (P)."""
+    return (P + S + S + P) if sync else (2 * S + P)
+
+
+def b_sample_outer(P):
+    """sample_kernel, SIGMA_BUFFER: reads m_out, sigma_out (2 x S), writes the sample (P)."""
+    return 2 * S + P
+
+
+def b_accumulate(P):
+    """accumulate_kernel, FIRST, no GE: reads the flat gradient (P), writes the sum (S)."""
+    return P + S
+
+
+def b_gather(P):
+    """TritonEngine._gather_grads when .grad is not a view of the flat gradient buffer:
+    one foreach copy, reads .grad (P), writes the flat buffer (P)."""
+    return 2 * P
+
+
+def b_restore(P):
+    """TritonEngine.restore: reads mean (S), writes the parameters (P)."""
+    return S + P
+
+
+def b_refresh_kernel(P):
+    """refresh_kernel, FAMILY_IVON, one draw: reads mean, acc_g, h, g_out, h_out (5 x S);
+    writes g_out, h_out, m_out, sigma_out (4 x S)."""
+    return 5 * S + 4 * S
+
+
+def b_poco_cycle(P, protocol):
+    """One IVON-PoCo step with the correction on, optimizer side only.
+    'flat':    .grad are views of the flat gradient buffer (no gather), lazy restores
+               (what step(closure) does), accumulate(clear_grads=False);
+    'closure': step(closure), the closure assigns .grad (separate tensors, as autograd
+               leaves them): lazy restores, one gather copy per accumulate;
+    'sampled': the public `with opt.sampled(...)` protocol: full restores, gather copies,
+               and (float32) the mean re-read from the parameters before the outer sample."""
+    sync = P == S
+    inner = b_sample_inner(P, sync) + b_accumulate(P)
+    outer = b_sample_outer(P) + b_accumulate(P)
+    total = inner + outer + b_step_poco(P)
+    if protocol in ("closure", "sampled"):
+        total += 2 * b_gather(P)
+    if protocol == "sampled":
+        total += 2 * b_restore(P) + ((P + S) if sync else 0)
+    return total
+
+
+def b_ivon_cycle(P):
+    """One plain IVON step through step(closure): inner sample, gather, accumulate, step."""
+    return b_sample_inner(P, P == S) + b_gather(P) + b_accumulate(P) + b_step_ivon(P)
+
+
+def b_refresh(P):
+    """A refresh with one chunk, .grad views of the flat buffer: refresh sample (the
+    parameters hold the mean), accumulate, full restore, refresh kernel."""
+    return b_sample_inner(P, P == S) + b_accumulate(P) + b_restore(P) + b_refresh_kernel(P)
+
+
+def b_adamw(P):
+    """torch AdamW (fused), state in the parameter dtype: reads param, grad, exp_avg,
+    exp_avg_sq; writes param, exp_avg, exp_avg_sq."""
+    return 7 * P
+
+
+def b_ivonopt_step(P):
+    """The fewest bytes of IVON's update as ivon-opt states it (state in the parameter
+    dtype): reads param, avg_grad, avg_nxg, momentum, hess; writes param, momentum, hess.
+    (ivon-opt runs it as ~15 separate torch ops, so it moves several times this.)"""
+    return 8 * P
+
+
+def b_ivonopt_cycle(P):
+    """Fewest bytes of ivon-opt's cycle: sample (read param, hess; write noise, sample),
+    restore + collect (read grad, noise; write avg_grad, avg_nxg), then its step."""
+    return 4 * P + 4 * P + b_ivonopt_step(P)
+
+
+# --------------------------------------------------------------------------- helpers
+def log(msg=""):
+    print(msg, flush=True)
+
+
+def dtype_name(dt):
+    return str(dt).replace("torch.", "")
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class Timer:
+    """Median / p20 / p80 seconds of ``fn``: do_bench on CUDA (events, L2 flushed before
+    each call), perf_counter on the CPU (smoke)."""
+
+    def __init__(self, dev, warmup_ms, rep_ms, cpu_reps):
+        self.dev, self.warmup_ms, self.rep_ms, self.cpu_reps = dev, warmup_ms, rep_ms, cpu_reps
+
+    def __call__(self, fn):
+        if self.dev.type == "cuda":
+            import triton.testing
+            q = triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms,
+                                        quantiles=[0.5, 0.2, 0.8])
+            return tuple(float(x) * 1e-3 for x in q)
+        fn()
+        ts = []
+        for _ in range(self.cpu_reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        ts.sort()
+        q = lambda f: ts[min(len(ts) - 1, int(f * len(ts)))]  # noqa: E731
+        return statistics.median(ts), q(0.2), q(0.8)
+
+    def wall(self, fn, n=20, rounds=5):
+        """Host-inclusive time per call: ``n`` calls back to back, then a synchronise;
+        median / p20 / p80 over ``rounds`` (no L2 flush: what a training loop sees)."""
+        fn()
+        _sync(self.dev)
+        per = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            _sync(self.dev)
+            per.append((time.perf_counter() - t0) / n)
+        per.sort()
+        q = lambda f: per[min(len(per) - 1, int(f * len(per)))]  # noqa: E731
+        return statistics.median(per), q(0.2), q(0.8)
+
+
+def rel_err(a, b):
+    """(max|a - b| / max|b|, elementwise max |a - b| / max(|b|, 1e-6 max|b|)); NaN -> inf."""
+    a, b = a.detach().double(), b.detach().double()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return math.inf, math.inf
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    if scale == 0.0:
+        d = float((a - b).abs().max()) if a.numel() else 0.0
+        return d, d
+    diff = (a - b).abs()
+    return float(diff.max()) / scale, float((diff / b.abs().clamp_min(1e-6 * scale)).max())
+
+
+def jit_variants():
+    """Compiled variants per kernel of poco_kernels.kernels.triton_kernels, from the JIT
+    caches (triton 3.x: ``JITFunction.device_caches[device][0]`` is the kernel cache;
+    older: ``.cache[device]``); None under the interpreter (it has no cache)."""
+    from poco_kernels.kernels import triton_kernels as K
+    out = {}
+    for name in ("sample_kernel", "accumulate_kernel", "fold_ge_kernel", "step_kernel",
+                 "refresh_kernel", "finish_kernel"):
+        fn = getattr(K, name)
+        caches = getattr(fn, "device_caches", None)
+        if caches is not None:
+            n = 0
+            for v in list(caches.values()):
+                kc = v[0] if isinstance(v, (tuple, list)) else v
+                n += len(kc)
+            out[name] = n
+        elif isinstance(getattr(fn, "cache", None), dict):
+            out[name] = sum(len(c) for c in fn.cache.values())
+        else:
+            return None
+    return out
+
+
+def import_ivon():
+    try:
+        import ivon
+        return ivon, None
+    except ImportError as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    for whl in sorted(glob.glob(os.path.join(REPO, ".whl", "ivon_opt-*.whl"))):
+        sys.path.insert(0, whl)
+        try:
+            import ivon
+            return ivon, None
+        except ImportError as exc:
+            err = f"{type(exc).__name__}: {exc} (from {whl})"
+    return None, err
+
+
+def free_bytes(dev):
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return free
+    return 1 << 62
+
+
+def release(dev):
+    import gc
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- 1. device
+def device_info(dev):
+    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "smoke": SMOKE, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "")}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except Exception as exc:  # pragma: no cover
+        info["triton"] = f"unavailable: {exc}"
+    try:
+        info["git_head"] = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"],
+                                          capture_output=True, text=True,
+                                          timeout=10).stdout.strip() or None
+    except Exception:
+        info["git_head"] = None
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        info.update(name=torch.cuda.get_device_name(dev), capability=list(
+            torch.cuda.get_device_capability(dev)), sm_count=p.multi_processor_count,
+            total_memory_gib=round(p.total_memory / 2 ** 30, 2),
+            l2_cache_mib=round(getattr(p, "L2_cache_size", 0) / 2 ** 20, 1),
+            cuda=torch.version.cuda)
+        try:
+            q = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem,clocks.max.sm,"
+                 "temperature.gpu,power.draw,power.limit", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20)
+            info["nvidia_smi"] = q.stdout.strip() or q.stderr.strip()
+        except Exception as exc:
+            info["nvidia_smi"] = f"unavailable: {exc}"
+        info["device"] = info["name"]
+    else:
+        info["name"] = f"cpu: {platform.processor() or platform.machine()}"
+        info["device"] = (f"cpu-interpreter: {platform.processor() or platform.machine()}, "
+                          f"{torch.get_num_threads()} threads")
+    return info
+
+
+def copy_bandwidth(dev, timer, nbytes):
+    """Device-to-device copy of ``nbytes``: (bytes read + written) / median time."""
+    n = nbytes // 4
+    src = torch.randn(n, device=dev)
+    dst = torch.empty_like(src)
+    med, p20, p80 = timer(lambda: dst.copy_(src))
+    ok = bool(torch.equal(dst, src))
+    del src, dst
+    release(dev)
+    return {"bytes_each_way": n * 4, "median_s": med, "p20_s": p20, "p80_s": p80,
+            "bandwidth_Bps": 2 * n * 4 / med, "copy_verified": ok}
+
+
+# --------------------------------------------------------------------------- 2. parity
+class Quadratic:
+    """``loss_k(theta) = sum_p 0.5 a_p (theta_p - c_p - s_k d_p)^2`` per parameter, with
+    curvatures ``a`` in [0.5, 1.5]: mini-batch ``k`` shifts the target along ``d``.  The
+    loss is computed in float32 from the parameters (bf16 parameters get bf16 gradients)."""
+
+    def __init__(self, sizes, dev, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.a = [(0.5 + torch.rand(n, generator=g)).to(dev) for n in sizes]
+        self.c = [torch.randn(n, generator=g).to(dev) for n in sizes]
+        self.d = [torch.randn(n, generator=g).to(dev) for n in sizes]
+
+    def loss(self, params, k):
+        s = 0.1 * (k % 4) - 0.15
+        return sum((0.5 * a * (p.float() - c - s * d) ** 2).sum()
+                   for p, a, c, d in zip(params, self.a, self.c, self.d))
+
+
+def _parity_layout(smoke):
+    """(sizes, dtypes, group of each parameter): three groups; group 2 mixes dtypes (two
+    buckets); odd sizes."""
+    if smoke:
+        sizes = [1003, 37, 1001, 17, 513, 33]
+    else:
+        sizes = [1_000_003, 4097, 1_000_003, 129, 65_537, 999]
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float32,
+              torch.bfloat16]
+    groups = [0, 0, 1, 1, 2, 2]
+    return sizes, dtypes, groups
+
+
+PARITY_CONFIGS = {
+    # Alg. 3 defaults (beta2 0.99999 is too slow to move h in 30 steps: 0.999 here),
+    # per-group lr / weight decay / outer momentum / clip
+    "ivon_poco": dict(
+        cls="IVONPoCo", kw=dict(lr=0.1, ess=1e4, beta2=0.999, seed=11),
+        groups=[{}, {"lr": 0.05, "weight_decay": 1e-3}, {"rho1": 0.6, "rho2": 0.1,
+                                                          "clip_radius": 0.5}]),
+    # stabilisers: antithetic refresh pair, floor, 2 MC samples (GE sums, fold_ge),
+    # independent outer noise
+    "ivon_poco_stabilised": dict(
+        cls="IVONPoCo", kw=dict(lr=0.1, ess=1e4, beta2=0.999, seed=12, mc_samples=2,
+                                refresh_samples=2, refresh_antithetic=True, hess_floor=0.0,
+                                outer_noise="independent"),
+        groups=[{}, {"lr": 0.05}, {"alpha": 0.5}]),
+    "ivon": dict(
+        cls="IVON", kw=dict(lr=0.1, ess=1e4, beta2=0.999, seed=13, mc_samples=2),
+        groups=[{}, {"lr": 0.05}, {"weight_decay": 1e-3}]),
+}
+
+
+def _build(cfg, backend, dev, smoke):
+    sizes, dtypes, groups = _parity_layout(smoke)
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g).to(dev).to(dt))
+              for n, dt in zip(sizes, dtypes)]
+    pg = [{"params": [p for p, gi in zip(params, groups) if gi == k], **extra}
+          for k, extra in enumerate(cfg["groups"])]
+    opt = getattr(pk, cfg["cls"])(pg, backend=backend, **cfg["kw"])
+    return params, opt, sizes
+
+
+def _trajectory(opt, params, prob, steps=30, warmup=5, every=10):
+    """``steps`` inner steps with a refresh at warmup + k * every; the first half through
+    closures (step(closure), refresh(closures)), the second half through the manual
+    protocol (sampled(...) blocks, step(), sample/accumulate/restore, refresh())."""
+    poco = isinstance(opt, pk.IVONPoCo)
+    mc = max(g.get("mc_samples", 1) for g in opt.param_groups)
+    nref = max(g.get("refresh_samples", 1) for g in opt.param_groups) if poco else 0
+
+    def closure(k):
+        def c():
+            opt.zero_grad()
+            loss = prob.loss(params, k)
+            loss.backward()
+            return loss
+        return c
+
+    for t in range(steps):
+        manual = t >= steps // 2
+        if poco and t >= warmup and (t - warmup) % every == 0:
+            if not manual:
+                opt.refresh([closure(k) for k in range(4)])
+            else:
+                for _ in range(nref):
+                    with opt.sampled("refresh", accumulate=False):
+                        for k in range(4):
+                            opt.zero_grad()
+                            prob.loss(params, k).backward()
+                            opt.accumulate()
+                opt.refresh()
+        if not manual:
+            opt.step(closure(t))
+        else:
+            for kind in ("inner", "outer"):
+                if kind == "outer" and not opt.correction_active():
+                    break
+                for _ in range(mc):
+                    with opt.sampled(kind):
+                        opt.zero_grad()
+                        prob.loss(params, t).backward()
+            opt.step()
+
+
+def parity(dev, smoke):
+    results, failures = {}, []
+    for name, cfg in PARITY_CONFIGS.items():
+        t0 = time.perf_counter()
+        runs = {}
+        for backend in ("torch", "triton"):
+            params, opt, sizes = _build(cfg, backend, dev, smoke)
+            prob = Quadratic(sizes, dev)
+            _trajectory(opt, params, prob)
+            _sync(dev)
+            names = [n for n in ("mean", "h", "momentum", "g_out", "h_out", "m_out",
+                                 "sigma_out") if n in opt._buckets[0].buffers]
+            runs[backend] = dict(
+                bufs={n: [t.detach().clone() for t in opt.flat_state(n)] for n in names},
+                dtypes=[b.param_dtype for b in opt._buckets],
+                numel=[b.numel for b in opt._buckets],
+                counts=(opt.step_count, opt.refresh_count, opt.skipped_updates))
+            del params, opt
+            release(dev)
+        ref, tri = runs["torch"], runs["triton"]
+        rows = []
+        for n in ref["bufs"]:
+            for bi, (a, b) in enumerate(zip(tri["bufs"][n], ref["bufs"][n])):
+                dt = ref["dtypes"][bi]
+                err, elem = rel_err(a, b)
+                if dt == torch.float32 and n in ("mean", "h"):
+                    tol = RTOL_FP32
+                elif dt != torch.float32 and n == "mean":
+                    tol = RTOL_BF16_MASTER
+                else:
+                    tol = None           # reported, not gated
+                ok = tol is None or err <= tol
+                rows.append(dict(buffer=n, bucket=bi, param_dtype=dtype_name(dt),
+                                 numel=ref["numel"][bi], maxnorm_rel=err, elementwise_rel=elem,
+                                 tol=tol, ok=ok))
+                if not ok:
+                    failures.append(f"{name}: {n}[bucket {bi}, {dtype_name(dt)}] "
+                                    f"rel {err:.3g} > {tol:g}")
+        if ref["counts"][:2] != tri["counts"][:2] or tri["counts"][2] != 0:
+            failures.append(f"{name}: counters (steps, refreshes, skipped) torch "
+                            f"{ref['counts']} triton {tri['counts']}")
+        results[name] = dict(rows=rows, counts={"torch": ref["counts"], "triton": tri["counts"]},
+                             seconds=time.perf_counter() - t0)
+        worst = max((r["maxnorm_rel"] for r in rows if r["tol"] is not None), default=0.0)
+        log(f"  parity {name:22s} gated worst max-norm rel {worst:.3g}; counters "
+            f"torch {ref['counts']} triton {tri['counts']} ({time.perf_counter() - t0:.1f} s)")
+        for r in rows:
+            if r["tol"] is not None or r["maxnorm_rel"] > 1e-3:
+                log(f"    {r['buffer']:9s} bucket {r['bucket']} {r['param_dtype']:8s} "
+                    f"n={r['numel']:<8d} max-norm rel {r['maxnorm_rel']:.3g} "
+                    f"(elementwise {r['elementwise_rel']:.3g}) tol {r['tol']} "
+                    f"{'ok' if r['ok'] else 'FAIL'}")
+    return results, failures
+
+
+# --------------------------------------------------------------------------- 2b. checks
+def _steady_setup(dev, smoke, seed=21):
+    """A triton IVON-PoCo with a float32 and a bf16 group, warmed up past its first
+    refresh, with fixed gradients (separate tensors, assigned to .grad like autograd
+    leaves them)."""
+    n = 1003 if smoke else 1 << 20
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g).to(dev)),
+              torch.nn.Parameter(torch.randn(n + 5, generator=g).to(dev).to(torch.bfloat16))]
+    opt = pk.IVONPoCo([{"params": params[:1]}, {"params": params[1:], "lr": 0.05}],
+                      lr=1e-2, ess=1e5, seed=seed, backend="triton")
+    grads = [torch.randn(p.shape, generator=g).to(dev).to(p.dtype) for p in params]
+    return params, opt, grads
+
+
+def _assign(params, grads):
+    for p, gr in zip(params, grads):
+        p.grad = gr
+
+
+def _cycle_parts(opt, params, grads):
+    """One steady-state step of the public protocol, as named phases."""
+    def inner_sample():
+        opt.sample("inner")
+
+    def inner_acc():
+        _assign(params, grads)
+        opt.accumulate()
+
+    def restore():
+        opt.restore()
+
+    def outer_sample():
+        opt.sample("outer")
+
+    def outer_acc():
+        _assign(params, grads)
+        opt.accumulate()
+
+    def step():
+        opt.step()
+    return [("sample(inner)", inner_sample), ("accumulate", inner_acc), ("restore", restore),
+            ("sample(outer)", outer_sample), ("accumulate(outer)", outer_acc),
+            ("restore(outer)", restore), ("step", step)]
+
+
+def _run_cycle(opt, params, grads):
+    for _, f in _cycle_parts(opt, params, grads):
+        f()
+
+
+def _refresh_once(opt, params, grads):
+    with opt.sampled("refresh", accumulate=False):
+        _assign(params, grads)
+        opt.accumulate()
+    opt.refresh()
+
+
+def _closure_step(opt, params, grads):
+    opt.step(lambda: _assign(params, grads))
+
+
+def _warm(opt, params, grads):
+    for _ in range(3):
+        _run_cycle(opt, params, grads) if opt.correction_active() else _closure_step(
+            opt, params, grads)
+    _refresh_once(opt, params, grads)
+    for _ in range(3):
+        _run_cycle(opt, params, grads)
+        _closure_step(opt, params, grads)
+
+
+def check_sync(dev, smoke):
+    """set_sync_debug_mode: 'error' over whole steady-state steps (the verdict), then
+    'warn' per phase (to say where, if anywhere)."""
+    if dev.type != "cuda":
+        return {"skipped": "CUDA only"}, []
+    params, opt, grads = _steady_setup(dev, smoke)
+    _warm(opt, params, grads)
+    torch.cuda.synchronize()
+    res, failures = {}, []
+    for label, fn in (("public protocol step", lambda: _run_cycle(opt, params, grads)),
+                      ("step(closure)", lambda: _closure_step(opt, params, grads))):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                fn()
+            res[label] = "no synchronisation"
+        except Exception as exc:
+            res[label] = f"SYNCHRONISED: {type(exc).__name__}: {exc}"
+            failures.append(f"sync: {label}: {exc}")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        if opt._active is not None:           # a phase raised mid-step: clean up
+            opt.restore()
+        opt._pending.clear((0, 1))
+    # where: per phase, warn mode
+    per_phase = {}
+    torch.cuda.synchronize()
+    for name, f in _cycle_parts(opt, params, grads):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                f()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        msgs = [str(x.message).splitlines()[0] for x in w
+                if "synchroniz" in str(x.message).lower()]
+        per_phase[name] = msgs[:3] if msgs else "none"
+    res["per_phase"] = per_phase
+    # informational: the refresh
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _refresh_once(opt, params, grads)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    msgs = [str(x.message).splitlines()[0] for x in w if "synchroniz" in str(x.message).lower()]
+    res["refresh (informational)"] = msgs[:3] if msgs else "none"
+    del params, opt, grads
+    release(dev)
+    return res, failures
+
+
+def check_jit_and_memory(dev, smoke, steps=20):
+    """Steady-state steps with a new learning rate every step: JIT variants before/after,
+    and memory_allocated at the same point of every step."""
+    params, opt, grads = _steady_setup(dev, smoke)
+    _warm(opt, params, grads)
+    _sync(dev)
+    before = jit_variants()
+    mem = []
+    base = [g["lr"] for g in opt.param_groups]
+    for i in range(steps):
+        for g, lr in zip(opt.param_groups, base):
+            g["lr"] = lr * (1.0 + 0.013 * (i + 1))
+        if i % 2:
+            _run_cycle(opt, params, grads)
+        else:
+            _closure_step(opt, params, grads)
+        _sync(dev)
+        if dev.type == "cuda":
+            mem.append(torch.cuda.memory_allocated(dev))
+    after = jit_variants()
+    res, failures = {}, []
+    if before is None:
+        res["jit"] = "n/a under the interpreter (no compile cache)"
+    else:
+        grew = {k: (before[k], after[k]) for k in before if after[k] != before[k]}
+        res["jit"] = {"variants_before": before, "variants_after": after, "grew": grew}
+        if grew:
+            failures.append(f"jit: new compilations while only lr changed: {grew}")
+    if mem:
+        res["memory_allocated"] = {"first": mem[0], "last": mem[-1], "max": max(mem),
+                                   "growth_bytes": mem[-1] - mem[0]}
+        if mem[-1] != mem[0] or max(mem) != mem[0]:
+            failures.append(f"memory: memory_allocated moved across steady-state steps "
+                            f"(first {mem[0]}, last {mem[-1]}, max {max(mem)})")
+    else:
+        res["memory_allocated"] = "CUDA only"
+    del params, opt, grads
+    release(dev)
+    return res, failures
+
+
+def _graph_seq(opt, params, grads_fixed=None):
+    """The captured step: inner sample, fixed gradients written into .grad in place
+    (``grads_fixed``; None: .grad already holds them, e.g. as views of the flat gradient
+    buffer), accumulate (grads kept), lazy restore; the same for the outer sample; step."""
+    def write():
+        if grads_fixed is not None:
+            for p, g in zip(params, grads_fixed):
+                p.grad.copy_(g)
+
+    def seq():
+        opt.sample("inner")
+        write()
+        opt.accumulate(clear_grads=False)
+        opt.restore(_lazy=True)
+        if opt.correction_active():
+            opt.sample("outer")
+            write()
+            opt.accumulate(clear_grads=False)
+            opt.restore(_lazy=True)
+        opt.step()
+    return seq
+
+
+def capture(dev, seq, warm=3):
+    """Warm ``seq`` up on a side stream, capture it in a CUDA graph; (graph, None) or
+    (None, error).  On the CPU (smoke) the 'graph' is ``seq`` itself."""
+    if dev.type != "cuda":
+        for _ in range(warm):
+            seq()
+        return seq, None
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(warm):
+                seq()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            seq()
+        torch.cuda.synchronize()
+        return g.replay, None
+    except Exception as exc:
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def check_graph(dev, smoke, replays=5):
+    """Capture on optimizer A, replay; run the same steps eagerly on twin B; compare."""
+    res, failures = {}, []
+    twins = []
+    for _ in range(2):
+        params, opt, grads = _steady_setup(dev, smoke)
+        _warm(opt, params, grads)
+        _assign(params, [g.clone() for g in grads])       # .grad buffers written in place
+        twins.append((params, opt, grads))
+    (pa, oa, ga), (pb, ob, gb) = twins
+    seq_a, seq_b = _graph_seq(oa, pa, ga), _graph_seq(ob, pb, gb)
+    replay, err = capture(dev, seq_a)
+    for _ in range(3):                                      # B: the warm-up steps of A
+        seq_b()
+    if err is not None:
+        res["capture"] = f"FAILED: {err}"
+        log(f"  graph capture FAILED: {err}")
+    else:
+        res["capture"] = "ok" if dev.type == "cuda" else "skipped on CPU (seq run eagerly)"
+        try:
+            for _ in range(replays):
+                replay()
+            for _ in range(replays):
+                seq_b()
+            _sync(dev)
+            cmp = {}
+            for n in ("mean", "h", "momentum"):
+                cmp[n] = max(rel_err(a, b)[0] for a, b in zip(oa.flat_state(n), ob.flat_state(n)))
+            cmp["params"] = max(rel_err(a, b)[0] for a, b in zip(pa, pb))
+            sa, sb = oa.step_count, ob.step_count
+            res["replay_vs_eager_maxnorm_rel"] = cmp
+            res["device_steps"] = {"graph": sa, "eager": sb}
+            bad = {k: v for k, v in cmp.items() if v != 0.0}
+            if bad or sa != sb:
+                failures.append(f"graph: replay differs from eager: {bad}, steps {sa} vs {sb}")
+                res["replay"] = "MISMATCH"
+            else:
+                res["replay"] = "bitwise equal to eager"
+            res["note"] = ("hyperparameters are baked into the graph at capture (a new lr "
+                           "needs a new capture); the host step counter of A stays at the "
+                           "capture, the device counter advances per replay")
+        except Exception as exc:
+            res["replay"] = f"FAILED: {type(exc).__name__}: {exc}"
+            failures.append(f"graph: replay raised {exc}")
+    del twins, pa, oa, ga, pb, ob, gb, replay, seq_a, seq_b
+    release(dev)
+    return res, failures
+
+
+# --------------------------------------------------------------------------- 3. benchmarks
+def _step_buffers(n, dt, dev, ess=1e6, wd=1e-4):
+    g = torch.Generator(device=dev).manual_seed(n % 9973)
+
+    def r(scale=1.0, shift=0.0):
+        return torch.randn(n, device=dev, generator=g) * scale + shift
+    h = 1.0 + 0.1 * torch.rand(n, device=dev, generator=g)
+    b = dict(mean=r(), s1=r(0.01), s2=h, g_in=r(), g_o=r(), g_out=r(), h_out=r(0.1, 1.0),
+             m_out=r(), sigma_out=torch.rsqrt(ess * (h + wd)))
+    b["param"] = b["mean"].to(dt)
+    b["ctl"] = torch.tensor([5, 1, 0, 0], device=dev, dtype=torch.int64)
+    return b
+
+
+def _step_launcher(b, corr, ess=1e6, wd=1e-4):
+    from poco_kernels.kernels import triton_ops as ops
+    from poco_kernels.kernels import triton_kernels as K
+    flags = ops.step_flags(K.FAMILY_IVON, CORR=corr, SHARED_NOISE=corr, HESS_CORR=corr,
+                           DEBIAS=True)
+    # sign_o, inv_n_in, inv_n_o, lr, beta1, beta2, wd, ess, alpha, hess_corr, floor, clip,
+    # momentum, dampening, eps, mom_first
+    hp = [1.0, 1.0, 1.0 if corr else 0.0, 1e-3, 0.9, 0.99999, wd, ess, 1.0 if corr else 0.0,
+          0.01 if corr else 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    args = (b["mean"], b["param"], b["s1"], b["s2"], b["g_in"], None,
+            b["g_o"] if corr else None, None,
+            b["g_out"] if corr else None, b["h_out"] if corr else None,
+            b["m_out"] if corr else None, b["sigma_out"] if corr else None,
+            b["ctl"], None, None, [7, 0, 0], hp, flags)
+    return lambda: ops.step(*args)
+
+
+def _poco_opt(n, dt, dev, backend, cls="IVONPoCo", seed=3):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(n, device=dev, generator=g).to(dt))
+    kw = dict(lr=1e-3, ess=1e6, seed=seed, backend=backend)
+    opt = getattr(pk, cls)([p], **kw)
+    grad = torch.randn(n, device=dev, generator=g).to(dt)
+    return p, opt, grad
+
+
+class Bench:
+    def __init__(self, dev, timer, info, copy_bw):
+        self.dev, self.timer, self.info, self.copy_bw = dev, timer, info, copy_bw
+        self.rows, self.errors = [], []
+
+    def add(self, kernel, provider, dt, size, t, bpp, wall=False):
+        med, p20, p80 = t
+        nbytes = bpp * size if bpp is not None else None
+        bw = nbytes / med if nbytes else None
+        frac = bw / self.copy_bw if (bw and self.copy_bw) else None
+        row = dict(kernel=kernel, provider=provider, dtype=dtype_name(dt), size=size,
+                   median=med, p20=p20, p80=p80, bytes_per_param=bpp,
+                   bandwidth_Bps=bw, frac_copy=frac, timing="wall" if wall else "events")
+        self.rows.append(row)
+        log(f"  {kernel:22s} {provider:34s} {dtype_name(dt):8s} {size:>10d} "
+            f"median {med * 1e3:9.4f} ms [p20 {p20 * 1e3:.4f}, p80 {p80 * 1e3:.4f}]"
+            + (f"  {bw / 1e9:7.1f} GB/s" if bw else "")
+            + (f"  {100 * frac:5.1f}% copy" if frac else ""))
+
+    def run(self, label, fn):
+        try:
+            fn()
+        except Exception as exc:
+            msg = f"{label}: {type(exc).__name__}: {exc}"
+            self.errors.append(msg)
+            log(f"  ERROR {msg}")
+            traceback.print_exc()
+        finally:
+            release(self.dev)
+
+
+def benchmarks(dev, sizes, timer, info, copy_bw, ref_max_size, ivon_mod):
+    B = Bench(dev, timer, info, copy_bw)
+    for size in sizes:
+        need = 20 * 4 * size     # the largest set below (the optimizers) with headroom
+        if free_bytes(dev) < need:
+            msg = f"size {size}: skipped, {free_bytes(dev) / 2**30:.1f} GiB free < {need / 2**30:.1f}"
+            log("  " + msg)
+            B.errors.append(msg)
+            continue
+        for dt in (torch.float32, torch.bfloat16):
+            P = torch.tensor([], dtype=dt).element_size()
+            tag = f"{size}/{dtype_name(dt)}"
+
+            def step_kernels():
+                b = _step_buffers(size, dt, dev)
+                B.add("step_kernel_poco", "poco_kernels.triton(direct)", dt, size,
+                      timer(_step_launcher(b, corr=True)), b_step_poco(P))
+                B.add("step_kernel_ivon", "poco_kernels.triton(direct)", dt, size,
+                      timer(_step_launcher(b, corr=False)), b_step_ivon(P))
+            B.run(f"step kernels {tag}", step_kernels)
+
+            def poco_cycles(backend):
+                p, opt, grad = _poco_opt(size, dt, dev, backend)
+                prov = f"poco_kernels.{backend}"
+                _closure_step_1 = lambda: opt.step(lambda: setattr(p, "grad", grad))  # noqa
+                for _ in range(2):
+                    _closure_step_1()
+                with opt.sampled("refresh", accumulate=False):
+                    p.grad = grad
+                    opt.accumulate()
+                opt.refresh()
+                B.add("ivon_poco_cycle", prov + "(closure)", dt, size, timer(_closure_step_1),
+                      b_poco_cycle(P, "closure"))
+
+                def sampled():
+                    with opt.sampled("inner"):
+                        p.grad = grad
+                    with opt.sampled("outer"):
+                        p.grad = grad
+                    opt.step()
+                B.add("ivon_poco_cycle", prov + "(sampled)", dt, size, timer(sampled),
+                      b_poco_cycle(P, "sampled"))
+                if backend != "triton":
+                    return
+                B.add("ivon_poco_cycle_wall", prov + "(closure)", dt, size,
+                      timer.wall(_closure_step_1), b_poco_cycle(P, "closure"), wall=True)
+                # .grad as a view of the engine's flat gradient buffer: no gather copy
+                bk = opt._buckets[0]
+                bk.grad_flat.copy_(grad)
+                views = list(bk.grad_views)
+
+                def flat():
+                    opt.sample("inner")
+                    p.grad = views[0]
+                    opt.accumulate(clear_grads=False)
+                    opt.restore(_lazy=True)
+                    opt.sample("outer")
+                    opt.accumulate(clear_grads=False)
+                    opt.restore(_lazy=True)
+                    opt.step()
+                B.add("ivon_poco_cycle", prov + "(flat-grads)", dt, size, timer(flat),
+                      b_poco_cycle(P, "flat"))
+                B.add("ivon_poco_cycle_wall", prov + "(flat-grads)", dt, size,
+                      timer.wall(flat), b_poco_cycle(P, "flat"), wall=True)
+                # the flat-grads step in a CUDA graph (no host overhead)
+                p.grad = views[0]
+                replay, err = capture(dev, _graph_seq(opt, [p]))
+                if err is None and dev.type == "cuda":
+                    B.add("ivon_poco_cycle", prov + "(flat-grads,cuda-graph)", dt, size,
+                          timer(replay), b_poco_cycle(P, "flat"))
+                elif err is not None:
+                    B.errors.append(f"graph capture {tag}: {err}")
+                del replay
+
+                # refresh (views as .grad)
+                def refresh():
+                    opt.sample("refresh")
+                    p.grad = views[0]
+                    opt.accumulate(clear_grads=False)
+                    opt.restore()
+                    opt.refresh()
+                B.add("refresh", prov + "(flat-grads)", dt, size, timer(refresh), b_refresh(P))
+            B.run(f"poco cycles triton {tag}", lambda: poco_cycles("triton"))
+            if size <= ref_max_size:
+                B.run(f"poco cycles torch {tag}", lambda: poco_cycles("torch"))
+
+            def ivon_cycles():
+                for backend in (("triton", "torch") if size <= ref_max_size else ("triton",)):
+                    p, opt, grad = _poco_opt(size, dt, dev, backend, cls="IVON")
+                    B.add("ivon_cycle", f"poco_kernels.{backend}(closure)", dt, size,
+                          timer(lambda: opt.step(lambda: setattr(p, "grad", grad))),
+                          b_ivon_cycle(P))
+                    del p, opt, grad
+            B.run(f"ivon cycles {tag}", ivon_cycles)
+
+            def adamw():
+                g = torch.Generator(device=dev).manual_seed(1)
+                p = torch.nn.Parameter(torch.randn(size, device=dev, generator=g).to(dt))
+                p.grad = torch.randn(size, device=dev, generator=g).to(dt)
+                try:
+                    opt, prov = torch.optim.AdamW([p], lr=1e-3, fused=True), "torch.AdamW(fused)"
+                    opt.step()
+                except Exception:
+                    opt, prov = torch.optim.AdamW([p], lr=1e-3, foreach=True), "torch.AdamW(foreach)"
+                B.add("adamw_step", prov, dt, size, timer(opt.step), b_adamw(P))
+            B.run(f"adamw {tag}", adamw)
+
+            def ivonopt():
+                if ivon_mod is None:
+                    return
+                g = torch.Generator(device=dev).manual_seed(2)
+                p = torch.nn.Parameter(torch.randn(size, device=dev, generator=g).to(dt))
+                grad = torch.randn(size, device=dev, generator=g).to(dt)
+                ref = ivon_mod.IVON([p], lr=1e-3, ess=1e6)
+                nxg = torch.randn(size, device=dev, generator=g).to(dt) * 1e-3
+
+                def step_only():          # what sampled_params(train=True) leaves, then step
+                    ref.state["count"] = 1
+                    ref.state["avg_grad"] = grad
+                    ref.state["avg_nxg"] = nxg
+                    ref.step()
+                B.add("ivon_step", "ivon-opt-0.1.3", dt, size, timer(step_only),
+                      b_ivonopt_step(P))
+
+                def cycle():
+                    with ref.sampled_params(train=True):
+                        p.grad = grad
+                    ref.step()
+                B.add("ivon_cycle", "ivon-opt-0.1.3", dt, size, timer(cycle),
+                      b_ivonopt_cycle(P))
+            B.run(f"ivon-opt {tag}", ivonopt)
+    return B
+
+
+# --------------------------------------------------------------------------- output
+CSV_FIELDS = ["kernel", "provider", "dtype", "size", "median", "p20", "p80", "device", "date"]
+
+
+def write_csv(path, rows, device, date):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow(dict(kernel=r["kernel"], provider=r["provider"], dtype=r["dtype"],
+                            size=r["size"], median=f"{r['median']:.6g}", p20=f"{r['p20']:.6g}",
+                            p80=f"{r['p80']:.6g}", device=device, date=date))
+
+
+def write_bw_csv(path, rows):
+    fields = ["kernel", "provider", "dtype", "size", "timing", "median", "bytes_per_param",
+              "bandwidth_GBps", "frac_copy"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow(dict(kernel=r["kernel"], provider=r["provider"], dtype=r["dtype"],
+                            size=r["size"], timing=r["timing"], median=f"{r['median']:.6g}",
+                            bytes_per_param=r["bytes_per_param"],
+                            bandwidth_GBps="" if r["bandwidth_Bps"] is None
+                            else f"{r['bandwidth_Bps'] / 1e9:.1f}",
+                            frac_copy="" if r["frac_copy"] is None else f"{r['frac_copy']:.3f}"))
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, (torch.dtype, torch.device)):
+        return str(o)
+    return repr(o)
+
+
+def dump(path, report):
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=_json_default)
+
+
+def print_table(rows, copy_bw):
+    log("")
+    log("=" * 100)
+    log(f"bench_gpu summary (copy bandwidth "
+        f"{'n/a' if not copy_bw else f'{copy_bw / 1e9:.0f} GB/s'}; B/p = bytes-per-param model; "
+        f"wall = host-inclusive)")
+    log(f"{'kernel':22s} {'provider':34s} {'dtype':8s} {'size':>10s} {'median ms':>10s} "
+        f"{'B/p':>4s} {'GB/s':>7s} {'%copy':>6s}")
+    for r in rows:
+        bw = r["bandwidth_Bps"]
+        fr = r["frac_copy"]
+        log(f"{r['kernel'][:22]:22s} {r['provider'][:34]:34s} {r['dtype']:8s} {r['size']:>10d} "
+            f"{r['median'] * 1e3:>10.4f} {r['bytes_per_param'] or 0:>4d} "
+            f"{'' if bw is None else f'{bw / 1e9:7.1f}':>7s} "
+            f"{'' if fr is None else f'{100 * fr:5.1f}%':>6s}")
+
+
+# --------------------------------------------------------------------------- main
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/bench_gpu",
+                    help="output folder (default: $OUT, else /tmp/bench_gpu)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes on the CPU under TRITON_INTERPRET=1 (CUDA-only parts skipped)")
+    ap.add_argument("--record", action="store_true",
+                    help="also write benchmarks/results/gpu_<device>_<date>.csv")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None,
+                    help="benchmark sizes (default 2**20 2**24 2**27; smoke 2**10 2**12)")
+    ap.add_argument("--ref-max-size", type=int, default=None,
+                    help="largest size for the reference (torch) backend rows (default 2**24)")
+    ap.add_argument("--rep-ms", type=float, default=100.0, help="do_bench rep (ms)")
+    ap.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warmup (ms)")
+    ap.add_argument("--copy-gib", type=float, default=1.0, help="copy-bandwidth buffer (GiB)")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=["parity", "checks", "graph", "bench"], help="sections to skip")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    if args.smoke:
+        dev = torch.device("cpu")
+        sizes = args.sizes or [2 ** 10, 2 ** 12]
+        ref_max = args.ref_max_size or 2 ** 12
+    else:
+        if not torch.cuda.is_available():
+            log("no CUDA device: run with --smoke for the CPU (interpreter) check")
+            return 8
+        dev = torch.device("cuda", torch.cuda.current_device())
+        sizes = args.sizes or [2 ** 20, 2 ** 24, 2 ** 27]
+        ref_max = args.ref_max_size or 2 ** 24
+    os.makedirs(args.out, exist_ok=True)
+    report_path = os.path.join(args.out, "bench_gpu_report.json")
+    timer = Timer(dev, args.warmup_ms, args.rep_ms, cpu_reps=3)
+
+    # 1. device
+    info = device_info(dev)
+    date = info["date"][:10]
+    report = {"info": info, "tolerances": {"RTOL_FP32": RTOL_FP32,
+                                           "RTOL_BF16_MASTER": RTOL_BF16_MASTER}}
+    log(f"[1] device: {info['device']} | torch {info['torch']} | triton {info['triton']} | "
+        f"{info['date']}")
+    for k in ("capability", "sm_count", "total_memory_gib", "l2_cache_mib", "cuda",
+              "nvidia_smi", "git_head"):
+        if k in info:
+            log(f"    {k}: {info[k]}")
+    copy_bw = None
+    if dev.type == "cuda":
+        try:
+            cb = copy_bandwidth(dev, timer, int(args.copy_gib * 2 ** 30))
+            copy_bw = cb["bandwidth_Bps"]
+            report["copy"] = cb
+            log(f"    d2d copy {args.copy_gib:g} GiB: median {cb['median_s'] * 1e3:.3f} ms -> "
+                f"{copy_bw / 1e9:.0f} GB/s (read + write), verified {cb['copy_verified']}")
+        except Exception as exc:
+            report["copy"] = f"FAILED: {exc}"
+            log(f"    copy bandwidth FAILED: {exc}")
+    else:
+        report["copy"] = "skipped (CUDA only)"
+    ivon_mod, ivon_err = import_ivon()
+    report["ivon_opt"] = "ok" if ivon_mod is not None else f"skipped: {ivon_err}"
+    log(f"    ivon-opt: {report['ivon_opt']}")
+    dump(report_path, report)
+
+    failures = {"parity": [], "checks": [], "bench": []}
+    # 2. checks
+    if "parity" not in args.skip:
+        log(f"[2] parity torch vs triton on {dev} (gate: max-norm rel, fp32 mean/h "
+            f"{RTOL_FP32:g}, bf16 master mean {RTOL_BF16_MASTER:g})")
+        try:
+            report["parity"], failures["parity"] = parity(dev, args.smoke)
+        except Exception as exc:
+            traceback.print_exc()
+            failures["parity"].append(f"parity raised {type(exc).__name__}: {exc}")
+            report["parity"] = f"RAISED: {exc}"
+        dump(report_path, report)
+    if "checks" not in args.skip:
+        log("[2b] steady state: synchronisation, JIT cache, memory")
+        for name, fn in (("sync", check_sync), ("jit_memory", check_jit_and_memory)):
+            try:
+                res, fails = fn(dev, args.smoke)
+            except Exception as exc:
+                traceback.print_exc()
+                res, fails = f"RAISED: {exc}", [f"{name} raised {type(exc).__name__}: {exc}"]
+            report[name] = res
+            failures["checks"] += fails
+            log(f"    {name}: {json.dumps(res, default=_json_default)[:1500]}")
+        dump(report_path, report)
+    if "graph" not in args.skip:
+        log("[2c] CUDA graph of one step (capture, replay, compare with eager twin)")
+        try:
+            res, fails = check_graph(dev, args.smoke)
+        except Exception as exc:
+            traceback.print_exc()
+            res, fails = f"RAISED: {exc}", []
+        report["graph"] = res
+        failures["checks"] += fails
+        log(f"    graph: {json.dumps(res, default=_json_default)[:1500]}")
+        dump(report_path, report)
+
+    # 3. benchmarks
+    rows = []
+    if "bench" not in args.skip:
+        log(f"[3] benchmarks, sizes {sizes} (reference backend up to {ref_max})")
+        if copy_bw is None and dev.type == "cuda":
+            log("    (no copy bandwidth: fractions left empty)")
+        B = benchmarks(dev, sizes, timer, info, copy_bw, ref_max, ivon_mod)
+        rows = B.rows
+        failures["bench"] = [e for e in B.errors if "skipped" not in e]
+        report["bench_notes"] = B.errors
+        report["bench"] = rows
+        report["byte_models"] = {f.__name__: f.__doc__.strip() for f in (
+            b_step_poco, b_step_ivon, b_sample_inner, b_sample_outer, b_accumulate, b_gather,
+            b_restore, b_refresh_kernel, b_poco_cycle, b_ivon_cycle, b_refresh, b_adamw,
+            b_ivonopt_step, b_ivonopt_cycle)}
+        device = info["device"]
+        write_csv(os.path.join(args.out, "bench_gpu.csv"), rows, device, date)
+        write_bw_csv(os.path.join(args.out, "bench_gpu_bandwidth.csv"), rows)
+        if args.record:
+            if args.smoke:
+                log("    --record ignored with --smoke (results/ holds device measurements)")
+            else:
+                name = re.sub(r"[^A-Za-z0-9]+", "_", info["name"]).strip("_")
+                path = os.path.join(REPO, "benchmarks", "results", f"gpu_{name}_{date}.csv")
+                write_csv(path, rows, device, date)
+                log(f"    recorded {path}")
+    report["failures"] = failures
+    report["seconds"] = time.perf_counter() - t_start
+    dump(report_path, report)
+
+    print_table(rows, copy_bw)
+    code = (1 if failures["parity"] else 0) | (2 if failures["checks"] else 0) | (
+        4 if failures["bench"] else 0)
+    log("-" * 100)
+    for k, v in failures.items():
+        for msg in v:
+            log(f"FAIL [{k}] {msg}")
+    gr = report.get("graph")
+    log(f"graph capture: {gr.get('capture') if isinstance(gr, dict) else gr}; "
+        f"replay: {gr.get('replay') if isinstance(gr, dict) else '-'}")
+    log(f"{'PASS' if code == 0 else 'FAIL'} (exit {code}) in {report['seconds']:.0f} s; "
+        f"outputs in {args.out}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

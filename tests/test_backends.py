@@ -1,0 +1,336 @@
+"""Every optimizer x backend pair on the same trajectory (one runner), and the Triton
+backend's contract: AMP, non-finite gradients, state dicts across backends, no host
+synchronisation, torch.compile, parameter layout."""
+import copy
+
+import pytest
+import torch
+
+import poco_kernels as pk
+from helpers import Problem, mlp, run
+from tolerances import PARAM, TRAJECTORY, assert_close
+
+pytest.importorskip("triton")
+
+# name -> (class, kwargs, refresh_every, warmup)
+CONFIGS = {
+    "IVON": (pk.IVON, dict(lr=0.05, ess=300.0, hess_init=0.5, beta2=0.999, clip_radius=0.5), None, 0),
+    "IVON-mc2-nodebias": (pk.IVON, dict(lr=0.05, ess=300.0, mc_samples=2, debias=False,
+                                        rescale_lr=False), None, 0),
+    "IVONPoCo": (pk.IVONPoCo, dict(lr=0.05, ess=200.0, hess_init=0.5, beta2=0.999, alpha=0.8,
+                                   clip_radius=0.5), 8, 4),
+    "IVONPoCoMo-independent": (pk.IVONPoCo, dict(lr=0.05, ess=200.0, beta2=0.9995, alpha=0.6,
+                                                 rho1=0.5, rho2=0.2, outer_noise="independent"),
+                               8, 3),
+    "IVONPoCo-antithetic-floor-mc2": (pk.IVONPoCo, dict(
+        lr=0.05, ess=200.0, beta2=0.999, alpha=0.7, refresh_samples=2,
+        refresh_antithetic=True, hess_floor=0.5, mc_samples=2, hess_corr_scale=1.0), 8, 2),
+    "SVRG": (pk.SVRG, dict(lr=0.1), 8, 2),
+    "SVRG-nesterov-wd": (pk.SVRG, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3,
+                                       alpha=0.5), 8, 2),
+    "SVRG-dampening": (pk.SVRG, dict(lr=0.05, momentum=0.8, dampening=0.3), 8, 2),
+    "VSGDPoCo": (pk.VSGDPoCo, dict(lr=0.1, sigma=0.01, momentum=0.5), 8, 2),
+    "SVRGAdamW": (pk.SVRGAdamW, dict(lr=3e-3, weight_decay=1e-2, alpha=0.7), 8, 2),
+}
+STEPS = 24
+
+
+def _build(name, backend, dtype, model=None):
+    cls, kw, every, warm = CONFIGS[name]
+    m = model if model is not None else mlp(dtype=dtype)
+    ps = list(m.parameters())
+    groups = [{"params": ps[:2]}, {"params": ps[2:], "lr": kw["lr"] * 0.5}]
+    return m, cls(groups, seed=11, backend=backend, **kw), every, warm
+
+
+def _trajectory(name, backend, dtype, steps=STEPS):
+    prob = Problem()
+    m, opt, every, warm = _build(name, backend, dtype)
+    losses = run(opt, m, prob, steps, refresh_every=every, warmup=warm)
+    return m, opt, losses
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_backends_agree_on_whole_trajectories(name, dtype):
+    """Tens of steps, refreshes included, two parameter groups: the Triton backend against
+    the reference, state buffer by buffer."""
+    m_ref, ref, l_ref = _trajectory(name, "torch", dtype)
+    m_tri, tri, l_tri = _trajectory(name, "triton", dtype)
+    assert tri.backend == "triton" and ref.backend == "torch"
+    assert tri.step_count == ref.step_count == STEPS
+    assert tri.refresh_count == ref.refresh_count
+    tol = TRAJECTORY[dtype]
+    for bname in ref._buckets[0].buffers:
+        for a, b in zip(ref.flat_state(bname), tri.flat_state(bname)):
+            assert_close(b, a, tol, f"{name}/{bname}")
+    for a, b in zip(m_ref.parameters(), m_tri.parameters()):
+        assert a.dtype == b.dtype == dtype
+        assert_close(b, a, tol, f"{name}/param")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_trajectory_comparison_can_fail(dtype):
+    """Guard: the tolerances of the runner above tell apart trajectories that differ only
+    in the noise seed."""
+    m_ref, ref, _ = _trajectory("IVONPoCo", "torch", dtype, steps=10)
+    m_o, other, _, _ = _build("IVONPoCo", "triton", dtype)
+    other.seed = 12
+    run(other, m_o, Problem(), 10, refresh_every=CONFIGS["IVONPoCo"][2],
+        warmup=CONFIGS["IVONPoCo"][3])
+    with pytest.raises(AssertionError):
+        assert_close(other.flat_state("mean")[0], ref.flat_state("mean")[0], TRAJECTORY[dtype])
+
+
+def _ivonpoco(backend="triton", dtype=torch.float32, **kw):
+    m = mlp(dtype=dtype)
+    args = dict(lr=0.05, ess=200.0, beta2=0.999, alpha=0.8)
+    args.update(kw)
+    return m, pk.IVONPoCo(m.parameters(), seed=3, backend=backend, **args)
+
+
+def _snapshot(opt, model):
+    return ({k: [t.clone() for t in opt.flat_state(k)] for k in opt._buckets[0].buffers},
+            [p.detach().clone() for p in model.parameters()])
+
+
+def _assert_same(opt, model, snap):
+    bufs, params = snap
+    for k, ts in bufs.items():
+        for a, b in zip(ts, opt.flat_state(k)):
+            assert torch.equal(a, b), k
+    for a, b in zip(params, model.parameters()):
+        assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- AMP
+def test_found_inf_skips_the_step_and_keeps_the_state():
+    prob = Problem()
+    m, opt = _ivonpoco()
+    run(opt, m, prob, 6, refresh_every=4, warmup=1)
+    snap, steps = _snapshot(opt, m), opt.step_count
+    opt.step(prob.closure(opt, m, prob.batches(1)[0]), found_inf=torch.ones(1))
+    _assert_same(opt, m, snap)
+    assert opt.step_count == steps and opt.skipped_updates == 1
+    opt.refresh([prob.closure(opt, m, c) for c in prob.chunks()], found_inf=torch.ones(()))
+    _assert_same(opt, m, snap)
+    assert opt.refresh_count == 2 and opt.skipped_updates == 2
+    # then it goes on as if the skipped updates never happened: same as the reference
+    m_ref, ref = _ivonpoco("torch")
+    run(ref, m_ref, prob, 6, refresh_every=4, warmup=1)
+    for o in (opt, ref):
+        o.step(prob.closure(o, m if o is opt else m_ref, prob.batches(1)[0]),
+               found_inf=torch.zeros(1))
+    assert_close(opt.flat_state("mean")[0], ref.flat_state("mean")[0], TRAJECTORY[torch.float32])
+
+
+def test_grad_scale_divides_gradients_like_the_reference():
+    prob = Problem()
+    res = []
+    for backend in ("torch", "triton"):
+        m, opt = _ivonpoco(backend)
+        run(opt, m, prob, 5, refresh_every=3, warmup=1)
+        scale = torch.tensor(512.0)
+        idx = prob.batches(1, seed=5)[0]
+
+        def closure():
+            opt.zero_grad()
+            (prob.loss(m, idx) * scale).backward()
+        opt.step(closure, grad_scale=scale)
+        res.append(opt.flat_state("mean")[0].clone())
+    assert_close(res[1], res[0], TRAJECTORY[torch.float32], "grad_scale")
+
+
+# --------------------------------------------------------------------------- non-finite
+def _nan_closure(opt, m, prob):
+    def c():
+        opt.zero_grad()
+        loss = prob.loss(m, prob.batches(1)[0])
+        loss.backward()
+        next(iter(m.parameters())).grad[0, 0] = float("nan")
+        return loss
+    return c
+
+
+def test_nonfinite_gradients_skip_on_device_by_default():
+    prob = Problem()
+    m, opt = _ivonpoco()
+    assert opt.check_finite is False
+    run(opt, m, prob, 6, refresh_every=4, warmup=1)
+    snap = _snapshot(opt, m)
+    opt.step(_nan_closure(opt, m, prob))
+    _assert_same(opt, m, snap)
+    assert opt.skipped_updates == 1 and opt.step_count == 6
+
+
+def test_nonfinite_gradients_raise_with_check_finite():
+    prob = Problem()
+    m, opt = _ivonpoco(check_finite=True)
+    run(opt, m, prob, 6, refresh_every=4, warmup=1)
+    snap = _snapshot(opt, m)
+    with pytest.raises(ValueError, match="non-finite gradient"):
+        opt.step(_nan_closure(opt, m, prob))
+    _assert_same(opt, m, snap)
+    assert opt.step_count == 6
+    run(opt, m, prob, 8, start=6, refresh_every=4, warmup=1)     # and it goes on
+    assert opt.step_count == 8
+
+
+# --------------------------------------------------------------------------- state dicts
+@pytest.mark.parametrize("pending", [False, True])
+def test_state_dict_moves_between_backends(pending):
+    """Triton -> reference and reference -> Triton mid-run (optionally with gradients
+    collected but not yet stepped) continue the uninterrupted trajectory."""
+    prob = Problem()
+    batches = prob.batches(14)
+    m_full, full = _ivonpoco("torch", mc_samples=2)
+    run(full, m_full, prob, 14, refresh_every=5, warmup=2, batches=batches)
+    for first, second in (("triton", "torch"), ("torch", "triton")):
+        m1, o1 = _ivonpoco(first, mc_samples=2)
+        run(o1, m1, prob, 9, refresh_every=5, warmup=2, batches=batches)
+        if pending:
+            with o1.sampled("inner"):
+                prob.loss(m1, batches[9]).backward()
+        sd = copy.deepcopy(o1.state_dict())
+        m2, o2 = _ivonpoco(second, mc_samples=2)
+        m2.load_state_dict(m1.state_dict())
+        o2.load_state_dict(sd)
+        assert o2.step_count == 9 and o2.refresh_count == 2
+        if pending:
+            with o2.sampled("inner"):
+                prob.loss(m2, batches[9]).backward()
+            for _ in range(2):
+                with o2.sampled("outer"):
+                    prob.loss(m2, batches[9]).backward()
+            o2.step()
+            run(o2, m2, prob, 14, start=10, refresh_every=5, warmup=2, batches=batches)
+        else:
+            run(o2, m2, prob, 14, start=9, refresh_every=5, warmup=2, batches=batches)
+        for k in ("mean", "h", "momentum", "g_out", "h_out"):
+            assert_close(o2.flat_state(k)[0], full.flat_state(k)[0], TRAJECTORY[torch.float32],
+                         f"{first}->{second} {k}")
+
+
+def test_triton_resume_is_exact():
+    prob = Problem()
+    batches = prob.batches(12)
+    m, o = _ivonpoco()
+    run(o, m, prob, 7, refresh_every=4, warmup=1, batches=batches)
+    sd = copy.deepcopy(o.state_dict())
+    msd = copy.deepcopy(m.state_dict())
+    run(o, m, prob, 12, start=7, refresh_every=4, warmup=1, batches=batches)
+    m2, o2 = _ivonpoco()
+    m2.load_state_dict(msd)
+    o2.load_state_dict(sd)
+    run(o2, m2, prob, 12, start=7, refresh_every=4, warmup=1, batches=batches)
+    for k in o._buckets[0].buffers:
+        assert torch.equal(o.flat_state(k)[0], o2.flat_state(k)[0]), k
+
+
+# --------------------------------------------------------------------------- no host sync
+def test_triton_updates_never_read_the_device_from_the_host(monkeypatch):
+    """A step or a refresh on the Triton backend reads no tensor value on the host (the
+    CPU stand-in for `torch.cuda.set_sync_debug_mode('error')`, which the GPU benchmark
+    script uses)."""
+    prob = Problem()
+    m, opt = _ivonpoco()
+    run(opt, m, prob, 5, refresh_every=3, warmup=1)
+    batch = prob.batches(1)[0]
+    # gradients collected before the check (the loss and backward are the user's)
+    for kind in ("inner", "outer"):
+        with opt.sampled(kind):
+            prob.loss(m, batch).backward()
+
+    def boom(*a, **k):
+        raise AssertionError("host read of a tensor value inside an update")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    opt.step()
+    opt.sample("refresh")
+    opt.restore()
+    opt.sample("inner")
+    opt.restore()
+    monkeypatch.undo()
+    assert opt.step_count == 6
+
+
+# --------------------------------------------------------------------------- compile
+def test_torch_compile_of_a_training_step_keeps_the_kernels():
+    """A compiled function that runs the optimizer's kernels (sample, accumulate, step)
+    traces without graph breaks (fullgraph) and matches eager."""
+    from poco_kernels.kernels import triton_ops as ops
+
+    prob = Problem()
+    outs = []
+    for compiled in (False, True):
+        m, opt = _ivonpoco(mc_samples=1)
+        run(opt, m, prob, 3)
+        eng = opt._engine
+        b = opt._buckets[0]
+        grads = torch.randn(b.numel)
+
+        def inner_step(grads):
+            eng.sample(0, 0)
+            b.grad_flat.copy_(grads)
+            ops.accumulate(b.grad_flat, eng._acc(0, b, "g"), None, eng._ctl(b), opt.seed,
+                           eng.active_noise[0][0], 0, 1.0, True, False)
+            opt._pending.count[0] = 1
+            eng.step(False, None, None)
+
+        f = torch.compile(inner_step, fullgraph=True, backend="aot_eager") if compiled \
+            else inner_step
+        f(grads)
+        outs.append(opt.flat_state("mean")[0].clone())
+    assert_close(outs[1], outs[0], PARAM[torch.float32], "compiled vs eager")
+
+
+# --------------------------------------------------------------------------- layout
+def test_parameters_become_views_of_one_flat_buffer():
+    m, opt = _ivonpoco(dtype=torch.bfloat16)
+    b = opt._buckets[0]
+    for p, off in zip(b.params, b.offsets):
+        assert p.data_ptr() == b.flat_param.data_ptr() + off * p.element_size()
+    before = [p.detach().clone() for p in m.parameters()]
+    with torch.no_grad():
+        next(iter(m.parameters())).mul_(1.0)     # in-place use is fine
+    m.float()                                     # replaces the storage
+    prob = Problem()
+    with pytest.raises(RuntimeError, match="storage was replaced"):
+        opt.step(prob.closure(opt, m, prob.batches(1)[0]))
+    assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(before, m.parameters()))
+
+
+def test_add_param_group_on_the_triton_backend():
+    m = mlp()
+    ps = list(m.parameters())
+    opt = pk.IVON(ps[:2], lr=0.05, ess=100.0, backend="triton", seed=1)
+    prob = Problem()
+    run(opt, m, prob, 2)
+    opt.add_param_group({"params": ps[2:], "lr": 0.01})
+    run(opt, m, prob, 4, start=2)
+    assert opt.step_count == 4
+    for b in opt._buckets:
+        for p, off in zip(b.params, b.offsets):
+            assert p.data_ptr() == b.flat_param.data_ptr() + off * p.element_size()
+
+
+def test_low_level_protocol_equals_closure_on_triton():
+    prob = Problem()
+    res = []
+    for protocol in ("closure", "low-level"):
+        m, opt = _ivonpoco(mc_samples=2)
+        batches = prob.batches(8)
+        for t in range(8):
+            if t == 2:
+                opt.refresh([prob.closure(opt, m, c) for c in prob.chunks()])
+            if protocol == "closure":
+                opt.step(prob.closure(opt, m, batches[t]))
+            else:
+                kinds = ["inner"] * 2 + (["outer"] * 2 if opt.correction_active() else [])
+                for kind in kinds:
+                    with opt.sampled(kind):
+                        prob.loss(m, batches[t]).backward()
+                opt.step()
+        res.append(opt.flat_state("mean")[0].clone())
+    assert torch.equal(res[0], res[1])
