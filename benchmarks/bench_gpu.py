@@ -396,7 +396,7 @@ PARITY_CONFIGS = {
     # Alg. 3 defaults (beta2 0.99999 is too slow to move h in 30 steps: 0.999 here),
     # per-group lr / weight decay / outer momentum / clip
     "ivon_poco": dict(
-        cls="IVONPoCo", kw=dict(lr=0.1, ess=1e4, beta2=0.999, seed=11),
+        cls="IVONPoCo", kw=dict(lr=0.1, ess=1e4, beta2=0.9999, seed=11),
         groups=[{}, {"lr": 0.05, "weight_decay": 1e-3}, {"rho1": 0.6, "rho2": 0.1,
                                                           "clip_radius": 0.5}]),
     # stabilisers: antithetic refresh pair, floor, 2 MC samples (GE sums, fold_ge),
