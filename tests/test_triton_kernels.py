@@ -382,3 +382,20 @@ def test_noise_of_element_indices_past_2_to_32():
         probe[(1,)](out, base, 64, SEED, 7, 12345, BLOCK=64)
         exp = noise.randn(64, SEED, 7, 12345, offset=base)
         assert_close(out, exp, dict(rtol=1e-5, atol=2e-6), f"base {base}")
+
+
+def test_bfloat16_parameters_round_to_nearest_even_and_keep_nan():
+    """The kernels' float32 -> bfloat16 store equals torch's cast bit for bit, specials
+    (every NaN payload, infinities, overflow to inf, subnormals) included."""
+    n = 4099
+    x = torch.randn(n) * torch.logspace(-40, 38, n)
+    specials = torch.tensor([0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7FC00000, 0x7F800000,
+                             0xFF800000, 0x7F7FFFFF, 0x00000001, 0x80000000, 0x3F808000,
+                             0x3F818000], dtype=torch.int64).to(torch.int32)
+    x[:len(specials)] = specials.view(torch.float32)
+    p = torch.empty(n, dtype=torch.bfloat16)
+    ops.sample(p, x, x, None, None, _ctl(), SEED, 0, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_NONE, False)
+    e = x.to(torch.bfloat16)
+    nan = torch.isnan(e)
+    assert torch.equal(torch.isnan(p), nan)
+    assert torch.equal(p[~nan].view(torch.int16), e[~nan].view(torch.int16))

@@ -64,9 +64,10 @@ def _to_param(x, ptr):
     spelled out in integer ops (what the GPU's ``cvt.rn.bf16.f32`` does; Triton's CPU
     interpreter would truncate), so every backend writes the same bits."""
     if ptr.dtype.element_ty == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + (0x7FFF + ((bits >> 16) & 1))
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        raw = x.to(tl.uint32, bitcast=True)
+        bits = raw + (0x7FFF + ((raw >> 16) & 1))
+        bits = tl.where(x != x, (raw >> 16 & 0x8000) | 0x7FC0, bits >> 16)  # NaN: quiet NaN
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(ptr.dtype.element_ty)
 
