@@ -161,8 +161,8 @@ class PosteriorOptimizer(torch.optim.Optimizer):
     #: per-parameter buffers created at their first use (not present before)
     _lazy_buffers: Tuple[str, ...] = ()
 
-    #: the optimizer has Triton kernels (``_triton_step``/``_triton_refresh``)
-    _triton_capable: bool = True
+    #: the optimizer has fused kernels, Triton and C++ (``_kernel_step``/``_kernel_refresh``)
+    _kernel_capable: bool = True
 
     def __init__(self, params, defaults: Dict[str, Any], *, seed: int = 0, backend: str = "auto",
                  check_finite: Optional[bool] = None):
@@ -171,10 +171,6 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         _check(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
         _check(check_finite is None or isinstance(check_finite, bool),
                f"check_finite must be None or a bool, got {check_finite!r}")
-        if backend == "cpp":
-            raise RuntimeError(
-                "backend='cpp' is not available in this build of poco_kernels: use 'torch' "
-                "(the reference) or 'triton'")
         self.seed = seed
         super().__init__(params, defaults)
         for g in self.param_groups:
@@ -183,10 +179,11 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         self.backend = self._resolve_backend(backend)
         #: raise on non-finite gradients (the triton backend then reads one flag from the
         #: device per update; without it a bad update is skipped on the device and counted
-        #: in ``skipped_updates``).  Default: True for 'torch', False for 'triton'.
-        self.check_finite = (self.backend == "torch") if check_finite is None else check_finite
-        # global counters (in the state dict); with the triton backend: updates attempted,
-        # the device holds the updates taken
+        #: in ``skipped_updates``).  Default: True for 'torch' and 'cpp' (where reading the
+        #: flag is free), False for 'triton'.
+        self.check_finite = (self.backend != "triton") if check_finite is None else check_finite
+        # global counters (in the state dict); with a fused backend: updates attempted,
+        # the control tensor holds the updates taken
         self._step = 0            # completed inner steps
         self._refreshes = 0       # completed refreshes
         self._pending = _Pending()
@@ -194,33 +191,45 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         self._active_eps: Dict[int, Optional[Tensor]] = {}
         self._eps_cache: Dict[int, Tuple[Tuple[int, ...], Tensor]] = {}
         self._engine = None
-        if self.backend == "triton":
-            from ._triton_backend import TritonEngine
-            self._engine = TritonEngine(self)
+        if self.backend in ("triton", "cpp"):
+            from ._fused_backend import FusedEngine
+            from .kernels import ops_for
+            self._engine = FusedEngine(self, ops_for(self.backend))
 
-    def _resolve_backend(self, backend: str) -> str:
-        """'auto': Triton when every parameter is on a CUDA device, not float64, and
-        triton imports; the reference otherwise.  'triton': that, or a clear error."""
-        if backend == "torch":
-            return "torch"
-        from .kernels import triton_status
+    def _fused_reasons(self, backend: str) -> List[str]:
+        """Why the fused ``backend`` ('triton' or 'cpp') cannot run these parameters
+        (empty: it can)."""
+        from .kernels import cpp_status, triton_status
+        name = {"triton": "Triton", "cpp": "C++"}[backend]
         reasons = []
-        if not self._triton_capable:
-            reasons.append(f"{type(self).__name__} has no Triton kernels")
+        if not self._kernel_capable:
+            reasons.append(f"{type(self).__name__} has no {name} kernels")
         for b in self._buckets:
             if b.param_dtype == torch.float64:
-                reasons.append("float64 parameters are not supported by the Triton kernels "
+                reasons.append(f"float64 parameters are not supported by the {name} kernels "
                                "(float32, bfloat16, float16)")
-            why = triton_status(b.device)
+            why = triton_status(b.device) if backend == "triton" else cpp_status(b.device)
             if why is not None:
                 reasons.append(why)
-            elif backend == "auto" and b.device.type != "cuda":
-                reasons.append("'auto' picks Triton for CUDA parameters only")
-        if not reasons:
+        return list(dict.fromkeys(reasons))
+
+    def _resolve_backend(self, backend: str) -> str:
+        """'auto': Triton when every parameter is on a CUDA device, the C++ kernels when
+        every parameter is on the CPU (and the extension is built), neither for float64
+        parameters; the reference otherwise.  'triton' / 'cpp': that, or a clear error."""
+        if backend == "torch":
+            return "torch"
+        if backend in ("triton", "cpp"):
+            reasons = self._fused_reasons(backend)
+            if reasons:
+                raise RuntimeError(f"backend={backend!r} cannot run here: " + "; ".join(reasons)
+                                   + ". Use backend='torch' (the reference) or 'auto'.")
+            return backend
+        devices = {b.device.type for b in self._buckets}
+        if devices == {"cuda"} and not self._fused_reasons("triton"):
             return "triton"
-        if backend == "triton":
-            raise RuntimeError("backend='triton' cannot run here: " + "; ".join(dict.fromkeys(reasons))
-                               + ". Use backend='torch' (the reference) or 'auto'.")
+        if devices == {"cpu"} and not self._fused_reasons("cpp"):
+            return "cpp"
         return "torch"
 
     # ------------------------------------------------------------------ construction

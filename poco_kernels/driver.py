@@ -15,9 +15,8 @@ mega-batch example.  Over ``n`` epochs with inner steps on all ``N`` examples th
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Union
 
 __all__ = ["Constant", "Linear", "WarmupConstant", "DoubleLoop"]
 

@@ -19,9 +19,9 @@ from . import reference as R
 from ._core import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KIND_REFRESH,
                     Bucket, PosteriorOptimizer, SampleSpec, _check, check_range)
 
-__all__ = ["IVON", "IVONPoCo", "ivon_inner_update", "ivon_refresh_update"]
+from .kernels.common import FAMILY_IVON
 
-FAMILY_IVON, FAMILY_SGD, FAMILY_ADAMW = 0, 1, 2   # = poco_kernels.kernels.triton_kernels
+__all__ = ["IVON", "IVONPoCo", "ivon_inner_update", "ivon_refresh_update"]
 
 
 def ivon_inner_update(*, mean: Tensor, h: Tensor, g: Tensor, g_in: Tensor, ge_in: Tensor,
@@ -128,9 +128,9 @@ class IVON(PosteriorOptimizer):
                                  g=b.buffers["momentum"], g_in=g_in, ge_in=ge_in, outer=None,
                                  group=group, step=t)
 
-    def _triton_step(self, b, group):
-        """The step kernel's arguments (``poco_kernels.kernels.triton_kernels.step_kernel``,
-        IVON family): the same maths as :func:`ivon_inner_update`."""
+    def _kernel_step(self, b, group):
+        """The step kernel's arguments (``triton_kernels.step_kernel`` and the C++
+        ``step``, IVON family): the same maths as :func:`ivon_inner_update`."""
         wd, clip = group["weight_decay"], group["clip_radius"]
         poco = self._has_correction
         return dict(
@@ -246,7 +246,7 @@ class IVONPoCo(IVON):
                                  g=b.buffers["momentum"], g_in=g_in, ge_in=ge_in, outer=o,
                                  group=group, step=t)
 
-    def _triton_refresh(self, b, group):
+    def _kernel_refresh(self, b, group):
         """The refresh kernel's arguments (IVON family): :func:`ivon_refresh_update`."""
         return dict(family=FAMILY_IVON, h=b.buffers["h"], g_out=b.buffers["g_out"],
                     h_out=b.buffers["h_out"], m_out=b.buffers["m_out"],

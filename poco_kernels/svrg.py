@@ -22,9 +22,9 @@ from . import reference as R
 from ._core import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KIND_REFRESH,
                     PosteriorOptimizer, SampleSpec, _check, check_range)
 
-__all__ = ["SVRG", "SVRGAdamW", "VSGDPoCo"]
+from .kernels.common import FAMILY_ADAMW, FAMILY_SGD
 
-FAMILY_IVON, FAMILY_SGD, FAMILY_ADAMW = 0, 1, 2   # = poco_kernels.kernels.triton_kernels
+__all__ = ["SVRG", "SVRGAdamW", "VSGDPoCo"]
 
 
 class _SVRGBase(PosteriorOptimizer):
@@ -61,7 +61,7 @@ class _SVRGBase(PosteriorOptimizer):
         g_o, _ = outer
         return R.control_variate(g_in, g_o, b.buffers["g_out"], group["alpha"])
 
-    def _triton_refresh(self, b, group):
+    def _kernel_refresh(self, b, group):
         """The refresh kernel's arguments (first-order family): ``_refresh_update``."""
         return dict(family=FAMILY_SGD, g_out=b.buffers["g_out"], m_out=b.buffers["theta_out"],
                     hp=dict(sigma=float(self._noise_sigma(group))))
@@ -99,7 +99,7 @@ class SVRG(_SVRGBase):
             _check(group["momentum"] > 0 and group["dampening"] == 0,
                    "Nesterov momentum requires a momentum and zero dampening")
 
-    def _triton_step(self, b, group):
+    def _kernel_step(self, b, group):
         """The step kernel's arguments (SGD family): ``control_variate`` + ``sgd_step``."""
         mom = group["momentum"]
         first = 0.0
@@ -173,7 +173,7 @@ class SVRGAdamW(_SVRGBase):
         bufs["exp_avg_sq"] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
         return bufs
 
-    def _triton_step(self, b, group):
+    def _kernel_step(self, b, group):
         """The step kernel's arguments (AdamW family): ``control_variate`` + ``adamw_step``."""
         beta1, beta2 = group["betas"]
         return dict(family=FAMILY_ADAMW, s1=b.buffers["exp_avg"], s2=b.buffers["exp_avg_sq"],

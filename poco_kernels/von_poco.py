@@ -130,7 +130,7 @@ class VONPoCo(PosteriorOptimizer):
     are as before.
     """
 
-    _triton_capable = False     # dense d x d matrices: the reference backend only
+    _kernel_capable = False     # dense d x d matrices: the reference backend only
 
     _divergence_hint = ("Huge gradients against a small precision: lower lr, raise min_eig, "
                         "or refresh more often.")

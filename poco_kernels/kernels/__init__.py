@@ -1,7 +1,9 @@
-"""Hand-written kernels: Triton (GPU, and the CPU interpreter in tests).
+"""Hand-written kernels: Triton (GPU, and the CPU interpreter in tests) and C++ (CPU).
 
-Import :mod:`poco_kernels.kernels.triton_ops` only where Triton is wanted: importing it
-imports triton.  :func:`triton_status` says whether the Triton path can run here.
+:func:`triton_status` and :func:`cpp_status` say whether each path can run;
+:func:`ops_for` gives the wrapper module of a backend.  Importing
+:mod:`poco_kernels.kernels.triton_ops` imports triton; importing
+:mod:`poco_kernels.kernels.cpp_ops` loads the C++ extension.
 """
 from __future__ import annotations
 
@@ -9,6 +11,10 @@ import os
 from typing import Optional
 
 import torch
+
+INSTALL_HINT = ("build it by reinstalling poco_kernels from source with a C++ compiler: "
+                "`pip install ninja && pip install --no-build-isolation .` (add -e in a "
+                "checkout; the README's set-up commands do this)")
 
 
 def triton_interpreting() -> bool:
@@ -28,3 +34,30 @@ def triton_status(device: torch.device) -> Optional[str]:
         return None
     return (f"Triton kernels run on CUDA devices (or on the CPU under TRITON_INTERPRET=1), "
             f"not on {device}")
+
+
+def cpp_status(device: Optional[torch.device] = None) -> Optional[str]:
+    """None when the C++ kernels can run (on ``device``, if given); else the reason.
+    ``POCO_KERNELS_NO_EXTENSION=1`` makes the package behave as if the extension were not
+    built (it is also what skips building it)."""
+    if device is not None and device.type != "cpu":
+        return f"the C++ kernels run on the CPU, not on {device}"
+    if os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1":
+        return ("the C++ extension is disabled (POCO_KERNELS_NO_EXTENSION=1): unset it to use "
+                f"it; if it is not built, {INSTALL_HINT}")
+    try:
+        import poco_kernels._C  # noqa: F401
+    except ImportError as exc:
+        return f"the C++ extension poco_kernels._C is not built ({exc}); {INSTALL_HINT}"
+    return None
+
+
+def ops_for(backend: str):
+    """The kernel wrapper module of a fused backend ('triton' or 'cpp')."""
+    if backend == "triton":
+        from . import triton_ops
+        return triton_ops
+    if backend == "cpp":
+        from . import cpp_ops
+        return cpp_ops
+    raise ValueError(f"no kernels for backend {backend!r}")

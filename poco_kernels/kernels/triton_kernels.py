@@ -25,13 +25,10 @@ Conventions shared by all kernels:
 import triton
 import triton.language as tl
 
-# ``sigma`` of a sample (``sample_kernel``/``accumulate_kernel``)
-SIGMA_NONE, SIGMA_IVON, SIGMA_BUFFER, SIGMA_CONST = 0, 1, 2, 3
-# update family of ``step_kernel``
-FAMILY_IVON, FAMILY_SGD, FAMILY_ADAMW = 0, 1, 2
-# slots of the control tensor
-CTL_STEPS, CTL_REFRESHES, CTL_BAD, CTL_SKIPPED = 0, 1, 2, 3
-CTL_SIZE = 4
+# the code-path constants and the control-tensor layout, shared with the C++ kernels
+from .common import (CTL_BAD, CTL_REFRESHES, CTL_SIZE, CTL_SKIPPED, CTL_STEPS,  # noqa: F401
+                     FAMILY_ADAMW, FAMILY_IVON, FAMILY_SGD, SIGMA_BUFFER, SIGMA_CONST,
+                     SIGMA_IVON, SIGMA_NONE)
 
 BLOCK = 1024
 NUM_WARPS = 4

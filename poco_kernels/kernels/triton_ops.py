@@ -16,30 +16,9 @@ import triton
 from torch import Tensor
 
 from . import triton_kernels as K
+from .common import step_flags, unpack_step_flags as _unpack  # noqa: F401
 
 __all__ = ["sample", "accumulate", "fold_ge", "step", "refresh", "finish", "step_flags"]
-
-# bit layout of the ``flags`` of ``step``
-_STEP_BITS = ("CORR", "GE_IN", "GE_O", "SHARED_NOISE", "HESS_CORR", "FLOOR", "CLIP", "DEBIAS",
-              "MOMENTUM", "NESTEROV")
-
-
-def step_flags(family: int, **bits: bool) -> int:
-    """Pack the code-path switches of :func:`step` into one int (family in bits 0-1)."""
-    unknown = set(bits) - set(_STEP_BITS)
-    if unknown:
-        raise ValueError(f"unknown step flags {sorted(unknown)}")
-    f = int(family)
-    for i, name in enumerate(_STEP_BITS):
-        if bits.get(name, False):
-            f |= 1 << (i + 2)
-    return f
-
-
-def _unpack(flags: int):
-    return {"FAMILY": flags & 3,
-            **{name: bool(flags >> (i + 2) & 1) for i, name in enumerate(_STEP_BITS)}}
-
 
 def _grid(n: int):
     return (triton.cdiv(n, K.BLOCK),)

@@ -1,6 +1,10 @@
-"""The Triton backend of :class:`~poco_kernels._core.PosteriorOptimizer`.
+"""The fused backends of :class:`~poco_kernels._core.PosteriorOptimizer`: ``"triton"``
+(GPU) and ``"cpp"`` (CPU).
 
-What changes against the reference backend:
+One host engine drives both: it owns the flat buffers and the control tensors and calls
+the kernels through a wrapper module with one function per operation, either
+:mod:`poco_kernels.kernels.triton_ops` or :mod:`poco_kernels.kernels.cpp_ops` (same
+signatures).  What changes against the reference backend:
 
 * **Flat parameters.**  The parameters of a bucket become views of one flat buffer of
   their dtype (``p.data`` is re-pointed once, at construction), so a sample, a restore
@@ -10,13 +14,14 @@ What changes against the reference backend:
   than one draw (Monte-Carlo samples, antithetic refreshes).  With one draw, the update
   regenerates ``eps`` instead of reading it.  Buffers are allocated at first use and
   reused: no allocation per step in steady state.
-* **Counters on the device.**  Steps and refreshes taken live in a device tensor
-  (``ctl``, one per device): kernels read the noise counter and the debiasing step from
+* **Counters in a tensor.**  Steps and refreshes taken live in a control tensor on the
+  buckets' device (``ctl``): kernels read the noise counter and the debiasing step from
   it, and a skipped update (AMP ``found_inf``, or a non-finite gradient seen while
   accumulating) leaves it and the state as they were, without the host looking.  The
   host keeps counts of updates *attempted*, for its own bookkeeping only.
-* **No host synchronisation inside a step**, unless ``check_finite=True`` asks for the
-  reference backend's error on non-finite gradients (one device-to-host read per update).
+* **No host synchronisation inside a step** on a GPU, unless ``check_finite=True`` asks
+  for the reference backend's error on non-finite gradients (one device-to-host read per
+  update; free on the CPU, where it is the default).
 """
 from __future__ import annotations
 
@@ -26,20 +31,17 @@ import torch
 from torch import Tensor
 
 from . import noise as _noise
-from .kernels import triton_kernels as K
-from .kernels import triton_ops as ops
-
-_SIGMA_MODE = {"none": K.SIGMA_NONE, "h": K.SIGMA_IVON, "buffer": K.SIGMA_BUFFER,
-               "const": K.SIGMA_CONST}
+from .kernels import common as K
 
 
-class TritonEngine:
+class FusedEngine:
     """Owns the flat parameter/gradient buffers, the gradient sums and the control
     tensors of one optimizer; the optimizer delegates sample/accumulate/restore/step/
-    refresh to it."""
+    refresh to it.  ``ops``: the kernels' wrapper module (``triton_ops`` or ``cpp_ops``)."""
 
-    def __init__(self, opt):
+    def __init__(self, opt, ops):
         self.opt = opt
+        self.ops = ops
         self.ctl: Dict[torch.device, Tensor] = {}
         self.pool: Dict[Tuple[int, int], List[Optional[Tensor]]] = {}
         self.active_noise: Dict[int, Optional[Tuple[int, int, float]]] = {}
@@ -81,9 +83,10 @@ class TritonEngine:
             if not self._is_flat(b):
                 raise RuntimeError(
                     "a parameter's storage was replaced since the optimizer was built "
-                    "(e.g. by model.to(...) or `p.data = ...`): with backend='triton' the "
-                    "parameters are views of the optimizer's flat buffers; build the "
-                    "optimizer after moving the model, or copy into parameters in place")
+                    "(e.g. by model.to(...) or `p.data = ...`): with "
+                    f"backend={self.opt.backend!r} the parameters are views of the "
+                    "optimizer's flat buffers; build the optimizer after moving the model, "
+                    "or copy into parameters in place")
 
     def set_counters(self, steps: int, refreshes: int) -> None:
         for c in self.ctl.values():
@@ -139,9 +142,9 @@ class TritonEngine:
                 mode, h, sig, const = K.SIGMA_BUFFER, None, spec.sigma, 0.0
             else:
                 mode, h, sig, const = K.SIGMA_CONST, None, None, float(spec.sigma)
-            ops.sample(b.flat_param, b.flat_param if sync else spec.centre, b.buffers["mean"],
-                       h, sig, self._ctl(b), opt.seed, stream, slot, float(spec.ess),
-                       float(spec.wd), const, float(sign), mode, sync)
+            self.ops.sample(b.flat_param, b.flat_param if sync else spec.centre,
+                            b.buffers["mean"], h, sig, self._ctl(b), opt.seed, stream, slot,
+                            float(spec.ess), float(spec.wd), const, float(sign), mode, sync)
         self.params_hold_mean = False
 
     def restore(self) -> None:
@@ -181,9 +184,10 @@ class TritonEngine:
             g = p.grad
             if g is None:
                 zero.append(view)
-            elif compiling or g.data_ptr() != base + off * size or g.dtype != b.param_dtype:
-                if g.is_sparse:
-                    raise RuntimeError("poco_kernels optimizers do not support sparse gradients")
+                continue
+            if g.is_sparse:
+                raise RuntimeError("poco_kernels optimizers do not support sparse gradients")
+            if compiling or g.data_ptr() != base + off * size or g.dtype != b.param_dtype:
                 srcs.append(g.detach())
                 dsts.append(view)
         if dsts:
@@ -218,10 +222,10 @@ class TritonEngine:
                         acc_ge.zero_()
                     else:              # sums so far are all of draw 0: materialise g * eps_0
                         s0, slot0, sign0 = self.noise_of(kind, b, 0)
-                        ops.fold_ge(acc_g, acc_ge, self._ctl(b), opt.seed, s0, slot0, sign0)
+                        self.ops.fold_ge(acc_g, acc_ge, self._ctl(b), opt.seed, s0, slot0, sign0)
                     sums[(kind, b.index, "ge")] = acc_ge
             stream, slot, sign = noise if noise is not None else (0, 0, 1.0)
-            ops.accumulate(grad, acc_g, acc_ge, self._ctl(b), opt.seed, stream, slot, sign,
+            self.ops.accumulate(grad, acc_g, acc_ge, self._ctl(b), opt.seed, stream, slot, sign,
                            first, acc_ge is not None)
             sums[(kind, b.index, "g")] = acc_g
 
@@ -242,7 +246,7 @@ class TritonEngine:
                     continue
                 acc_g = self._acc(kind, b, "g")
                 acc_ge = self._acc(kind, b, "ge")
-                ops.fold_ge(acc_g, acc_ge, self._ctl(b), opt.seed, *noise)
+                self.ops.fold_ge(acc_g, acc_ge, self._ctl(b), opt.seed, *noise)
                 opt._pending.sums[(kind, b.index, "ge")] = acc_ge
 
     # ------------------------------------------------------------------ updates
@@ -252,17 +256,25 @@ class TritonEngine:
         return fi, gs
 
     def _raise_if_bad(self, slot: int, found_inf) -> None:
+        """``check_finite``: raise (state untouched) if a gradient was non-finite, unless
+        an AMP ``found_inf`` says to skip, which the kernels have done.  Not while
+        torch.compile traces (a data-dependent branch): the kernels skip such an update
+        and ``skipped_updates`` counts it, as without ``check_finite``."""
+        if torch.compiler.is_compiling():
+            return
+        if found_inf is not None and bool(found_inf.detach().float().sum() != 0):
+            return
         bad = any(bool(c[K.CTL_BAD] != 0) for c in self.ctl.values())
         if bad:
             for c in self.ctl.values():
-                ops.finish(c, found_inf, slot)
+                self.ops.finish(c, found_inf, slot)
             raise ValueError("non-finite gradient (inf or nan): the update was not taken and "
                              "the optimizer state is unchanged (with AMP, pass found_inf to skip)")
 
     def _finish(self, slot: int, found_inf: Optional[Tensor]) -> None:
         for dev, c in self.ctl.items():
             fi = None if found_inf is None else found_inf.to(dev, non_blocking=True)
-            ops.finish(c, fi, slot)
+            self.ops.finish(c, fi, slot)
 
     def step(self, corr: bool, grad_scale, found_inf) -> None:
         from ._core import KIND_INNER, KIND_OUTER, COUNTER_STEPS
@@ -273,7 +285,7 @@ class TritonEngine:
         n_o = pend.count[KIND_OUTER] if corr else 0
         for b in opt._buckets:
             group = opt.param_groups[b.group_index]
-            t = opt._triton_step(b, group)
+            t = opt._kernel_step(b, group)
             g_in = self._acc(KIND_INNER, b, "g")
             ge_in = self._acc(KIND_INNER, b, "ge") if (KIND_INNER, b.index, "ge") in sums else None
             noise_in = self.noise_of(KIND_INNER, b, 0) if opt.uses_hessian else None
@@ -285,24 +297,25 @@ class TritonEngine:
                 noise_o = self.noise_of(KIND_OUTER, b, 0) if opt.uses_hessian else None
             shared = (noise_in is not None and noise_o is not None and noise_in == noise_o
                       and ge_in is None and ge_o is None)
-            flags = ops.step_flags(
+            flags = K.step_flags(
                 t["family"], CORR=corr, GE_IN=ge_in is not None, GE_O=ge_o is not None,
                 SHARED_NOISE=shared, **t["flags"])
             hp = t["hp"]
             fi, gs = self._amp(b, found_inf, grad_scale)
-            ops.step(b.buffers["mean"], b.flat_param, t.get("s1"), t.get("s2"), g_in, ge_in,
+            self.ops.step(b.buffers["mean"], b.flat_param, t.get("s1"), t.get("s2"), g_in, ge_in,
                      g_o, ge_o, b.buffers.get("g_out") if corr else None,
                      b.buffers.get("h_out") if corr else None,
                      b.buffers.get("m_out") if corr else None,
                      b.buffers.get("sigma_out") if corr else None,
                      self._ctl(b), fi, gs,
                      [opt.seed, noise_in[0] if noise_in else 0, noise_o[0] if noise_o else 0],
-                     [noise_o[2] if noise_o else 1.0, 1.0 / n_in, 1.0 / n_o if n_o else 0.0,
-                      hp.get("lr", 0.0), hp.get("beta1", 0.0), hp.get("beta2", 0.0),
-                      hp.get("wd", 0.0), hp.get("ess", 1.0), hp.get("alpha", 0.0),
-                      hp.get("hess_corr", 0.0), hp.get("floor", 0.0), hp.get("clip", 0.0),
-                      hp.get("momentum", 0.0), hp.get("dampening", 0.0), hp.get("eps", 0.0),
-                      hp.get("mom_first", 0.0)],
+                     [float(v) for v in (
+                         noise_o[2] if noise_o else 1.0, 1.0 / n_in, 1.0 / n_o if n_o else 0.0,
+                         hp.get("lr", 0.0), hp.get("beta1", 0.0), hp.get("beta2", 0.0),
+                         hp.get("wd", 0.0), hp.get("ess", 1.0), hp.get("alpha", 0.0),
+                         hp.get("hess_corr", 0.0), hp.get("floor", 0.0), hp.get("clip", 0.0),
+                         hp.get("momentum", 0.0), hp.get("dampening", 0.0), hp.get("eps", 0.0),
+                         hp.get("mom_first", 0.0))],
                      flags)
         self.params_hold_mean = True
         if opt.check_finite:
@@ -316,18 +329,19 @@ class TritonEngine:
         n = pend.count[KIND_REFRESH]
         for b in opt._buckets:
             group = opt.param_groups[b.group_index]
-            r = opt._triton_refresh(b, group)
+            r = opt._kernel_refresh(b, group)
             acc_g = self._acc(KIND_REFRESH, b, "g")
             acc_ge = (self._acc(KIND_REFRESH, b, "ge")
                       if (KIND_REFRESH, b.index, "ge") in pend.sums else None)
             noise = self.noise_of(KIND_REFRESH, b, 0)
             fi, gs = self._amp(b, found_inf, grad_scale)
             hp = r["hp"]
-            ops.refresh(b.buffers["mean"], r.get("h"), acc_g, acc_ge, r["g_out"], r.get("h_out"),
+            self.ops.refresh(b.buffers["mean"], r.get("h"), acc_g, acc_ge, r["g_out"], r.get("h_out"),
                         r["m_out"], r.get("sigma_out"), self._ctl(b), fi, gs, opt.seed,
                         noise[0] if noise else 0,
-                        [1.0 / n, hp.get("ess", 1.0), hp.get("wd", 0.0), hp.get("rho1", 0.0),
-                         hp.get("rho2", 0.0), hp.get("sigma", 0.0)],
+                        [float(v) for v in (1.0 / n, hp.get("ess", 1.0), hp.get("wd", 0.0),
+                                             hp.get("rho1", 0.0), hp.get("rho2", 0.0),
+                                             hp.get("sigma", 0.0))],
                         r["family"], acc_ge is not None, noise is not None)
         if opt.check_finite:
             self._raise_if_bad(COUNTER_REFRESHES, found_inf)

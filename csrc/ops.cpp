@@ -1,0 +1,437 @@
+// torch glue of the C++ kernels: the `poco_kernels_cpp::*` operators.
+//
+// Each operator has the signature of its Triton twin in poco_kernels/kernels/triton_ops.py
+// (same arguments, same control-tensor protocol), so one host engine
+// (poco_kernels/_fused_backend.py) drives either backend.  Here: check every tensor,
+// read the control tensor and the AMP scalars (a CPU read costs nothing), turn the
+// hyperparameters into the float32 constants of the kernels (in double first, as the
+// reference's Python floats are), and run the kernels over fixed tiles with
+// at::parallel_for (torch's intra-op threads, torch.set_num_threads).
+//
+// Registered with TORCH_LIBRARY, so torch.compile (with the fake kernels registered in
+// poco_kernels/kernels/cpp_ops.py) and serialisation see them as operators.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "poco_kernels.h"
+
+namespace poco {
+namespace {
+
+// Buffers below this many tiles run on one thread (the OpenMP fork costs more).
+constexpr int64_t kGrainTiles = 32768 / kTile;
+
+// ------------------------------------------------------------------ instruction set
+bool isa_supported(const std::string& name) {
+  if (name == "base") return true;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (name == "avx2") return __builtin_cpu_supports("x86-64-v3");
+  if (name == "avx512") return __builtin_cpu_supports("x86-64-v4");
+#endif
+  return false;
+}
+
+const KernelTable* table_of(const std::string& name) {
+#if defined(__x86_64__)
+  if (name == "avx512") return &kKernelsAvx512;
+  if (name == "avx2") return &kKernelsAvx2;
+#endif
+  return &kKernelsBase;
+}
+
+std::string best_isa() {
+  for (const char* name : {"avx512", "avx2"})
+    if (isa_supported(name)) return name;
+  return "base";
+}
+
+std::atomic<const KernelTable*> g_table{nullptr};
+
+const KernelTable& kernels() {
+  const KernelTable* t = g_table.load();
+  if (t != nullptr) return *t;
+  std::string name = best_isa();
+  if (const char* env = std::getenv("POCO_KERNELS_CPU_ISA")) {
+    const std::string want(env);
+    TORCH_CHECK(want == "base" || want == "avx2" || want == "avx512",
+                "POCO_KERNELS_CPU_ISA must be 'base', 'avx2' or 'avx512', got '", want, "'");
+    TORCH_CHECK(isa_supported(want), "POCO_KERNELS_CPU_ISA='", want,
+                "': this CPU does not support that instruction set");
+    name = want;
+  }
+  g_table.store(table_of(name));
+  return *g_table.load();
+}
+
+std::string isa_op() { return kernels().isa; }
+
+// Select the instruction set ('base', 'avx2', 'avx512', or 'best'); returns the previous.
+std::string set_isa_op(std::string name) {
+  const std::string previous = kernels().isa;
+  if (name == "best") name = best_isa();
+  TORCH_CHECK(name == "base" || name == "avx2" || name == "avx512",
+              "set_isa: expected 'base', 'avx2', 'avx512' or 'best', got '", name, "'");
+  TORCH_CHECK(isa_supported(name), "set_isa('", name, "'): this CPU does not support it");
+  g_table.store(table_of(name));
+  return previous;
+}
+
+// ------------------------------------------------------------------ checks
+void check_cpu_contiguous(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "poco_kernels_cpp: '", name, "' must be a CPU tensor, got ",
+              t.device());
+  TORCH_CHECK(t.is_contiguous(), "poco_kernels_cpp: '", name, "' must be contiguous");
+  TORCH_CHECK(t.numel() == n, "poco_kernels_cpp: '", name, "' has ", t.numel(),
+              " elements, expected ", n);
+}
+
+float* state_ptr(const at::Tensor& t, int64_t n, const char* name) {
+  check_cpu_contiguous(t, n, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "poco_kernels_cpp: '", name,
+              "' must be float32 (optimizer state), got ", t.scalar_type());
+  return t.data_ptr<float>();
+}
+
+// An optional state buffer that the code path needs (`needed`) or ignores.
+float* state_ptr(const c10::optional<at::Tensor>& t, int64_t n, const char* name, bool needed) {
+  if (!needed) return nullptr;
+  TORCH_CHECK(t.has_value(), "poco_kernels_cpp: '", name, "' is required on this code path");
+  return state_ptr(*t, n, name);
+}
+
+int pdtype_of(const at::Tensor& t, int64_t n, const char* name) {
+  check_cpu_contiguous(t, n, name);
+  switch (t.scalar_type()) {
+    case at::kFloat: return kF32;
+    case at::kBFloat16: return kBF16;
+    case at::kHalf: return kF16;
+    default:
+      TORCH_CHECK(false, "poco_kernels_cpp: '", name,
+                  "' must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+  return kF32;
+}
+
+int64_t* ctl_ptr(const at::Tensor& ctl) {
+  TORCH_CHECK(ctl.device().is_cpu() && ctl.scalar_type() == at::kLong && ctl.is_contiguous() &&
+                  ctl.numel() >= 4,
+              "poco_kernels_cpp: 'ctl' must be a contiguous CPU int64 tensor of 4 elements");
+  return ctl.data_ptr<int64_t>();
+}
+
+// The first element of a scalar tensor (AMP found_inf / grad_scale), as a double.
+double scalar_of(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.numel() >= 1, "poco_kernels_cpp: '", name, "' is empty");
+  TORCH_CHECK(t.device().is_cpu(), "poco_kernels_cpp: '", name, "' must be a CPU tensor");
+  if (t.scalar_type() == at::kFloat && t.is_contiguous()) return t.data_ptr<float>()[0];
+  return t.reshape(-1).select(0, 0).item<double>();
+}
+
+bool skip_update(const int64_t* ctl, const c10::optional<at::Tensor>& found_inf) {
+  return ctl[2] != 0 || (found_inf.has_value() && scalar_of(*found_inf, "found_inf") != 0.0);
+}
+
+// 1 / grad_scale in float32, as the reference computes it
+float inv_scale(const c10::optional<at::Tensor>& grad_scale) {
+  if (!grad_scale.has_value()) return 1.0f;
+  return 1.0f / (float)scalar_of(*grad_scale, "grad_scale");
+}
+
+uint32_t u32(int64_t v, const char* name) {
+  TORCH_CHECK(v >= 0 && v <= (int64_t)0xFFFFFFFF, "poco_kernels_cpp: '", name,
+              "' must be in [0, 2**32), got ", v);
+  return (uint32_t)v;
+}
+
+int64_t counter_of(const int64_t* ctl, int64_t slot) {
+  TORCH_CHECK(slot == 0 || slot == 1, "poco_kernels_cpp: counter slot must be 0 or 1");
+  return ctl[slot];
+}
+
+template <typename F>
+void for_tiles(int64_t n, const F& f) {
+  const int64_t ntiles = (n + kTile - 1) / kTile;
+  if (ntiles > 0) at::parallel_for(0, ntiles, kGrainTiles, f);
+}
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// ------------------------------------------------------------------ operators
+void sample_op(const at::Tensor& param, const at::Tensor& centre, const at::Tensor& mean,
+               const c10::optional<at::Tensor>& h, const c10::optional<at::Tensor>& sigma,
+               const at::Tensor& ctl, int64_t seed, int64_t stream, int64_t counter_slot,
+               double ess, double wd, double sigma_const, double sign, int64_t sigma_mode,
+               bool sync) {
+  const int64_t n = param.numel();
+  TORCH_CHECK(sigma_mode >= kSigmaNone && sigma_mode <= kSigmaConst,
+              "poco_kernels_cpp: invalid sigma_mode ", sigma_mode);
+  SampleArgs a{};
+  a.pdtype = pdtype_of(param, n, "param");
+  a.param = param.data_ptr();
+  TORCH_CHECK(!sync || a.pdtype == kF32, "poco_kernels_cpp: sync needs float32 parameters");
+  a.centre = sync ? nullptr : state_ptr(centre, n, "centre");
+  a.mean = state_ptr(mean, n, "mean");
+  a.h = state_ptr(h, n, "h", sigma_mode == kSigmaIvon);
+  a.sigma = state_ptr(sigma, n, "sigma", sigma_mode == kSigmaBuffer);
+  const int64_t* c = ctl_ptr(ctl);
+  a.n = n;
+  a.noise = Noise{(uint64_t)seed, u32(counter_of(c, counter_slot), "counter"),
+                  u32(stream, "stream"), (float)sign};
+  a.ess = (float)ess;
+  a.wd = (float)wd;
+  a.sigma_const = (float)sigma_const;
+  a.mode = (int)sigma_mode;
+  a.sync = sync;
+  const KernelTable& k = kernels();
+  for_tiles(n, [&](int64_t t0, int64_t t1) { k.sample(a, t0, t1); });
+}
+
+void accumulate_op(const at::Tensor& grad, const at::Tensor& acc_g,
+                   const c10::optional<at::Tensor>& acc_ge, const at::Tensor& ctl,
+                   int64_t seed, int64_t stream, int64_t counter_slot, double sign, bool first,
+                   bool ge) {
+  const int64_t n = grad.numel();
+  AccumulateArgs a{};
+  a.pdtype = pdtype_of(grad, n, "grad");
+  a.grad = grad.data_ptr();
+  a.acc_g = state_ptr(acc_g, n, "acc_g");
+  a.acc_ge = state_ptr(acc_ge, n, "acc_ge", ge);
+  int64_t* c = ctl_ptr(ctl);
+  a.n = n;
+  a.noise = Noise{(uint64_t)seed, ge ? u32(counter_of(c, counter_slot), "counter") : 0u,
+                  u32(stream, "stream"), (float)sign};
+  a.first = first;
+  a.ge = ge;
+  const KernelTable& k = kernels();
+  std::atomic<bool> bad{false};
+  for_tiles(n, [&](int64_t t0, int64_t t1) {
+    if (k.accumulate(a, t0, t1)) bad.store(true);
+  });
+  if (bad.load()) c[2] = 1;     // the update that follows is skipped (or raises)
+}
+
+void fold_ge_op(const at::Tensor& acc_g, const at::Tensor& acc_ge, const at::Tensor& ctl,
+                int64_t seed, int64_t stream, int64_t counter_slot, double sign) {
+  const int64_t n = acc_g.numel();
+  FoldArgs a{};
+  a.acc_g = state_ptr(acc_g, n, "acc_g");
+  a.acc_ge = state_ptr(acc_ge, n, "acc_ge");
+  const int64_t* c = ctl_ptr(ctl);
+  a.n = n;
+  a.noise = Noise{(uint64_t)seed, u32(counter_of(c, counter_slot), "counter"),
+                  u32(stream, "stream"), (float)sign};
+  const KernelTable& k = kernels();
+  for_tiles(n, [&](int64_t t0, int64_t t1) { k.fold_ge(a, t0, t1); });
+}
+
+// bit layout of `flags` (= triton_ops.step_flags): family in bits 0-1, then these
+enum StepBit : int {
+  kCorr = 2, kGeIn, kGeO, kSharedNoise, kHessCorr, kFloor, kClip, kDebias, kMomentum, kNesterov
+};
+
+void step_op(const at::Tensor& mean, const at::Tensor& param,
+             const c10::optional<at::Tensor>& s1, const c10::optional<at::Tensor>& s2,
+             const at::Tensor& g_in, const c10::optional<at::Tensor>& ge_in,
+             const c10::optional<at::Tensor>& g_o, const c10::optional<at::Tensor>& ge_o,
+             const c10::optional<at::Tensor>& g_out, const c10::optional<at::Tensor>& h_out,
+             const c10::optional<at::Tensor>& m_out, const c10::optional<at::Tensor>& sigma_out,
+             const at::Tensor& ctl, const c10::optional<at::Tensor>& found_inf,
+             const c10::optional<at::Tensor>& grad_scale, at::IntArrayRef ints,
+             at::ArrayRef<double> hp, int64_t flags) {
+  const int64_t n = mean.numel();
+  TORCH_CHECK(ints.size() == 3, "poco_kernels_cpp::step: ints = (seed, stream, stream_o)");
+  TORCH_CHECK(hp.size() == 16, "poco_kernels_cpp::step: 16 hyperparameters expected, got ",
+              hp.size());
+  auto bit = [&](int b) { return ((flags >> b) & 1) != 0; };
+  StepArgs a{};
+  a.family = (int)(flags & 3);
+  TORCH_CHECK(a.family <= kFamilyAdamw, "poco_kernels_cpp::step: invalid family");
+  a.corr = bit(kCorr);
+  a.ge_in_sum = bit(kGeIn);
+  a.ge_o_sum = bit(kGeO);
+  a.shared_noise = bit(kSharedNoise);
+  a.hess_corr_on = bit(kHessCorr);
+  a.momentum_on = bit(kMomentum);
+  a.nesterov = bit(kNesterov);
+  TORCH_CHECK(!(a.shared_noise && a.ge_in_sum),
+              "poco_kernels_cpp::step: shared noise is regenerated, not summed");
+  const bool ivon = a.family == kFamilyIvon, sgd = a.family == kFamilySgd;
+  a.mean = state_ptr(mean, n, "mean");
+  a.pdtype = pdtype_of(param, n, "param");
+  a.param = param.data_ptr();
+  a.s1 = state_ptr(s1, n, "s1", !sgd || a.momentum_on);
+  a.s2 = state_ptr(s2, n, "s2", !sgd);
+  a.g_in = state_ptr(g_in, n, "g_in");
+  a.ge_in = state_ptr(ge_in, n, "ge_in", ivon && a.ge_in_sum);
+  a.g_o = state_ptr(g_o, n, "g_o", a.corr);
+  a.ge_o = state_ptr(ge_o, n, "ge_o", ivon && a.corr && a.ge_o_sum);
+  a.g_out = state_ptr(g_out, n, "g_out", a.corr);
+  a.h_out = state_ptr(h_out, n, "h_out", ivon && a.corr);
+  a.m_out = state_ptr(m_out, n, "m_out", ivon && a.corr && a.hess_corr_on);
+  a.sigma_out = state_ptr(sigma_out, n, "sigma_out", ivon && a.corr);
+  const int64_t* c = ctl_ptr(ctl);
+  a.n = n;
+  const KernelTable& k = kernels();
+  if (skip_update(c, found_inf)) {      // AMP overflow or bad gradient: the old mean back
+    for_tiles(n, [&](int64_t t0, int64_t t1) { k.write_params(a.param, a.pdtype, a.mean, n, t0, t1); });
+    return;
+  }
+  const int64_t steps = c[0];
+  const double t = (double)(steps + 1);
+  const double sign_o = hp[0], inv_n_in = hp[1], inv_n_o = hp[2], lr = hp[3], beta1 = hp[4];
+  const double beta2 = hp[5], wd = hp[6], ess = hp[7], alpha = hp[8], hess_corr = hp[9];
+  const double floor_c = hp[10], clip = hp[11], momentum = hp[12], dampening = hp[13];
+  const double eps = hp[14], mom_first = hp[15];
+  const double alpha_eff = a.corr && c[1] > 0 ? alpha : 0.0;
+  a.seed = (uint64_t)ints[0];
+  a.counter = u32(steps, "step counter");
+  a.stream_in = u32(ints[1], "stream");
+  a.stream_o = u32(ints[2], "stream_o");
+  a.sign_o = (float)sign_o;
+  const float inv_gs = inv_scale(grad_scale);
+  a.scale_in = (float)inv_n_in * inv_gs;
+  a.scale_o = (float)inv_n_o * inv_gs;
+  a.alpha = (float)alpha_eff;
+  a.lr = (float)lr;
+  a.beta1 = (float)beta1;
+  a.one_m_beta1 = (float)(1.0 - beta1);
+  a.beta2 = (float)beta2;
+  a.one_m_beta2 = (float)(1.0 - beta2);
+  a.half_sq_one_m_beta2 = (float)(0.5 * (1.0 - beta2) * (1.0 - beta2));
+  a.wd = (float)wd;
+  a.ess = (float)ess;
+  a.hess_corr_alpha = (float)(hess_corr * alpha_eff);
+  a.neg_floor = bit(kFloor) ? (float)(-floor_c) : -kInf;
+  a.clip = bit(kClip) ? (float)clip : kInf;
+  a.inv_bias1 = bit(kDebias) ? (float)(1.0 / (1.0 - std::pow(beta1, t))) : 1.0f;
+  a.momentum = (float)momentum;
+  a.one_m_dampening = (float)(1.0 - dampening);
+  a.mom_first = mom_first != 0.0;
+  if (a.family == kFamilyAdamw) {
+    const double bc1 = 1.0 - std::pow(beta1, t), bc2 = 1.0 - std::pow(beta2, t);
+    a.decay = (float)(1.0 - lr * wd);
+    a.step_size = (float)(lr / bc1);
+    a.bias2_sqrt = (float)std::pow(bc2, 0.5);
+    a.eps = (float)eps;
+  }
+  for_tiles(n, [&](int64_t t0, int64_t t1) { k.step(a, t0, t1); });
+}
+
+void refresh_op(const at::Tensor& mean, const c10::optional<at::Tensor>& h,
+                const at::Tensor& acc_g, const c10::optional<at::Tensor>& acc_ge,
+                const at::Tensor& g_out, const c10::optional<at::Tensor>& h_out,
+                const at::Tensor& m_out, const c10::optional<at::Tensor>& sigma_out,
+                const at::Tensor& ctl, const c10::optional<at::Tensor>& found_inf,
+                const c10::optional<at::Tensor>& grad_scale, int64_t seed, int64_t stream,
+                at::ArrayRef<double> hp, int64_t family, bool ge, bool noisy) {
+  const int64_t n = mean.numel();
+  TORCH_CHECK(hp.size() == 6,
+              "poco_kernels_cpp::refresh: hp = (inv_n, ess, wd, rho1, rho2, sigma)");
+  TORCH_CHECK(family >= kFamilyIvon && family <= kFamilyAdamw,
+              "poco_kernels_cpp::refresh: invalid family");
+  const bool ivon = family == kFamilyIvon;
+  RefreshArgs a{};
+  a.mean = state_ptr(mean, n, "mean");
+  a.h = state_ptr(h, n, "h", ivon);
+  a.acc_g = state_ptr(acc_g, n, "acc_g");
+  a.acc_ge = state_ptr(acc_ge, n, "acc_ge", ivon && ge);
+  a.g_out = state_ptr(g_out, n, "g_out");
+  a.h_out = state_ptr(h_out, n, "h_out", ivon);
+  a.m_out = state_ptr(m_out, n, "m_out");
+  a.sigma_out = state_ptr(sigma_out, n, "sigma_out", ivon);
+  const int64_t* c = ctl_ptr(ctl);
+  if (skip_update(c, found_inf)) return;
+  const int64_t refreshes = c[1];
+  a.n = n;
+  a.noise = Noise{(uint64_t)seed, u32(refreshes, "refresh counter"), u32(stream, "stream"), 1.0f};
+  a.scale = (float)hp[0] * inv_scale(grad_scale);
+  a.family = (int)family;
+  a.ge = ge;
+  a.noisy = noisy;
+  a.first = refreshes == 0;
+  a.ess = (float)hp[1];
+  a.wd = (float)hp[2];
+  a.rho1 = (float)hp[3];
+  a.one_m_rho1 = (float)(1.0 - hp[3]);
+  a.rho2 = (float)hp[4];
+  a.one_m_rho2 = (float)(1.0 - hp[4]);
+  a.sigma_const = (float)hp[5];
+  const KernelTable& k = kernels();
+  for_tiles(n, [&](int64_t t0, int64_t t1) { k.refresh(a, t0, t1); });
+}
+
+// After an update: advance the counter in `slot` unless the update was skipped, count
+// skipped updates, clear the bad-gradient flag (= triton_kernels.finish_kernel).
+void finish_op(const at::Tensor& ctl, const c10::optional<at::Tensor>& found_inf, int64_t slot) {
+  int64_t* c = ctl_ptr(ctl);
+  TORCH_CHECK(slot == 0 || slot == 1, "poco_kernels_cpp::finish: slot must be 0 or 1");
+  const int64_t skip = skip_update(c, found_inf) ? 1 : 0;
+  c[slot] += 1 - skip;
+  c[3] += skip;
+  c[2] = 0;
+}
+
+// out[j] = the normal of element index offset + j of stream (seed, counter, stream):
+// poco_kernels.noise.randn, generated by the kernels' noise code.
+void randn_op(const at::Tensor& out, int64_t seed, int64_t counter, int64_t stream,
+              int64_t offset) {
+  const int64_t n = out.numel();
+  float* o = state_ptr(out, n, "out");
+  TORCH_CHECK(offset >= 0, "poco_kernels_cpp::randn: offset must be >= 0");
+  const Noise noise{(uint64_t)seed, u32(counter, "counter"), u32(stream, "stream"), 1.0f};
+  const KernelTable& k = kernels();
+  for_tiles(n, [&](int64_t t0, int64_t t1) { k.randn(o, n, (uint64_t)offset, noise, t0, t1); });
+}
+
+}  // namespace
+}  // namespace poco
+
+TORCH_LIBRARY(poco_kernels_cpp, m) {
+  m.def("sample(Tensor(a!) param, Tensor centre, Tensor(b!) mean, Tensor? h, Tensor? sigma, "
+        "Tensor ctl, int seed, int stream, int counter_slot, float ess, float wd, "
+        "float sigma_const, float sign, int sigma_mode, bool sync) -> ()");
+  m.def("accumulate(Tensor grad, Tensor(a!) acc_g, Tensor(b!)? acc_ge, Tensor(c!) ctl, "
+        "int seed, int stream, int counter_slot, float sign, bool first, bool ge) -> ()");
+  m.def("fold_ge(Tensor acc_g, Tensor(a!) acc_ge, Tensor ctl, int seed, int stream, "
+        "int counter_slot, float sign) -> ()");
+  m.def("step(Tensor(a!) mean, Tensor(b!) param, Tensor(c!)? s1, Tensor(d!)? s2, Tensor g_in, "
+        "Tensor? ge_in, Tensor? g_o, Tensor? ge_o, Tensor? g_out, Tensor? h_out, "
+        "Tensor? m_out, Tensor? sigma_out, Tensor ctl, Tensor? found_inf, "
+        "Tensor? grad_scale, int[] ints, float[] hp, int flags) -> ()");
+  m.def("refresh(Tensor mean, Tensor? h, Tensor acc_g, Tensor? acc_ge, Tensor(a!) g_out, "
+        "Tensor(b!)? h_out, Tensor(c!) m_out, Tensor(d!)? sigma_out, Tensor ctl, "
+        "Tensor? found_inf, Tensor? grad_scale, int seed, int stream, float[] hp, int family, "
+        "bool ge, bool noisy) -> ()");
+  m.def("finish(Tensor(a!) ctl, Tensor? found_inf, int slot) -> ()");
+  m.def("randn(Tensor(a!) out, int seed, int counter, int stream, int offset) -> ()");
+  m.def("isa() -> str", &poco::isa_op);
+  m.def("set_isa(str name) -> str", &poco::set_isa_op);
+}
+
+TORCH_LIBRARY_IMPL(poco_kernels_cpp, CPU, m) {
+  m.impl("sample", &poco::sample_op);
+  m.impl("accumulate", &poco::accumulate_op);
+  m.impl("fold_ge", &poco::fold_ge_op);
+  m.impl("step", &poco::step_op);
+  m.impl("refresh", &poco::refresh_op);
+  m.impl("finish", &poco::finish_op);
+  m.impl("randn", &poco::randn_op);
+}
+
+// `import poco_kernels._C` loads this library, which registers the operators above.
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C",
+                              "poco_kernels' C++ CPU kernels: torch.ops.poco_kernels_cpp.*",
+                              -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kModule); }

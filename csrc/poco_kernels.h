@@ -1,0 +1,138 @@
+// The C++ (CPU) kernels of poco_kernels: what the torch glue (ops.cpp) hands to them.
+//
+// The kernels are the CPU twins of poco_kernels/kernels/triton_kernels.py: the same
+// operations (sample, accumulate, fold_ge, step, refresh), the same noise stream and the
+// same code paths, over flat buffers.  They hold no torch types: ops.cpp validates the
+// tensors, reads the control tensor, turns the hyperparameters into the float32 constants
+// below (in double first, as the reference's Python floats are) and splits the buffer into
+// tiles for at::parallel_for.
+//
+// Tiles: a buffer is processed in tiles of kTile elements at fixed offsets, each tile by
+// one thread, and every element by the same code whatever tile it is in.  So results do
+// not depend on the number of threads, bit for bit.
+//
+// ISA: kernels_impl.h is compiled once per instruction set (kernels_*.cpp, each under its
+// own `#pragma GCC target` and namespace); ops.cpp picks the best one the CPU supports
+// at load time (POCO_KERNELS_CPU_ISA overrides).  Different ISAs may differ in the last
+// bit of the noise transform; one ISA is deterministic.
+#pragma once
+
+#include <cstdint>
+
+namespace poco {
+
+constexpr int64_t kTile = 128;
+
+// dtypes of parameters and gradients (state is float32)
+enum PDtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// sigma of a sample (= triton_kernels.SIGMA_*)
+enum SigmaMode : int { kSigmaNone = 0, kSigmaIvon = 1, kSigmaBuffer = 2, kSigmaConst = 3 };
+// update family of the step (= triton_kernels.FAMILY_*)
+enum Family : int { kFamilyIvon = 0, kFamilySgd = 1, kFamilyAdamw = 2 };
+
+// One noise stream: element i gets randn(seed, i, counter, stream) * sign.
+struct Noise {
+  uint64_t seed;
+  uint32_t counter;
+  uint32_t stream;
+  float sign;
+};
+
+struct SampleArgs {
+  void* param;                // written: theta in the parameter dtype
+  int pdtype;
+  const float* centre;        // read unless sync
+  float* mean;                // written when sync (the parameters hold the mean)
+  const float* h;             // kSigmaIvon
+  const float* sigma;         // kSigmaBuffer
+  int64_t n;
+  Noise noise;
+  float ess, wd, sigma_const;
+  int mode;
+  bool sync;
+};
+
+struct AccumulateArgs {
+  const void* grad;
+  int pdtype;
+  float* acc_g;
+  float* acc_ge;              // with ge
+  int64_t n;
+  Noise noise;                // of the active draw, for ge
+  bool first, ge;
+};
+
+struct FoldArgs {
+  const float* acc_g;
+  float* acc_ge;
+  int64_t n;
+  Noise noise;
+};
+
+struct StepArgs {
+  float* mean;
+  void* param;
+  int pdtype;
+  float* s1;                  // IVON: momentum g; SGD: momentum buffer; AdamW: exp_avg
+  float* s2;                  // IVON: h; AdamW: exp_avg_sq
+  const float *g_in, *ge_in, *g_o, *ge_o;       // gradient sums (ge_*: with ge_in_sum, ge_o_sum)
+  const float *g_out, *h_out, *m_out, *sigma_out;
+  int64_t n;
+  uint64_t seed;
+  uint32_t counter;           // the step: noise counter of inner and outer samples
+  uint32_t stream_in, stream_o;
+  float sign_o;
+  float scale_in, scale_o;    // 1/count * 1/grad_scale
+  int family;
+  bool corr, ge_in_sum, ge_o_sum, shared_noise, hess_corr_on;
+  bool momentum_on, nesterov, mom_first;
+  // float32 constants (computed in double on the host)
+  float alpha;                // alpha once a refresh has been taken, else 0
+  float lr, beta1, one_m_beta1, beta2, one_m_beta2, half_sq_one_m_beta2, wd, ess;
+  float hess_corr_alpha;      // hess_corr_scale * alpha
+  float neg_floor;            // -hess_floor (-inf: no floor)
+  float clip;                 // clip radius (inf: no clipping)
+  float inv_bias1;            // 1 / (1 - beta1^t) (1 when not debiasing)
+  float momentum, one_m_dampening;
+  // AdamW
+  float decay;                // 1 - lr * wd
+  float step_size;            // lr / (1 - beta1^t)
+  float bias2_sqrt;           // sqrt(1 - beta2^t)
+  float eps;
+};
+
+struct RefreshArgs {
+  const float* mean;
+  const float* h;
+  const float* acc_g;
+  const float* acc_ge;        // with ge
+  float *g_out, *h_out, *m_out, *sigma_out;
+  int64_t n;
+  Noise noise;                // counter = refreshes taken
+  float scale;                // 1/count * 1/grad_scale
+  int family;
+  bool ge, noisy, first;
+  float ess, wd, rho1, one_m_rho1, rho2, one_m_rho2, sigma_const;
+};
+
+// The kernels of one instruction set; each works on tiles [t0, t1).
+struct KernelTable {
+  const char* isa;
+  void (*sample)(const SampleArgs&, int64_t t0, int64_t t1);
+  bool (*accumulate)(const AccumulateArgs&, int64_t t0, int64_t t1);   // true: non-finite seen
+  void (*fold_ge)(const FoldArgs&, int64_t t0, int64_t t1);
+  void (*step)(const StepArgs&, int64_t t0, int64_t t1);
+  void (*refresh)(const RefreshArgs&, int64_t t0, int64_t t1);
+  void (*write_params)(void* param, int pdtype, const float* mean, int64_t n, int64_t t0,
+                       int64_t t1);
+  void (*randn)(float* out, int64_t n, uint64_t offset, const Noise& noise, int64_t t0,
+                int64_t t1);
+};
+
+extern const KernelTable kKernelsBase;
+#if defined(__x86_64__)
+extern const KernelTable kKernelsAvx2;
+extern const KernelTable kKernelsAvx512;
+#endif
+
+}  // namespace poco

@@ -1,0 +1,110 @@
+"""Host wrappers of the C++ kernels (``csrc/``, the extension ``poco_kernels._C``).
+
+The operators ``torch.ops.poco_kernels_cpp.*`` are registered by the extension with the
+same arguments as the Triton wrappers in :mod:`poco_kernels.kernels.triton_ops`, so the
+host engine (``poco_kernels/_fused_backend.py``) calls either module the same way.  Here:
+load the extension, register the fake (meta) kernels that ``torch.compile`` needs, and
+expose one function per operation.  Import this module only when
+:func:`poco_kernels.kernels.cpp_status` says the extension can be used.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+import poco_kernels._C  # noqa: F401  (registers torch.ops.poco_kernels_cpp)
+
+from .common import step_flags  # noqa: F401
+
+__all__ = ["sample", "accumulate", "fold_ge", "step", "refresh", "finish", "step_flags",
+           "randn", "isa", "set_isa"]
+
+_ops = torch.ops.poco_kernels_cpp
+
+# The operators mutate their arguments in place (declared in their schemas) and return
+# nothing: under torch.compile their fake kernels have nothing to compute.
+for _name in ("sample", "accumulate", "fold_ge", "step", "refresh", "finish", "randn"):
+    torch.library.register_fake(f"poco_kernels_cpp::{_name}")(lambda *args, **kwargs: None)
+
+
+def sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
+           sigma: Optional[Tensor], ctl: Tensor, seed: int, stream: int, counter_slot: int,
+           ess: float, wd: float, sigma_const: float, sign: float, sigma_mode: int,
+           sync: bool) -> None:
+    """``param = centre + sigma * sign * eps`` (see ``triton_kernels.sample_kernel``)."""
+    _ops.sample(param, centre, mean, h, sigma, ctl, seed, stream, counter_slot, float(ess),
+                float(wd), float(sigma_const), float(sign), sigma_mode, sync)
+
+
+def accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor, seed: int,
+               stream: int, counter_slot: int, sign: float, first: bool, ge: bool) -> None:
+    """``acc_g (+)= g`` (and ``acc_ge += g * eps``); flags non-finite gradients in ``ctl``."""
+    _ops.accumulate(grad, acc_g, acc_ge, ctl, seed, stream, counter_slot, float(sign), first, ge)
+
+
+def fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, stream: int,
+            counter_slot: int, sign: float) -> None:
+    """``acc_ge = acc_g * eps`` of draw 0."""
+    _ops.fold_ge(acc_g, acc_ge, ctl, seed, stream, counter_slot, float(sign))
+
+
+def step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
+         g_in: Tensor, ge_in: Optional[Tensor], g_o: Optional[Tensor], ge_o: Optional[Tensor],
+         g_out: Optional[Tensor], h_out: Optional[Tensor], m_out: Optional[Tensor],
+         sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
+         grad_scale: Optional[Tensor], ints: Sequence[int], hp: Sequence[float],
+         flags: int) -> None:
+    """One inner step of every optimizer of the diagonal family (``step_kernel``)."""
+    _ops.step(mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out, m_out, sigma_out, ctl,
+              found_inf, grad_scale, list(ints), [float(v) for v in hp], flags)
+
+
+def refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
+            g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor, sigma_out: Optional[Tensor],
+            ctl: Tensor, found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
+            stream: int, hp: Sequence[float], family: int, ge: bool, noisy: bool) -> None:
+    """The outer refresh (``refresh_kernel``)."""
+    _ops.refresh(mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out, ctl, found_inf,
+                 grad_scale, seed, stream, [float(v) for v in hp], family, ge, noisy)
+
+
+def finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:
+    """Advance a counter unless the update was skipped (``finish_kernel``)."""
+    _ops.finish(ctl, found_inf, slot)
+
+
+def randn(out: Tensor, seed: int, counter: int, stream: int, offset: int = 0) -> Tensor:
+    """``out[j]`` = the normal of element ``offset + j`` of stream ``(seed, counter,
+    stream)``: :func:`poco_kernels.noise.randn` by the kernels' own noise code."""
+    _ops.randn(out, seed, counter, stream, offset)
+    return out
+
+
+def isa() -> str:
+    """The instruction set the kernels run with: ``'avx512'``, ``'avx2'`` or ``'base'``."""
+    return _ops.isa()
+
+
+def set_isa(name: str) -> str:
+    """Use the kernels of another instruction set (``'base'``, ``'avx2'``, ``'avx512'``,
+    ``'best'``); returns the previous one.  The environment variable
+    ``POCO_KERNELS_CPU_ISA`` sets it at start-up."""
+    return _ops.set_isa(name)
+
+
+def available_isas() -> List[str]:
+    """The instruction sets this CPU can run, best last."""
+    out = []
+    prev = isa()
+    try:
+        for name in ("base", "avx2", "avx512"):
+            try:
+                set_isa(name)
+                out.append(name)
+            except RuntimeError:
+                pass
+    finally:
+        set_isa(prev)
+    return out
