@@ -15,3 +15,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+def pytest_generate_tests(metafunc):
+    """A test that takes ``backend`` runs on every backend available here (the reference,
+    the C++ kernels, the Triton kernels through the interpreter)."""
+    if "backend" in metafunc.fixturenames and not any(
+            m.name == "parametrize" and "backend" in m.args[0]
+            for m in metafunc.definition.iter_markers()):
+        from helpers import available_backends
+        metafunc.parametrize("backend", available_backends())

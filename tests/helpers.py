@@ -2,6 +2,22 @@
 import torch
 
 
+def available_backends():
+    """The backends that run here: the reference always; the C++ kernels when the
+    extension is built (CI builds it: tests/test_cpp_backend.py fails if it is not); the
+    Triton kernels through the interpreter (TRITON_INTERPRET=1, set by conftest)."""
+    from poco_kernels.kernels import cpp_status, triton_status
+    out = ["torch"]
+    if cpp_status() is None:
+        out.append("cpp")
+    if triton_status(torch.device("cpu")) is None:
+        out.append("triton")
+    return out
+
+
+FUSED_BACKENDS = [b for b in available_backends() if b != "torch"]
+
+
 def mlp(seed=3, dtype=torch.float32):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(9, 13), torch.nn.Tanh(),

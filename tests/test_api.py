@@ -9,10 +9,10 @@ from poco_kernels.driver import Constant, DoubleLoop, Linear, WarmupConstant
 from helpers import Problem, mlp, params_of, run
 
 
-def test_parameters_hold_the_mean_outside_step_and_refresh():
+def test_parameters_hold_the_mean_outside_step_and_refresh(backend):
     prob = Problem()
     m = mlp()
-    o = pk.IVONPoCo(m.parameters(), lr=0.05, ess=50.0, alpha=0.5)
+    o = pk.IVONPoCo(m.parameters(), lr=0.05, ess=50.0, alpha=0.5, backend=backend)
     seen = []
 
     def closure():
@@ -66,6 +66,8 @@ def test_mixed_dtypes_and_none_gradients():
 
 
 def test_groups_differ_in_every_hyperparameter():
+    """On the reference backend, against the functional form (the fused backends are
+    compared with the reference on the same two groups in tests/test_backends.py)."""
     prob = Problem()
     m = mlp()
     ps = list(m.parameters())
@@ -74,7 +76,8 @@ def test_groups_differ_in_every_hyperparameter():
     g1 = dict(lr=0.01, ess=900.0, hess_init=0.2, beta1=0.8, beta2=0.9999, weight_decay=1e-3,
               clip_radius=0.5, alpha=0.9, rho1=0.0, rho2=0.5, hess_corr_scale=0.01,
               debias=False, rescale_lr=False, outer_noise="independent")
-    o = pk.IVONPoCo([{"params": ps[:2], **g0}, {"params": ps[2:], **g1}], lr=1.0, ess=1.0)
+    o = pk.IVONPoCo([{"params": ps[:2], **g0}, {"params": ps[2:], **g1}], lr=1.0, ess=1.0,
+                    backend="torch")
     run(o, m, prob, 12, refresh_every=4)
     # one more step through the low-level API; then each bucket's new state must be the
     # functional update with ITS group's hyperparameters (and differ from the other's)
@@ -100,12 +103,13 @@ def test_groups_differ_in_every_hyperparameter():
     assert o.param_groups[1]["outer_noise"] == "independent"
 
 
-def test_low_level_protocol_equals_closure():
+def test_low_level_protocol_equals_closure(backend):
     """sample / backward / accumulate / restore / step gives the closure's trajectory."""
     prob = Problem()
     kw = dict(lr=0.05, ess=300.0, beta2=0.999, alpha=0.6, mc_samples=2)
     m1, m2 = mlp(), mlp()
-    o1, o2 = pk.IVONPoCo(m1.parameters(), **kw), pk.IVONPoCo(m2.parameters(), **kw)
+    o1 = pk.IVONPoCo(m1.parameters(), backend=backend, **kw)
+    o2 = pk.IVONPoCo(m2.parameters(), backend=backend, **kw)
     batches, chunks = prob.batches(10), prob.chunks(3)
     run(o1, m1, prob, 10, refresh_every=4, batches=batches, chunks=chunks)
     for t in range(10):
@@ -127,11 +131,11 @@ def test_low_level_protocol_equals_closure():
         assert torch.equal(a, b)
 
 
-def test_same_seed_same_samples_different_seed_different():
+def test_same_seed_same_samples_different_seed_different(backend):
     """Ranks sharing the seed draw the same posterior sample with no communication."""
     def sample_of(seed):
         m = mlp()
-        o = pk.IVON(m.parameters(), lr=0.1, ess=10.0, seed=seed)
+        o = pk.IVON(m.parameters(), lr=0.1, ess=10.0, seed=seed, backend=backend)
         o.sample()
         s = params_of(m)
         o.restore()
@@ -141,9 +145,10 @@ def test_same_seed_same_samples_different_seed_different():
     assert not torch.equal(a[0], c[0])
 
 
-def test_sample_noise_has_the_posterior_scale():
+def test_sample_noise_has_the_posterior_scale(backend):
     m = torch.nn.Linear(300, 300)
-    o = pk.IVON(m.parameters(), lr=0.1, ess=400.0, hess_init=0.25, weight_decay=0.0)
+    o = pk.IVON(m.parameters(), lr=0.1, ess=400.0, hess_init=0.25, weight_decay=0.0,
+                backend=backend)
     w0 = m.weight.detach().clone()
     o.sample()
     d = m.weight.detach() - w0
@@ -154,9 +159,9 @@ def test_sample_noise_has_the_posterior_scale():
     assert torch.equal(m.weight.detach(), w0)
 
 
-def test_sample_protocol_misuse_is_reported():
+def test_sample_protocol_misuse_is_reported(backend):
     m = mlp()
-    o = pk.IVONPoCo(m.parameters(), lr=0.1, ess=10.0)
+    o = pk.IVONPoCo(m.parameters(), lr=0.1, ess=10.0, backend=backend)
     with pytest.raises(RuntimeError, match="correction is not active"):
         o.sample("outer")
     with pytest.raises(RuntimeError, match="active sample"):

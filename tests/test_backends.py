@@ -1,16 +1,19 @@
-"""Every optimizer x backend pair on the same trajectory (one runner), and the Triton
-backend's contract: AMP, non-finite gradients, state dicts across backends, no host
-synchronisation, torch.compile, parameter layout."""
+"""Every optimizer x fused backend (C++, Triton) against the reference on the same
+trajectory (one runner), and the fused backends' contract: AMP, non-finite gradients,
+state dicts across backends, no host synchronisation (Triton), torch.compile, parameter
+layout.  (Behaviour shared with the reference -- resume, protocol, bad input -- is
+tested on every backend by the other test files.)"""
 import copy
 
 import pytest
 import torch
 
 import poco_kernels as pk
-from helpers import Problem, mlp, run
+from helpers import FUSED_BACKENDS, Problem, mlp, run
 from tolerances import PARAM, TRAJECTORY, assert_close
 
-pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(not FUSED_BACKENDS, reason="no fused backend here")
+fused = pytest.mark.parametrize("fused", FUSED_BACKENDS)
 
 # name -> (class, kwargs, refresh_every, warmup)
 CONFIGS = {
@@ -50,14 +53,15 @@ def _trajectory(name, backend, dtype, steps=STEPS):
     return m, opt, losses
 
 
+@fused
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_backends_agree_on_whole_trajectories(name, dtype):
-    """Tens of steps, refreshes included, two parameter groups: the Triton backend against
+def test_backends_agree_on_whole_trajectories(name, dtype, fused):
+    """Tens of steps, refreshes included, two parameter groups: a fused backend against
     the reference, state buffer by buffer."""
     m_ref, ref, l_ref = _trajectory(name, "torch", dtype)
-    m_tri, tri, l_tri = _trajectory(name, "triton", dtype)
-    assert tri.backend == "triton" and ref.backend == "torch"
+    m_tri, tri, l_tri = _trajectory(name, fused, dtype)
+    assert tri.backend == fused and ref.backend == "torch"
     assert tri.step_count == ref.step_count == STEPS
     assert tri.refresh_count == ref.refresh_count
     tol = TRAJECTORY[dtype]
@@ -69,12 +73,13 @@ def test_backends_agree_on_whole_trajectories(name, dtype):
         assert_close(b, a, tol, f"{name}/param")
 
 
+@fused
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_trajectory_comparison_can_fail(dtype):
+def test_trajectory_comparison_can_fail(dtype, fused):
     """Guard: the tolerances of the runner above tell apart trajectories that differ only
     in the noise seed."""
     m_ref, ref, _ = _trajectory("IVONPoCo", "torch", dtype, steps=10)
-    m_o, other, _, _ = _build("IVONPoCo", "triton", dtype)
+    m_o, other, _, _ = _build("IVONPoCo", fused, dtype)
     other.seed = 12
     run(other, m_o, Problem(), 10, refresh_every=CONFIGS["IVONPoCo"][2],
         warmup=CONFIGS["IVONPoCo"][3])
@@ -82,7 +87,29 @@ def test_trajectory_comparison_can_fail(dtype):
         assert_close(other.flat_state("mean")[0], ref.flat_state("mean")[0], TRAJECTORY[dtype])
 
 
-def _ivonpoco(backend="triton", dtype=torch.float32, **kw):
+@fused
+def test_groups_differ_in_every_hyperparameter(fused):
+    """Two groups that differ in every hyperparameter (tests/test_api.py checks the
+    reference against the functional form on the same groups)."""
+    g0 = dict(lr=0.05, ess=300.0, hess_init=0.5, beta1=0.9, beta2=0.999, weight_decay=1e-4,
+              clip_radius=1.0, alpha=0.5, rho1=0.2, rho2=0.1, hess_corr_scale=1.0)
+    g1 = dict(lr=0.01, ess=900.0, hess_init=0.2, beta1=0.8, beta2=0.9999, weight_decay=1e-3,
+              clip_radius=0.5, alpha=0.9, rho1=0.0, rho2=0.5, hess_corr_scale=0.01,
+              debias=False, rescale_lr=False, outer_noise="independent", hess_floor=0.3)
+    res = []
+    for backend in ("torch", fused):
+        m = mlp()
+        ps = list(m.parameters())
+        o = pk.IVONPoCo([{"params": ps[:2], **g0}, {"params": ps[2:], **g1}], lr=1.0, ess=1.0,
+                        backend=backend, seed=4)
+        run(o, m, Problem(), 16, refresh_every=4, warmup=2)
+        res.append(o)
+    for k in ("mean", "h", "momentum", "g_out", "h_out", "sigma_out"):
+        for a, b in zip(res[0].flat_state(k), res[1].flat_state(k)):
+            assert_close(b, a, TRAJECTORY[torch.float32], k)
+
+
+def _ivonpoco(backend, dtype=torch.float32, **kw):
     m = mlp(dtype=dtype)
     args = dict(lr=0.05, ess=200.0, beta2=0.999, alpha=0.8)
     args.update(kw)
@@ -104,9 +131,10 @@ def _assert_same(opt, model, snap):
 
 
 # --------------------------------------------------------------------------- AMP
-def test_found_inf_skips_the_step_and_keeps_the_state():
+@fused
+def test_found_inf_skips_the_step_and_keeps_the_state(fused):
     prob = Problem()
-    m, opt = _ivonpoco()
+    m, opt = _ivonpoco(fused)
     run(opt, m, prob, 6, refresh_every=4, warmup=1)
     snap, steps = _snapshot(opt, m), opt.step_count
     opt.step(prob.closure(opt, m, prob.batches(1)[0]), found_inf=torch.ones(1))
@@ -124,10 +152,11 @@ def test_found_inf_skips_the_step_and_keeps_the_state():
     assert_close(opt.flat_state("mean")[0], ref.flat_state("mean")[0], TRAJECTORY[torch.float32])
 
 
-def test_grad_scale_divides_gradients_like_the_reference():
+@fused
+def test_grad_scale_divides_gradients_like_the_reference(fused):
     prob = Problem()
     res = []
-    for backend in ("torch", "triton"):
+    for backend in ("torch", fused):
         m, opt = _ivonpoco(backend)
         run(opt, m, prob, 5, refresh_every=3, warmup=1)
         scale = torch.tensor(512.0)
@@ -152,10 +181,18 @@ def _nan_closure(opt, m, prob):
     return c
 
 
-def test_nonfinite_gradients_skip_on_device_by_default():
+def test_check_finite_defaults():
+    """Raise on non-finite gradients where reading the flag is free (reference, C++);
+    skip on the device where it would cost a synchronisation (Triton)."""
+    for backend in ["torch"] + FUSED_BACKENDS:
+        _, opt = _ivonpoco(backend)
+        assert opt.check_finite is (backend != "triton"), backend
+
+
+@fused
+def test_nonfinite_gradients_skip_without_check_finite(fused):
     prob = Problem()
-    m, opt = _ivonpoco()
-    assert opt.check_finite is False
+    m, opt = _ivonpoco(fused, check_finite=False)
     run(opt, m, prob, 6, refresh_every=4, warmup=1)
     snap = _snapshot(opt, m)
     opt.step(_nan_closure(opt, m, prob))
@@ -163,9 +200,10 @@ def test_nonfinite_gradients_skip_on_device_by_default():
     assert opt.skipped_updates == 1 and opt.step_count == 6
 
 
-def test_nonfinite_gradients_raise_with_check_finite():
+@fused
+def test_nonfinite_gradients_raise_with_check_finite(fused):
     prob = Problem()
-    m, opt = _ivonpoco(check_finite=True)
+    m, opt = _ivonpoco(fused, check_finite=True)
     run(opt, m, prob, 6, refresh_every=4, warmup=1)
     snap = _snapshot(opt, m)
     with pytest.raises(ValueError, match="non-finite gradient"):
@@ -177,15 +215,20 @@ def test_nonfinite_gradients_raise_with_check_finite():
 
 
 # --------------------------------------------------------------------------- state dicts
+PAIRS = sorted({tuple(sorted(p)) for p in [("torch", f) for f in FUSED_BACKENDS]
+                + [(a, b) for a in FUSED_BACKENDS for b in FUSED_BACKENDS if a != b]})
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=["-".join(p) for p in PAIRS])
 @pytest.mark.parametrize("pending", [False, True])
-def test_state_dict_moves_between_backends(pending):
-    """Triton -> reference and reference -> Triton mid-run (optionally with gradients
-    collected but not yet stepped) continue the uninterrupted trajectory."""
+def test_state_dict_moves_between_backends(pending, pair):
+    """A -> B and B -> A mid-run (optionally with gradients collected but not yet
+    stepped) continue the uninterrupted trajectory."""
     prob = Problem()
     batches = prob.batches(14)
     m_full, full = _ivonpoco("torch", mc_samples=2)
     run(full, m_full, prob, 14, refresh_every=5, warmup=2, batches=batches)
-    for first, second in (("triton", "torch"), ("torch", "triton")):
+    for first, second in (pair, pair[::-1]):
         m1, o1 = _ivonpoco(first, mc_samples=2)
         run(o1, m1, prob, 9, refresh_every=5, warmup=2, batches=batches)
         if pending:
@@ -211,29 +254,14 @@ def test_state_dict_moves_between_backends(pending):
                          f"{first}->{second} {k}")
 
 
-def test_triton_resume_is_exact():
-    prob = Problem()
-    batches = prob.batches(12)
-    m, o = _ivonpoco()
-    run(o, m, prob, 7, refresh_every=4, warmup=1, batches=batches)
-    sd = copy.deepcopy(o.state_dict())
-    msd = copy.deepcopy(m.state_dict())
-    run(o, m, prob, 12, start=7, refresh_every=4, warmup=1, batches=batches)
-    m2, o2 = _ivonpoco()
-    m2.load_state_dict(msd)
-    o2.load_state_dict(sd)
-    run(o2, m2, prob, 12, start=7, refresh_every=4, warmup=1, batches=batches)
-    for k in o._buckets[0].buffers:
-        assert torch.equal(o.flat_state(k)[0], o2.flat_state(k)[0]), k
-
-
 # --------------------------------------------------------------------------- no host sync
+@pytest.mark.skipif("triton" not in FUSED_BACKENDS, reason="triton not available")
 def test_triton_updates_never_read_the_device_from_the_host(monkeypatch):
     """A step or a refresh on the Triton backend reads no tensor value on the host (the
     CPU stand-in for `torch.cuda.set_sync_debug_mode('error')`, which the GPU benchmark
     script uses)."""
     prob = Problem()
-    m, opt = _ivonpoco()
+    m, opt = _ivonpoco("triton")
     run(opt, m, prob, 5, refresh_every=3, warmup=1)
     batch = prob.batches(1)[0]
     # gradients collected before the check (the loss and backward are the user's)
@@ -256,17 +284,17 @@ def test_triton_updates_never_read_the_device_from_the_host(monkeypatch):
 
 
 # --------------------------------------------------------------------------- compile
-def test_torch_compile_of_a_training_step_keeps_the_kernels():
+@fused
+def test_torch_compile_of_a_training_step_keeps_the_kernels(fused):
     """A compiled function that runs the optimizer's kernels (sample, accumulate, step)
     traces without graph breaks (fullgraph) and matches eager."""
-    from poco_kernels.kernels import triton_ops as ops
-
     prob = Problem()
     outs = []
     for compiled in (False, True):
-        m, opt = _ivonpoco(mc_samples=1)
+        m, opt = _ivonpoco(fused, mc_samples=1)
         run(opt, m, prob, 3)
         eng = opt._engine
+        ops = eng.ops
         b = opt._buckets[0]
         grads = torch.randn(b.numel)
 
@@ -286,8 +314,9 @@ def test_torch_compile_of_a_training_step_keeps_the_kernels():
 
 
 # --------------------------------------------------------------------------- layout
-def test_parameters_become_views_of_one_flat_buffer():
-    m, opt = _ivonpoco(dtype=torch.bfloat16)
+@fused
+def test_parameters_become_views_of_one_flat_buffer(fused):
+    m, opt = _ivonpoco(fused, dtype=torch.bfloat16)
     b = opt._buckets[0]
     for p, off in zip(b.params, b.offsets):
         assert p.data_ptr() == b.flat_param.data_ptr() + off * p.element_size()
@@ -301,10 +330,11 @@ def test_parameters_become_views_of_one_flat_buffer():
     assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(before, m.parameters()))
 
 
-def test_add_param_group_on_the_triton_backend():
+@fused
+def test_add_param_group_on_a_fused_backend(fused):
     m = mlp()
     ps = list(m.parameters())
-    opt = pk.IVON(ps[:2], lr=0.05, ess=100.0, backend="triton", seed=1)
+    opt = pk.IVON(ps[:2], lr=0.05, ess=100.0, backend=fused, seed=1)
     prob = Problem()
     run(opt, m, prob, 2)
     opt.add_param_group({"params": ps[2:], "lr": 0.01})
@@ -313,24 +343,3 @@ def test_add_param_group_on_the_triton_backend():
     for b in opt._buckets:
         for p, off in zip(b.params, b.offsets):
             assert p.data_ptr() == b.flat_param.data_ptr() + off * p.element_size()
-
-
-def test_low_level_protocol_equals_closure_on_triton():
-    prob = Problem()
-    res = []
-    for protocol in ("closure", "low-level"):
-        m, opt = _ivonpoco(mc_samples=2)
-        batches = prob.batches(8)
-        for t in range(8):
-            if t == 2:
-                opt.refresh([prob.closure(opt, m, c) for c in prob.chunks()])
-            if protocol == "closure":
-                opt.step(prob.closure(opt, m, batches[t]))
-            else:
-                kinds = ["inner"] * 2 + (["outer"] * 2 if opt.correction_active() else [])
-                for kind in kinds:
-                    with opt.sampled(kind):
-                        prob.loss(m, batches[t]).backward()
-                opt.step()
-        res.append(opt.flat_state("mean")[0].clone())
-    assert torch.equal(res[0], res[1])

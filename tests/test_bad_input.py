@@ -1,13 +1,16 @@
 """Bad input gets a clear error and changes nothing: parameters back at the mean, every
-buffer and counter as before."""
+buffer and counter as before.  Every test that runs an optimizer runs on every backend."""
 import copy
+import re
 import math
 
 import pytest
 import torch
 
 import poco_kernels as pk
-from helpers import Problem, mlp, params_of, run
+from helpers import Problem, available_backends, mlp, params_of, run
+
+BACKENDS = available_backends()
 
 
 def snapshot(opt, model):
@@ -28,14 +31,17 @@ def assert_unchanged(before, opt, model):
     assert all(c == 0 for c in opt._pending.count.values())
 
 
-def _ivon_poco(model, **kw):
-    return pk.IVONPoCo(model.parameters(), lr=0.05, ess=300.0, beta2=0.999, alpha=0.5, **kw)
+def _ivon_poco(model, backend="torch", **kw):
+    """(check_finite: the Triton backend's default is to skip bad gradients on the device,
+    tests/test_backends.py; here every backend raises.)"""
+    return pk.IVONPoCo(model.parameters(), lr=0.05, ess=300.0, beta2=0.999, alpha=0.5,
+                       backend=backend, check_finite=True, **kw)
 
 
-def _warm_ivon_poco():
+def _warm_ivon_poco(backend):
     """An IVON-PoCo three steps in, correction active; with its snapshot."""
     prob, m = Problem(), mlp()
-    o = _ivon_poco(m)
+    o = _ivon_poco(m, backend)
     run(o, m, prob, 3, refresh_every=2)
     return prob, m, o, snapshot(o, m)
 
@@ -63,24 +69,29 @@ def test_invalid_hyperparameters_at_construction(cls, kw, match):
         cls(mlp().parameters(), **kw)
 
 
-def test_unavailable_backend_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="not available"):
-        pk.IVON(mlp().parameters(), lr=0.1, ess=1.0, backend="cpp")
-
-
+@pytest.mark.parametrize("backend, name", [("triton", "Triton"), ("cpp", "C++")])
 @pytest.mark.parametrize("make, match", [
-    (lambda: pk.IVON(mlp(dtype=torch.float64).parameters(), lr=0.1, ess=1.0,
-                     backend="triton"), "float64"),
-    (lambda: pk.VONPoCo(torch.nn.Linear(3, 1).parameters(), lr=0.1, ess=1.0,
-                        backend="triton"), "no Triton kernels"),
+    (lambda be: pk.IVON(mlp(dtype=torch.float64).parameters(), lr=0.1, ess=1.0, backend=be),
+     "float64"),
+    (lambda be: pk.VONPoCo(torch.nn.Linear(3, 1).parameters(), lr=0.1, ess=1.0, backend=be),
+     "no {name} kernels"),
 ])
-def test_triton_backend_refuses_what_it_cannot_run(make, match):
-    with pytest.raises(RuntimeError, match=match):
-        make()
+def test_fused_backends_refuse_what_they_cannot_run(make, match, backend, name):
+    if backend not in BACKENDS:
+        pytest.skip(f"{backend} not available")
+    with pytest.raises(RuntimeError, match=re.escape(match.format(name=name))):
+        make(backend)
 
 
-def test_invalid_hyperparameter_set_later_is_caught_at_step():
-    prob, m, o, before = _warm_ivon_poco()
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="the C++ extension is not built")
+def test_cpp_backend_refuses_a_cuda_or_meta_device():
+    with pytest.raises(RuntimeError, match="run on the CPU, not on meta"):
+        pk.IVON(torch.nn.Linear(3, 1, device="meta").parameters(), lr=0.1, ess=1.0,
+                backend="cpp")
+
+
+def test_invalid_hyperparameter_set_later_is_caught_at_step(backend):
+    prob, m, o, before = _warm_ivon_poco(backend)
     o.param_groups[0]["beta1"] = 1.5
     with pytest.raises(ValueError, match="beta1"):
         o.step(prob.closure(o, m, prob.batches(1)[0]))
@@ -89,8 +100,8 @@ def test_invalid_hyperparameter_set_later_is_caught_at_step():
 
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 @pytest.mark.parametrize("where", ["inner", "outer", "refresh"])
-def test_non_finite_gradient(bad, where):
-    prob, m, o, before = _warm_ivon_poco()
+def test_non_finite_gradient(bad, where, backend):
+    prob, m, o, before = _warm_ivon_poco(backend)
     calls = {"n": 0}
     idx = prob.batches(1)[0]
 
@@ -112,8 +123,8 @@ def test_non_finite_gradient(bad, where):
     assert_unchanged(before, o, m)
 
 
-def test_found_inf_skips_the_step_like_torch_amp():
-    prob, m, o, before = _warm_ivon_poco()
+def test_found_inf_skips_the_step_like_torch_amp(backend):
+    prob, m, o, before = _warm_ivon_poco(backend)
     idx = prob.batches(1)[0]
 
     def closure():
@@ -126,7 +137,7 @@ def test_found_inf_skips_the_step_like_torch_amp():
     assert_unchanged(before, o, m)
     # grad_scale unscales: a step on scaled grads equals the step on unscaled ones
     m1, m2 = mlp(), mlp()
-    o1, o2 = _ivon_poco(m1), _ivon_poco(m2)
+    o1, o2 = _ivon_poco(m1, backend), _ivon_poco(m2, backend)
 
     def scaled(opt, model, s):
         def c():
@@ -141,8 +152,8 @@ def test_found_inf_skips_the_step_like_torch_amp():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
 
 
-def test_closure_raising_restores_the_mean():
-    prob, m, o, before = _warm_ivon_poco()
+def test_closure_raising_restores_the_mean(backend):
+    prob, m, o, before = _warm_ivon_poco(backend)
 
     def closure():
         o.zero_grad()
@@ -154,8 +165,8 @@ def test_closure_raising_restores_the_mean():
     assert_unchanged(before, o, m)
 
 
-def test_step_without_outer_gradient_when_correction_active():
-    prob, m, o, before = _warm_ivon_poco()
+def test_step_without_outer_gradient_when_correction_active(backend):
+    prob, m, o, before = _warm_ivon_poco(backend)
     with o.sampled("inner"):
         prob.loss(m, prob.batches(1)[0]).backward()
     with pytest.raises(RuntimeError, match="outer sample"):
@@ -163,11 +174,11 @@ def test_step_without_outer_gradient_when_correction_active():
     assert_unchanged(before, o, m)
 
 
-def test_noisy_step_without_any_sample_is_a_clear_error():
+def test_noisy_step_without_any_sample_is_a_clear_error(backend):
     """ivon-opt crashes here (gradient accumulation without sampled_params)."""
     prob = Problem()
     m = mlp()
-    o = pk.IVON(m.parameters(), lr=0.05, ess=300.0)
+    o = pk.IVON(m.parameters(), lr=0.05, ess=300.0, backend=backend)
     before = snapshot(o, m)
     prob.loss(m, prob.batches(1)[0]).backward()
     with pytest.raises(RuntimeError, match="posterior sample"):
@@ -175,10 +186,10 @@ def test_noisy_step_without_any_sample_is_a_clear_error():
     assert_unchanged(before, o, m)
 
 
-def test_svrg_step_with_correction_but_no_closure():
+def test_svrg_step_with_correction_but_no_closure(backend):
     prob = Problem()
     m = mlp()
-    o = pk.SVRG(m.parameters(), lr=0.1)
+    o = pk.SVRG(m.parameters(), lr=0.1, backend=backend)
     run(o, m, prob, 2, refresh_every=1)
     before = snapshot(o, m)
     prob.loss(m, prob.batches(1)[0]).backward()
@@ -194,9 +205,9 @@ def test_sparse_and_complex_parameters_are_refused():
         pk.SVRG([torch.zeros(3, 3).to_sparse().requires_grad_()], lr=0.1)
 
 
-def test_sparse_gradient_is_refused_and_changes_nothing():
+def test_sparse_gradient_is_refused_and_changes_nothing(backend):
     emb = torch.nn.Embedding(10, 3, sparse=True)
-    o = pk.SVRG(emb.parameters(), lr=0.1)
+    o = pk.SVRG(emb.parameters(), lr=0.1, backend=backend)
     before = snapshot(o, emb)
 
     def closure():
@@ -210,14 +221,14 @@ def test_sparse_gradient_is_refused_and_changes_nothing():
 
 
 @pytest.mark.parametrize("corrupt", ["groups", "shape", "class", "missing", "count"])
-def test_mismatched_state_dict(corrupt):
+def test_mismatched_state_dict(corrupt, backend):
     prob = Problem()
     m = mlp()
-    o = _ivon_poco(m)
+    o = _ivon_poco(m, backend)
     run(o, m, prob, 3, refresh_every=2)
     sd = copy.deepcopy(o.state_dict())
     m2 = mlp()
-    o2 = _ivon_poco(m2)
+    o2 = _ivon_poco(m2, backend)
     run(o2, m2, prob, 1)
     before = snapshot(o2, m2)
     if corrupt == "groups":
@@ -235,9 +246,9 @@ def test_mismatched_state_dict(corrupt):
     assert_unchanged(before, o2, m2)
 
 
-def test_state_dict_with_bad_hyperparameter_is_refused():
+def test_state_dict_with_bad_hyperparameter_is_refused(backend):
     m = mlp()
-    o = _ivon_poco(m)
+    o = _ivon_poco(m, backend)
     sd = copy.deepcopy(o.state_dict())
     sd["param_groups"][0]["ess"] = -1.0
     before = snapshot(o, m)

@@ -22,6 +22,9 @@ def test_readme_has_two_commands_and_ci_runs_the_test_one():
 
 
 def test_install_pins_the_cpu_torch_before_the_package():
+    """torch and ninja are there before the package, whose install builds the C++
+    extension against that torch (no build isolation)."""
     for cmd in _readme_commands():
         assert cmd.index("torch==2.13.0") < cmd.index("-e ")
+        assert cmd.index("ninja") < cmd.index("-e ")
         assert "--no-build-isolation" in cmd

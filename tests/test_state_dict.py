@@ -10,12 +10,13 @@ import poco_kernels as pk
 from helpers import Problem, mlp, params_of, run
 
 OPTIMIZERS = {
-    "SVRG": lambda p: pk.SVRG(p, lr=0.05, momentum=0.9, alpha=0.7, seed=5),
-    "SVRGAdamW": lambda p: pk.SVRGAdamW(p, lr=1e-2, alpha=0.5, seed=5),
-    "VSGDPoCo": lambda p: pk.VSGDPoCo(p, lr=0.05, sigma=0.01, momentum=0.5, seed=5),
-    "IVON": lambda p: pk.IVON(p, lr=0.05, ess=300.0, mc_samples=2, seed=5),
-    "IVONPoCo": lambda p: pk.IVONPoCo(p, lr=0.05, ess=300.0, beta2=0.999, alpha=0.5, rho1=0.3,
-                                      rho2=0.1, seed=5),
+    "SVRG": lambda p, be: pk.SVRG(p, lr=0.05, momentum=0.9, alpha=0.7, seed=5, backend=be),
+    "SVRGAdamW": lambda p, be: pk.SVRGAdamW(p, lr=1e-2, alpha=0.5, seed=5, backend=be),
+    "VSGDPoCo": lambda p, be: pk.VSGDPoCo(p, lr=0.05, sigma=0.01, momentum=0.5, seed=5,
+                                          backend=be),
+    "IVON": lambda p, be: pk.IVON(p, lr=0.05, ess=300.0, mc_samples=2, seed=5, backend=be),
+    "IVONPoCo": lambda p, be: pk.IVONPoCo(p, lr=0.05, ess=300.0, beta2=0.999, alpha=0.5,
+                                          rho1=0.3, rho2=0.1, seed=5, backend=be),
 }
 
 
@@ -28,24 +29,24 @@ def _roundtrip(sd):
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("cut", [7, 13])     # 13: mid inner loop, after 2 refreshes
-def test_resume_is_bit_identical(name, cut):
+def test_resume_is_bit_identical(name, cut, backend):
     prob = Problem()
     make = OPTIMIZERS[name]
     refresh = None if name == "IVON" else 5
     steps, batches = 24, prob.batches(24)
 
     m_ref = mlp()
-    o_ref = make(m_ref.parameters())
+    o_ref = make(m_ref.parameters(), backend)
     l_ref = run(o_ref, m_ref, prob, steps, refresh_every=refresh, warmup=2, batches=batches)
 
     m1 = mlp()
-    o1 = make(m1.parameters())
+    o1 = make(m1.parameters(), backend)
     l_a = run(o1, m1, prob, cut, refresh_every=refresh, warmup=2, batches=batches)
     model_sd, opt_sd = _roundtrip(copy.deepcopy(m1.state_dict())), _roundtrip(o1.state_dict())
     del m1, o1
 
     m2 = mlp(seed=99)                      # different init: everything must come from the dicts
-    o2 = make(m2.parameters())
+    o2 = make(m2.parameters(), backend)
     m2.load_state_dict(model_sd)
     o2.load_state_dict(opt_sd)
     l_b = run(o2, m2, prob, steps, refresh_every=refresh, warmup=2, batches=batches, start=cut)
@@ -57,7 +58,7 @@ def test_resume_is_bit_identical(name, cut):
         assert torch.equal(o2._buckets[0].buffers[name], o_ref._buckets[0].buffers[name]), name
 
 
-def test_resume_with_pending_low_level_gradients():
+def test_resume_with_pending_low_level_gradients(backend):
     """A checkpoint taken between accumulate() and step() keeps the collected gradients."""
     prob = Problem()
     b = prob.batches(1)[0]
@@ -70,22 +71,22 @@ def test_resume_with_pending_low_level_gradients():
         opt.step()
 
     m1, m2 = mlp(), mlp()
-    o1 = pk.IVON(m1.parameters(), lr=0.05, ess=300.0, seed=2)
-    o2 = pk.IVON(m2.parameters(), lr=0.05, ess=300.0, seed=2)
+    o1 = pk.IVON(m1.parameters(), lr=0.05, ess=300.0, seed=2, backend=backend)
+    o2 = pk.IVON(m2.parameters(), lr=0.05, ess=300.0, seed=2, backend=backend)
     grads_then_step(o1, m1)
     sd = grads_then_step(o2, m2, save=True)
     m3 = mlp()
-    o3 = pk.IVON(m3.parameters(), lr=0.05, ess=300.0, seed=0)
+    o3 = pk.IVON(m3.parameters(), lr=0.05, ess=300.0, seed=0, backend=backend)
     o3.load_state_dict(sd)                 # seed comes from the state dict too
     o3.step()
     for a, c in zip(params_of(m1), params_of(m3)):
         assert torch.equal(a, c)
 
 
-def test_state_dict_has_torch_layout_and_counters():
+def test_state_dict_has_torch_layout_and_counters(backend):
     prob = Problem()
     m = mlp()
-    o = pk.IVONPoCo(m.parameters(), lr=0.05, ess=300.0, seed=11)
+    o = pk.IVONPoCo(m.parameters(), lr=0.05, ess=300.0, seed=11, backend=backend)
     run(o, m, prob, 6, refresh_every=3)
     sd = o.state_dict()
     assert set(sd) >= {"state", "param_groups", "poco"}
@@ -96,10 +97,10 @@ def test_state_dict_has_torch_layout_and_counters():
     assert sd["param_groups"][0]["params"] == [0, 1, 2, 3]
 
 
-def test_lr_scheduler_works_and_round_trips():
+def test_lr_scheduler_works_and_round_trips(backend):
     prob = Problem()
     m = mlp()
-    o = pk.IVON(m.parameters(), lr=0.1, ess=300.0)
+    o = pk.IVON(m.parameters(), lr=0.1, ess=300.0, backend=backend)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10)
     lrs = []
     for b in prob.batches(5):
@@ -107,6 +108,6 @@ def test_lr_scheduler_works_and_round_trips():
         sched.step()
         lrs.append(o.param_groups[0]["lr"])
     assert lrs[0] < 0.1 and lrs == sorted(lrs, reverse=True)
-    o2 = pk.IVON(mlp().parameters(), lr=0.1, ess=300.0)
+    o2 = pk.IVON(mlp().parameters(), lr=0.1, ess=300.0, backend=backend)
     o2.load_state_dict(o.state_dict())
     assert o2.param_groups[0]["lr"] == lrs[-1]

@@ -1,25 +1,35 @@
-"""Every Triton kernel against the reference functions, under TRITON_INTERPRET=1.
+"""Every kernel, Triton (under TRITON_INTERPRET=1) and C++, against the reference
+functions.
 
-Fresh random inputs of odd sizes (not multiples of the block), float32 / bfloat16 /
-float16 parameters and gradients, float32 state; tolerances from ``tolerances.py``.
+One runner for both kernel sets (the ``ops`` fixture: their wrapper modules have the
+same functions).  Fresh random inputs of odd sizes (not multiples of Triton's block of
+1024 or of the C++ tile of 128), float32 / bfloat16 / float16 parameters and gradients,
+float32 state; tolerances from ``tolerances.py``.
 """
 import math
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from helpers import FUSED_BACKENDS
+from poco_kernels import noise
+from poco_kernels import reference as R
+from poco_kernels.ivon import ivon_inner_update, ivon_refresh_update
+from poco_kernels.kernels import common as K
+from poco_kernels.kernels import ops_for
+from tolerances import NOISE, PARAM, STATE, assert_close
 
-from poco_kernels import noise  # noqa: E402
-from poco_kernels import reference as R  # noqa: E402
-from poco_kernels.ivon import ivon_inner_update, ivon_refresh_update  # noqa: E402
-from poco_kernels.kernels import triton_kernels as K  # noqa: E402
-from poco_kernels.kernels import triton_ops as ops  # noqa: E402
-from tolerances import PARAM, STATE, assert_close  # noqa: E402
+pytestmark = pytest.mark.skipif(not FUSED_BACKENDS, reason="no kernels to test here")
 
-SIZES = [1, 1023, 2 * K.BLOCK + 77]        # below, around and above the block size
+SIZES = [1, 1023, 2125]        # below, around and above a block / across tiles
 PDTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SEED = 987654321123
+
+
+@pytest.fixture(params=FUSED_BACKENDS)
+def ops(request):
+    """The kernels' wrapper module: ``triton_ops`` or ``cpp_ops``."""
+    return ops_for(request.param)
 
 
 def _gen(n, seed):
@@ -39,7 +49,7 @@ def _eps(n, counter, stream, sign=1.0):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("pdtype, sync", [(d, False) for d in PDTYPES] + [(torch.float32, True)])
 @pytest.mark.parametrize("mode", ["none", "h", "buffer", "const"])
-def test_sample_kernel(n, pdtype, mode, sync):
+def test_sample_kernel(n, pdtype, mode, sync, ops):
     """(SYNC is for float32 parameters, which hold the mean between steps.)"""
     r = _gen(n, hash((n, str(pdtype), mode, sync)) % 2 ** 31)
     centre = r()
@@ -67,7 +77,7 @@ def test_sample_kernel(n, pdtype, mode, sync):
 # --------------------------------------------------------------------------- accumulate
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("pdtype", PDTYPES)
-def test_accumulate_and_fold_kernels(n, pdtype):
+def test_accumulate_and_fold_kernels(n, pdtype, ops):
     """Three draws of two chunks each: acc_g is the sum of all gradients, acc_ge the sum
     of gradient * eps of its draw (draw 0 folded in when draw 1 starts)."""
     r = _gen(n, n + 17)
@@ -93,7 +103,7 @@ def test_accumulate_and_fold_kernels(n, pdtype):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_accumulate_flags_nonfinite_gradients(bad):
+def test_accumulate_flags_nonfinite_gradients(bad, ops):
     n = 3001
     g = torch.randn(n)
     g[2345] = bad
@@ -150,11 +160,11 @@ def _step_args(case, group, n, pdtype, seed):
                 refreshes=refreshes, s_in=s_in, s_o=s_o, independent=independent, group=group)
 
 
-def _run_ivon_step(a, found_inf=None, bad=0):
+def _run_ivon_step(ops, a, found_inf=None, bad=0):
     st, grp, outer = a["st"], a["group"], a["outer"]
     wd = grp["weight_decay"]
     corr = outer is not None
-    flags = ops.step_flags(K.FAMILY_IVON, CORR=corr, GE_IN=a["ge_in"] is not None,
+    flags = K.step_flags(K.FAMILY_IVON, CORR=corr, GE_IN=a["ge_in"] is not None,
                            GE_O=corr and outer["ge_o"] is not None,
                            SHARED_NOISE=corr and not a["independent"] and a["mc"] == 1,
                            HESS_CORR=grp["hess_corr_scale"] != 0,
@@ -193,13 +203,13 @@ def _ivon_expected(a):
 @pytest.mark.parametrize("n", SIZES[1:])
 @pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(IVON_CASES))
-def test_step_kernel_ivon_family(n, pdtype, case):
+def test_step_kernel_ivon_family(n, pdtype, case, ops):
     a = _step_args(IVON_CASES[case], _ivon_group(), n, pdtype, seed=n * 7 + len(case))
     a["mean_n"] = n
     before = {k: v.clone() for k, v in a["st"].items()}
     a["st"] = {k: v.clone() for k, v in before.items()}
     exp = _ivon_expected(dict(a, st=before))
-    ctl = _run_ivon_step(a)
+    ctl = _run_ivon_step(ops, a)
     for k in ("mean", "h", "momentum"):
         assert_close(a["st"][k], exp[k], STATE[torch.float32], f"{case}: {k}")
     assert_close(a["st"]["param"], exp["mean"].to(pdtype), PARAM[pdtype], f"{case}: param")
@@ -207,23 +217,23 @@ def test_step_kernel_ivon_family(n, pdtype, case):
 
 
 @pytest.mark.parametrize("why", ["found_inf", "bad_gradient"])
-def test_step_kernel_skips_and_puts_the_mean_back(why):
+def test_step_kernel_skips_and_puts_the_mean_back(why, ops):
     n = 2049
     a = _step_args(IVON_CASES["poco-shared"], _ivon_group(), n, torch.bfloat16, seed=5)
     before = {k: v.clone() for k, v in a["st"].items()}
     found_inf = torch.ones(1) if why == "found_inf" else torch.zeros(1)
-    _run_ivon_step(a, found_inf=found_inf, bad=int(why == "bad_gradient"))
+    _run_ivon_step(ops, a, found_inf=found_inf, bad=int(why == "bad_gradient"))
     for k in ("mean", "h", "momentum"):
         assert torch.equal(a["st"][k], before[k]), k
     assert_close(a["st"]["param"], before["mean"].to(torch.bfloat16), PARAM[torch.bfloat16],
                  "param = old mean")
     # guard: the same call without the skip changes the state
     a["st"] = {k: v.clone() for k, v in before.items()}
-    _run_ivon_step(a, found_inf=torch.zeros(1))
+    _run_ivon_step(ops, a, found_inf=torch.zeros(1))
     assert not torch.equal(a["st"]["mean"], before["mean"])
 
 
-def test_step_kernel_grad_scale_divides_the_gradients():
+def test_step_kernel_grad_scale_divides_the_gradients(ops):
     n = 1500
     a = _step_args(IVON_CASES["poco-shared"], _ivon_group(), n, torch.float32, seed=9)
     a["mean_n"] = n
@@ -235,7 +245,7 @@ def test_step_kernel_grad_scale_divides_the_gradients():
     st = {k: v.clone() for k, v in before.items()}
     o = scaled["outer"]
     grp = a["group"]
-    flags = ops.step_flags(K.FAMILY_IVON, CORR=True, SHARED_NOISE=True, HESS_CORR=True,
+    flags = K.step_flags(K.FAMILY_IVON, CORR=True, SHARED_NOISE=True, HESS_CORR=True,
                            CLIP=True, DEBIAS=True)
     hp = [1.0, 1.0, 1.0, R.ivon_lr(grp["lr"], grp["hess_init"], grp["weight_decay"], True),
           grp["beta1"], grp["beta2"], grp["weight_decay"], grp["ess"], grp["alpha"],
@@ -264,14 +274,14 @@ SGD_CASES = {
 @pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(SGD_CASES))
 @pytest.mark.parametrize("corr", [False, True])
-def test_step_kernel_sgd_family(n, pdtype, case, corr):
+def test_step_kernel_sgd_family(n, pdtype, case, corr, ops):
     c = SGD_CASES[case]
     r = _gen(n, n + len(case) + corr)
     lr, alpha = 0.05, 0.6
     mean, buf, g_in, g_o, g_out = r(), r(), r(), r(), r()
     param = r().to(pdtype)
     m0, b0 = mean.clone(), buf.clone()
-    flags = ops.step_flags(K.FAMILY_SGD, CORR=corr, MOMENTUM=c["momentum"] != 0,
+    flags = K.step_flags(K.FAMILY_SGD, CORR=corr, MOMENTUM=c["momentum"] != 0,
                            NESTEROV=c["nesterov"])
     hp = [1.0, 1.0, 1.0, lr, 0.0, 0.0, c["weight_decay"], 1.0, alpha, 0.0, 0.0, 0.0,
           c["momentum"], c["dampening"], 0.0, float(c["first"])]
@@ -291,7 +301,7 @@ def test_step_kernel_sgd_family(n, pdtype, case, corr):
 @pytest.mark.parametrize("n", SIZES[1:])
 @pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("corr", [False, True])
-def test_step_kernel_adamw_family(n, pdtype, corr):
+def test_step_kernel_adamw_family(n, pdtype, corr, ops):
     r = _gen(n, 3 * n + corr)
     lr, alpha, b1, b2, eps, wd, steps = 3e-3, 0.5, 0.9, 0.99, 1e-8, 0.05, 11
     mean, g_in, g_o, g_out = r(), r(), r(), r()
@@ -301,7 +311,7 @@ def test_step_kernel_adamw_family(n, pdtype, corr):
     hp = [1.0, 1.0, 1.0, lr, b1, b2, wd, 1.0, alpha, 0.0, 0.0, 0.0, 0.0, 0.0, eps, 0.0]
     ops.step(mean, param, ea, eas, g_in, None, g_o if corr else None, None,
              g_out if corr else None, None, None, None, _ctl(steps, 2), None, None,
-             [SEED, 0, 0], hp, ops.step_flags(K.FAMILY_ADAMW, CORR=corr))
+             [SEED, 0, 0], hp, K.step_flags(K.FAMILY_ADAMW, CORR=corr))
     ghat = R.control_variate(g_in, g_o, g_out, alpha) if corr else g_in
     exp = R.adamw_step(m0, ghat, ea0, eas0, step=steps + 1, lr=lr, beta1=b1, beta2=b2,
                        eps=eps, weight_decay=wd)
@@ -314,7 +324,7 @@ def test_step_kernel_adamw_family(n, pdtype, corr):
 @pytest.mark.parametrize("n", SIZES[1:])
 @pytest.mark.parametrize("refreshes", [0, 3])
 @pytest.mark.parametrize("ge", [False, True])
-def test_refresh_kernel_ivon_family(n, refreshes, ge):
+def test_refresh_kernel_ivon_family(n, refreshes, ge, ops):
     r = _gen(n, n + 10 * refreshes + ge)
     grp = dict(ess=80.0, weight_decay=1e-3, rho1=0.6, rho2=0.1)
     mean, h = r(), r(0.3).abs() + 0.05
@@ -338,7 +348,7 @@ def test_refresh_kernel_ivon_family(n, refreshes, ge):
 
 
 @pytest.mark.parametrize("noisy", [False, True])
-def test_refresh_kernel_sgd_family(noisy):
+def test_refresh_kernel_sgd_family(noisy, ops):
     n, k, sigma = 3001, 2, 0.05
     r = _gen(n, 77 + noisy)
     mean, acc_g = r(), r()
@@ -355,36 +365,52 @@ def test_refresh_kernel_sgd_family(noisy):
 @pytest.mark.parametrize("found_inf, bad, expect", [
     (None, 0, [8, 3, 0, 1]), (0.0, 0, [8, 3, 0, 1]), (1.0, 0, [7, 3, 0, 2]),
     (None, 1, [7, 3, 0, 2])])
-def test_finish_kernel(found_inf, bad, expect):
+def test_finish_kernel(found_inf, bad, expect, ops):
     ctl = torch.tensor([7, 3, bad, 1], dtype=torch.int64)
     fi = None if found_inf is None else torch.tensor([found_inf])
     ops.finish(ctl, fi, 0)
     assert ctl.tolist() == expect
 
 
-# --------------------------------------------------------------------------- indices
-def test_noise_of_element_indices_past_2_to_32():
-    """Element indices are int64 in every kernel: the noise helper gives element i its
-    stream value for i far past 2**31 and 2**32 (a buffer that large does not fit this
-    machine, so the helper is driven with a large base index)."""
+# --------------------------------------------------------------------------- noise, indices
+if "triton" in FUSED_BACKENDS:
     import triton
     import triton.language as tl
+    from poco_kernels.kernels import triton_kernels as TK
 
     @triton.jit
-    def probe(out_ptr, base, n, seed, counter, stream, BLOCK: tl.constexpr):
-        offs = tl.arange(0, BLOCK)
-        idx = base + offs.to(tl.int64)
-        x = K._randn(seed, idx, counter, stream)
+    def _triton_noise_probe(out_ptr, base, n, seed, counter, stream, BLOCK: tl.constexpr):
+        """The Triton kernels' ``_randn`` of element indices base + i (int64)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = TK._randn(seed, base + offs.to(tl.int64), counter, stream)
         tl.store(out_ptr + offs, x, mask=offs < n)
 
-    for base in (2 ** 31 - 5, 2 ** 32 - 3, 3 * 2 ** 32 + 11):
-        out = torch.empty(64)
-        probe[(1,)](out, base, 64, SEED, 7, 12345, BLOCK=64)
-        exp = noise.randn(64, SEED, 7, 12345, offset=base)
-        assert_close(out, exp, dict(rtol=1e-5, atol=2e-6), f"base {base}")
+
+def _kernel_noise(ops, n, base, counter, stream):
+    """The kernels' normals of element indices base .. base + n - 1."""
+    if ops.__name__.endswith("cpp_ops"):
+        return ops.randn(torch.empty(n), SEED, counter, stream, base)
+    out = torch.empty(n)
+    _triton_noise_probe[(triton.cdiv(n, 256),)](out, base, n, SEED, counter, stream, BLOCK=256)
+    return out
 
 
-def test_bfloat16_parameters_round_to_nearest_even_and_keep_nan():
+@pytest.mark.parametrize("base", [0, 2 ** 31 - 5, 2 ** 32 - 1500, 3 * 2 ** 32 + 11])
+def test_noise_of_element_indices_past_2_to_32(base, ops):
+    """Element indices are int64 in every kernel: element i gets its stream value for i far
+    past 2**31 and 2**32, also where the low word of the index wraps inside a block or a
+    tile (a buffer that large does not fit this machine, so the noise code is driven with
+    a large base index)."""
+    n = 3001
+    out = _kernel_noise(ops, n, base, 7, 12345)
+    exp = noise.randn(n, SEED, 7, 12345, offset=base)
+    assert_close(out, exp, NOISE, f"base {base}")
+    # guard: the tolerance tells neighbouring elements (and counters) apart
+    assert not torch.allclose(out[1:], exp[:-1], **NOISE)
+    assert not torch.allclose(_kernel_noise(ops, n, base, 8, 12345), exp, **NOISE)
+
+
+def test_bfloat16_parameters_round_to_nearest_even_and_keep_nan(ops):
     """The kernels' float32 -> bfloat16 store equals torch's cast bit for bit, specials
     (every NaN payload, infinities, overflow to inf, subnormals) included."""
     n = 4099
@@ -399,3 +425,60 @@ def test_bfloat16_parameters_round_to_nearest_even_and_keep_nan():
     nan = torch.isnan(e)
     assert torch.equal(torch.isnan(p), nan)
     assert torch.equal(p[~nan].view(torch.int16), e[~nan].view(torch.int16))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # numpy, on purpose
+def test_float16_parameters_and_gradients_convert_like_torch(ops):
+    """float32 -> float16 stores (round to nearest even, overflow to inf, subnormals, NaN
+    stays NaN) and float16 -> float32 loads (all 65536 encodings) equal torch's casts."""
+    n = 70001
+    x = torch.randn(n) * torch.logspace(-12, 6, n)
+    ties = torch.tensor([65504.0, 65519.0, 65520.0, 2.0 ** -24, 3 * 2.0 ** -25, 2.0 ** -25,
+                         2.0 ** -14 - 2.0 ** -25, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11,
+                         float("inf"), -float("inf"), float("nan"), -0.0, 1e-30])
+    x[:len(ties)] = ties
+    p = torch.empty(n, dtype=torch.float16)
+    ops.sample(p, x, x, None, None, _ctl(), SEED, 0, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_NONE, False)
+    e = x.to(torch.float16)
+    nan = torch.isnan(e)
+    assert torch.equal(torch.isnan(p), nan)
+    assert torch.equal(p[~nan].view(torch.int16), e[~nan].view(torch.int16))
+    # loads: every float16 encoding through accumulate (acc_g = g as float32)
+    g = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    acc = torch.empty(g.numel())
+    ctl = _ctl()
+    ops.accumulate(g, acc, None, ctl, SEED, 0, 0, 1.0, True, False)
+    ref = g.float()
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(acc), nan)
+    assert torch.equal(acc[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+    assert int(ctl[K.CTL_BAD]) == 1        # the encodings include inf and NaN
+
+
+# --------------------------------------------------------------------------- as operators
+def test_operators_pass_opcheck(ops):
+    """Each kernel is a torch operator whose schema declares exactly what it mutates and
+    whose fake kernel works: what torch.compile and export rely on (torch.library.opcheck:
+    schema, fake tensors, autograd registration, AOT dispatch)."""
+    ns = torch.ops.poco_kernels_cpp if ops.__name__.endswith("cpp_ops") else torch.ops.poco_kernels
+    n = 1000
+    g = torch.Generator().manual_seed(1)
+    r = lambda: torch.randn(n, generator=g)  # noqa: E731
+    ctl = _ctl(3, 1)
+    flags = K.step_flags(K.FAMILY_IVON, CORR=True, SHARED_NOISE=True, HESS_CORR=True,
+                         DEBIAS=True)
+    hp = [1.0, 1.0, 1.0, 0.01, 0.9, 0.999, 1e-4, 50.0, 0.7, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0,
+          0.0]
+    cases = {
+        "sample": (r().bfloat16(), r(), r(), r().abs() + 0.1, None, ctl, SEED, 5, 0, 50.0,
+                   1e-4, 0.0, 1.0, K.SIGMA_IVON, False),
+        "accumulate": (r(), r(), r(), ctl.clone(), SEED, 5, 0, 1.0, False, True),
+        "fold_ge": (r(), r(), ctl, SEED, 5, 0, 1.0),
+        "step": (r(), r().bfloat16(), r(), r().abs() + 0.5, r(), None, r(), None, r(), r(),
+                 r(), r().abs() + 0.1, ctl, None, None, [SEED, 5, 5], hp, flags),
+        "refresh": (r(), r().abs() + 0.5, r(), None, r(), r(), r(), r(), ctl, None, None, SEED,
+                    5, [1.0, 50.0, 1e-4, 0.5, 0.1, 0.0], K.FAMILY_IVON, False, True),
+        "finish": (ctl.clone(), None, 0),
+    }
+    for name, args in cases.items():
+        torch.library.opcheck(getattr(ns, name), args)
