@@ -33,12 +33,13 @@ later keeps what came before):
    beside them ``torch.optim.AdamW(fused=True)``, ivon-opt 0.1.3 (its ``step()`` alone and
    its whole ``sampled_params`` + ``step`` cycle) and the reference backend (sizes up to
    ``--ref-max-size``).  Times: ``triton.testing.do_bench`` (CUDA events, L2 flushed
-   before each call), median / p20 / p80.  Each row gets the bytes-per-parameter model
-   below, the achieved bandwidth (bytes / median) and its fraction of the copy bandwidth.
-4. Output: ``bench_gpu.csv`` (bench_step.py's schema: kernel, provider, dtype, size,
-   median, p20, p80 (seconds), device, date), ``bench_gpu_bandwidth.csv`` (the same rows
-   with the byte model and bandwidth), ``bench_gpu_report.json`` (everything),
-   ``bench_gpu_table.txt`` (the closing table), and, with ``--record``,
+   before each call), median / p20 / p80.  Each row gets its bytes-per-parameter model
+   (``benchmarks/common.py``), the achieved bandwidth (bytes / median) and its fraction of
+   the copy bandwidth.
+4. Output: ``bench_gpu.csv`` (the schema of ``benchmarks/common.py``, shared with
+   ``bench_cpu.py``: kernel, provider, dtype, size, median, p20, p80 (seconds), bytes per
+   parameter, GB/s, % of copy, timing, device, date), ``bench_gpu_report.json``
+   (everything), ``bench_gpu_table.txt`` (the closing table), and, with ``--record``,
    ``benchmarks/results/gpu_<device>_<date>.csv``.  A short table is printed last, then
    the verdict.
 
@@ -61,14 +62,12 @@ if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import datetime  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -108,163 +107,12 @@ def _load_tolerances():
 
 _load_tolerances()
 
-# --------------------------------------------------------------------------- byte models
-# Bytes moved per parameter through device memory, each input read once and each output
-# written once, counted from poco_kernels/kernels/triton_kernels.py (state is float32,
-# S = 4 bytes; P = bytes of one parameter / gradient element: 4 for float32, 2 for bf16).
-S = 4
-
-
-def b_step_poco(P):
-    """step_kernel, FAMILY_IVON, CORR, HESS_CORR (hess_corr_scale 0.01 != 0), shared noise,
-    one draw (GE_IN = GE_O = False: eps regenerated, not read), no AMP:
-    reads  mean, g_in sum, g_o sum, g_out, momentum (s1), h (s2), sigma_out, h_out, m_out
-           (9 x S; the parameters are NOT read),
-    writes momentum, h, mean (3 x S) and the parameters (P)."""
-    return 9 * S + 3 * S + P
-
-
-def b_step_ivon(P):
-    """step_kernel, FAMILY_IVON, no CORR: reads mean, g_in sum, momentum, h (4 x S);
-    writes momentum, h, mean (3 x S) and the parameters (P)."""
-    return 4 * S + 3 * S + P
-
-
-def b_sample_inner(P, sync):
-    """sample_kernel, SIGMA_IVON.  SYNC (float32 parameters holding the mean): reads the
-    parameters (P), writes mean (S), reads h (S), writes the sample (P).  Otherwise (bf16):
-    reads mean, h (2 x S), writes the sample (P)."""
-    return (P + S + S + P) if sync else (2 * S + P)
-
-
-def b_sample_outer(P):
-    """sample_kernel, SIGMA_BUFFER: reads m_out, sigma_out (2 x S), writes the sample (P)."""
-    return 2 * S + P
-
-
-def b_accumulate(P):
-    """accumulate_kernel, FIRST, no GE: reads the flat gradient (P), writes the sum (S)."""
-    return P + S
-
-
-def b_gather(P):
-    """TritonEngine._gather_grads when .grad is not a view of the flat gradient buffer:
-    one foreach copy, reads .grad (P), writes the flat buffer (P)."""
-    return 2 * P
-
-
-def b_restore(P):
-    """TritonEngine.restore: reads mean (S), writes the parameters (P)."""
-    return S + P
-
-
-def b_refresh_kernel(P):
-    """refresh_kernel, FAMILY_IVON, one draw: reads mean, acc_g, h, g_out, h_out (5 x S);
-    writes g_out, h_out, m_out, sigma_out (4 x S)."""
-    return 5 * S + 4 * S
-
-
-def b_poco_cycle(P, protocol):
-    """One IVON-PoCo step with the correction on, optimizer side only.
-    'flat':    .grad are views of the flat gradient buffer (no gather), lazy restores
-               (what step(closure) does), accumulate(clear_grads=False);
-    'closure': step(closure), the closure assigns .grad (separate tensors, as autograd
-               leaves them): lazy restores, one gather copy per accumulate;
-    'sampled': the public `with opt.sampled(...)` protocol: full restores, gather copies,
-               and (float32) the mean re-read from the parameters before the outer sample."""
-    sync = P == S
-    inner = b_sample_inner(P, sync) + b_accumulate(P)
-    outer = b_sample_outer(P) + b_accumulate(P)
-    total = inner + outer + b_step_poco(P)
-    if protocol in ("closure", "sampled"):
-        total += 2 * b_gather(P)
-    if protocol == "sampled":
-        total += 2 * b_restore(P) + ((P + S) if sync else 0)
-    return total
-
-
-def b_ivon_cycle(P):
-    """One plain IVON step through step(closure): inner sample, gather, accumulate, step."""
-    return b_sample_inner(P, P == S) + b_gather(P) + b_accumulate(P) + b_step_ivon(P)
-
-
-def b_refresh(P):
-    """A refresh with one chunk, .grad views of the flat buffer: refresh sample (the
-    parameters hold the mean), accumulate, full restore, refresh kernel."""
-    return b_sample_inner(P, P == S) + b_accumulate(P) + b_restore(P) + b_refresh_kernel(P)
-
-
-def b_adamw(P):
-    """torch AdamW (fused), state in the parameter dtype: reads param, grad, exp_avg,
-    exp_avg_sq; writes param, exp_avg, exp_avg_sq."""
-    return 7 * P
-
-
-def b_ivonopt_step(P):
-    """The fewest bytes of IVON's update as ivon-opt states it (state in the parameter
-    dtype): reads param, avg_grad, avg_nxg, momentum, hess; writes param, momentum, hess.
-    (ivon-opt runs it as ~15 separate torch ops, so it moves several times this.)"""
-    return 8 * P
-
-
-def b_ivonopt_cycle(P):
-    """Fewest bytes of ivon-opt's cycle: sample (read param, hess; write noise, sample),
-    restore + collect (read grad, noise; write avg_grad, avg_nxg), then its step."""
-    return 4 * P + 4 * P + b_ivonopt_step(P)
-
-
-# --------------------------------------------------------------------------- helpers
-def log(msg=""):
-    print(msg, flush=True)
-
-
-def dtype_name(dt):
-    return str(dt).replace("torch.", "")
-
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-class Timer:
-    """Median / p20 / p80 seconds of ``fn``: do_bench on CUDA (events, L2 flushed before
-    each call), perf_counter on the CPU (smoke)."""
-
-    def __init__(self, dev, warmup_ms, rep_ms, cpu_reps):
-        self.dev, self.warmup_ms, self.rep_ms, self.cpu_reps = dev, warmup_ms, rep_ms, cpu_reps
-
-    def __call__(self, fn):
-        if self.dev.type == "cuda":
-            import triton.testing
-            q = triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms,
-                                        quantiles=[0.5, 0.2, 0.8])
-            return tuple(float(x) * 1e-3 for x in q)
-        fn()
-        ts = []
-        for _ in range(self.cpu_reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        ts.sort()
-        q = lambda f: ts[min(len(ts) - 1, int(f * len(ts)))]  # noqa: E731
-        return statistics.median(ts), q(0.2), q(0.8)
-
-    def wall(self, fn, n=20, rounds=5):
-        """Host-inclusive time per call: ``n`` calls back to back, then a synchronise;
-        median / p20 / p80 over ``rounds`` (no L2 flush: what a training loop sees)."""
-        fn()
-        _sync(self.dev)
-        per = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            _sync(self.dev)
-            per.append((time.perf_counter() - t0) / n)
-        per.sort()
-        q = lambda f: per[min(len(per) - 1, int(f * len(per)))]  # noqa: E731
-        return statistics.median(per), q(0.2), q(0.8)
+# byte models, timing, rows, CSV: benchmarks/common.py (shared with bench_cpu.py)
+from common import (BYTE_MODELS, Bench, Timer, copy_bandwidth, copy_row, dtype_name,  # noqa: E402
+                    dump, log, print_table, release, b_adamw, b_ivon_cycle,
+                    b_ivonopt_cycle, b_ivonopt_step, b_poco_cycle, b_refresh, b_step_ivon,
+                    b_step_poco, poco_opt, step_buffers, step_launcher, sync as _sync,
+                    write_csv, _json_default)
 
 
 def rel_err(a, b):
@@ -326,15 +174,6 @@ def free_bytes(dev):
     return 1 << 62
 
 
-def release(dev):
-    import gc
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-
-
-# --------------------------------------------------------------------------- 1. device
 def device_info(dev):
     info = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__, "python": platform.python_version(),
@@ -371,19 +210,6 @@ def device_info(dev):
         info["device"] = (f"cpu-interpreter: {platform.processor() or platform.machine()}, "
                           f"{torch.get_num_threads()} threads")
     return info
-
-
-def copy_bandwidth(dev, timer, nbytes):
-    """Device-to-device copy of ``nbytes``: (bytes read + written) / median time."""
-    n = nbytes // 4
-    src = torch.randn(n, device=dev)
-    dst = torch.empty_like(src)
-    med, p20, p80 = timer(lambda: dst.copy_(src))
-    ok = bool(torch.equal(dst, src))
-    del src, dst
-    release(dev)
-    return {"bytes_each_way": n * 4, "median_s": med, "p20_s": p20, "p80_s": p80,
-            "bandwidth_Bps": 2 * n * 4 / med, "copy_verified": ok}
 
 
 # --------------------------------------------------------------------------- 2. parity
@@ -876,89 +702,11 @@ def check_graph(dev, smoke, replays=5):
 
 
 # --------------------------------------------------------------------------- 3. benchmarks
-def _step_buffers(n, dt, dev, ess=1.0, wd=1e-4):
-    g = torch.Generator(device=dev).manual_seed(n % 9973)
-
-    def r(scale=1.0, shift=0.0):
-        return torch.randn(n, device=dev, generator=g) * scale + shift
-    h = 1.0 + 0.1 * torch.rand(n, device=dev, generator=g)
-    b = dict(mean=r(), s1=r(0.01), s2=h, g_in=r(), g_o=r(), g_out=r(), h_out=r(0.1, 1.0),
-             m_out=r(), sigma_out=torch.rsqrt(ess * (h + wd)))
-    b["param"] = b["mean"].to(dt)
-    b["ctl"] = torch.tensor([5, 1, 0, 0], device=dev, dtype=torch.int64)
-    return b
-
-
-def _step_launcher(b, corr, ess=1.0, wd=1e-4):
-    from poco_kernels.kernels import triton_ops as ops
-    from poco_kernels.kernels import triton_kernels as K
-    flags = ops.step_flags(K.FAMILY_IVON, CORR=corr, SHARED_NOISE=corr, HESS_CORR=corr,
-                           DEBIAS=True)
-    # sign_o, inv_n_in, inv_n_o, lr, beta1, beta2, wd, ess, alpha, hess_corr, floor, clip,
-    # momentum, dampening, eps, mom_first
-    hp = [1.0, 1.0, 1.0 if corr else 0.0, 1e-3, 0.9, 0.99999, wd, ess, 1.0 if corr else 0.0,
-          0.01 if corr else 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    args = (b["mean"], b["param"], b["s1"], b["s2"], b["g_in"], None,
-            b["g_o"] if corr else None, None,
-            b["g_out"] if corr else None, b["h_out"] if corr else None,
-            b["m_out"] if corr else None, b["sigma_out"] if corr else None,
-            b["ctl"], None, None, [7, 0, 0], hp, flags)
-    return lambda: ops.step(*args)
-
-
-def _poco_opt(n, dt, dev, backend, cls="IVONPoCo", seed=3):
-    """One parameter of ``n`` elements.  ess = 1: the timed loops repeat thousands of steps
-    on ONE fixed gradient, and with ess 1e6 (1/sigma = 1000) IVON-PoCo at Alg. 3 defaults
-    runs to non-finite state in ~100 such steps (the README's instability; the reference
-    backend then raises).  With ess = 1 both IVON and IVON-PoCo stay finite and h stays
-    within [0.69, 1.24] over 6000 steps (checked on the reference, 2**14 elements).  The
-    values do not change the work done."""
-    g = torch.Generator(device=dev).manual_seed(seed)
-    p = torch.nn.Parameter(torch.randn(n, device=dev, generator=g).to(dt))
-    kw = dict(lr=1e-3, ess=1.0, seed=seed, backend=backend)
-    opt = getattr(pk, cls)([p], **kw)
-    grad = torch.randn(n, device=dev, generator=g).to(dt)
-    return p, opt, grad
-
-
-class Bench:
-    def __init__(self, dev, timer, info, copy_bw):
-        self.dev, self.timer, self.info, self.copy_bw = dev, timer, info, copy_bw
-        self.rows, self.errors = [], []
-
-    def add(self, kernel, provider, dt, size, t, bpp, wall=False):
-        med, p20, p80 = t
-        nbytes = bpp * size if bpp is not None else None
-        bw = nbytes / med if nbytes else None
-        frac = bw / self.copy_bw if (bw and self.copy_bw) else None
-        row = dict(kernel=kernel, provider=provider, dtype=dtype_name(dt), size=size,
-                   median=med, p20=p20, p80=p80, bytes_per_param=bpp,
-                   bandwidth_Bps=bw, frac_copy=frac,
-                   timing="wall" if wall else ("events" if self.dev.type == "cuda"
-                                               else "perf_counter"))
-        self.rows.append(row)
-        log(f"  {kernel:22s} {provider:34s} {dtype_name(dt):8s} {size:>10d} "
-            f"median {med * 1e3:9.4f} ms [p20 {p20 * 1e3:.4f}, p80 {p80 * 1e3:.4f}]"
-            + (f"  {bw / 1e9:7.1f} GB/s" if bw else "")
-            + (f"  {100 * frac:5.1f}% copy" if frac else ""))
-
-    def run(self, label, fn):
-        try:
-            fn()
-        except Exception as exc:
-            msg = f"{label}: {type(exc).__name__}: {exc}"
-            self.errors.append(msg)
-            log(f"  ERROR {msg}")
-            traceback.print_exc()
-        finally:
-            release(self.dev)
-
-
 def benchmarks(dev, sizes, timer, info, copy_bw, ref_max_size, ivon_mod, deadline=math.inf,
                flush=lambda rows: None, first_rows=()):
     """The rows; ``flush(rows)`` after each (size, dtype); past ``deadline``
     (perf_counter seconds) the remaining (size, dtype) blocks are skipped, with a note."""
-    B = Bench(dev, timer, info, copy_bw)
+    B = Bench(dev, timer, copy_bw)
     B.rows.extend(first_rows)
     for size in sizes:
         need = 20 * 4 * size     # the largest set below (the optimizers) with headroom
@@ -978,15 +726,16 @@ def benchmarks(dev, sizes, timer, info, copy_bw, ref_max_size, ivon_mod, deadlin
             tag = f"{size}/{dtype_name(dt)}"
 
             def step_kernels():
-                b = _step_buffers(size, dt, dev)
+                from poco_kernels.kernels import triton_ops
+                b = step_buffers(size, dt, dev)
                 B.add("step_kernel_poco", "poco_kernels.triton(direct)", dt, size,
-                      timer(_step_launcher(b, corr=True)), b_step_poco(P))
+                      timer(step_launcher(triton_ops, b, corr=True)), b_step_poco(P))
                 B.add("step_kernel_ivon", "poco_kernels.triton(direct)", dt, size,
-                      timer(_step_launcher(b, corr=False)), b_step_ivon(P))
+                      timer(step_launcher(triton_ops, b, corr=False)), b_step_ivon(P))
             B.run(f"step kernels {tag}", step_kernels)
 
             def poco_cycles(backend):
-                p, opt, grad = _poco_opt(size, dt, dev, backend)
+                p, opt, grad = poco_opt(size, dt, dev, backend)
                 prov = f"poco_kernels.{backend}"
                 _closure_step_1 = lambda: opt.step(lambda: setattr(p, "grad", grad))  # noqa
                 for _ in range(2):
@@ -1054,7 +803,7 @@ def benchmarks(dev, sizes, timer, info, copy_bw, ref_max_size, ivon_mod, deadlin
 
             def ivon_cycles():
                 for backend in (("triton", "torch") if size <= ref_max_size else ("triton",)):
-                    p, opt, grad = _poco_opt(size, dt, dev, backend, cls="IVON")
+                    p, opt, grad = poco_opt(size, dt, dev, backend, cls="IVON")
                     B.add("ivon_cycle", f"poco_kernels.{backend}(closure)", dt, size,
                           timer(lambda: opt.step(lambda: setattr(p, "grad", grad))),
                           b_ivon_cycle(P))
@@ -1102,76 +851,6 @@ def benchmarks(dev, sizes, timer, info, copy_bw, ref_max_size, ivon_mod, deadlin
 
 
 # --------------------------------------------------------------------------- output
-CSV_FIELDS = ["kernel", "provider", "dtype", "size", "median", "p20", "p80", "device", "date"]
-
-
-def write_csv(path, rows, device, date):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow(dict(kernel=r["kernel"], provider=r["provider"], dtype=r["dtype"],
-                            size=r["size"], median=f"{r['median']:.6g}", p20=f"{r['p20']:.6g}",
-                            p80=f"{r['p80']:.6g}", device=device, date=date))
-
-
-def write_bw_csv(path, rows):
-    fields = ["kernel", "provider", "dtype", "size", "timing", "median", "bytes_per_param",
-              "bandwidth_GBps", "frac_copy"]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow(dict(kernel=r["kernel"], provider=r["provider"], dtype=r["dtype"],
-                            size=r["size"], timing=r["timing"], median=f"{r['median']:.6g}",
-                            bytes_per_param=r["bytes_per_param"],
-                            bandwidth_GBps="" if r["bandwidth_Bps"] is None
-                            else f"{r['bandwidth_Bps'] / 1e9:.1f}",
-                            frac_copy="" if r["frac_copy"] is None else f"{r['frac_copy']:.3f}"))
-
-
-def _json_default(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
-    if isinstance(o, (torch.dtype, torch.device)):
-        return str(o)
-    return repr(o)
-
-
-def dump(path, report):
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=_json_default)
-
-
-def table_lines(rows, copy_bw):
-    out = [f"bench_gpu summary (copy bandwidth "
-           f"{'n/a' if not copy_bw else f'{copy_bw / 1e9:.0f} GB/s'}; B/p = bytes-per-param "
-           f"model; *_wall = host-inclusive)",
-           f"{'kernel':20s} {'provider':37s} {'dt':4s} {'size':>9s} {'med ms':>9s} "
-           f"{'B/p':>3s} {'GB/s':>6s} {'%copy':>5s}"]
-    for r in rows:
-        bw, fr = r["bandwidth_Bps"], r["frac_copy"]
-        prov = r["provider"].replace("poco_kernels.", "pk.")
-        dt = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(r["dtype"], r["dtype"])
-        out.append(f"{r['kernel'][:20]:20s} {prov[:37]:37s} {dt[:4]:4s} "
-                   f"{r['size']:>9d} {r['median'] * 1e3:>9.4f} {r['bytes_per_param'] or 0:>3d} "
-                   f"{'' if bw is None else f'{bw / 1e9:6.0f}':>6s} "
-                   f"{'' if fr is None else f'{100 * fr:4.0f}%':>5s}")
-    return out
-
-
-def print_table(rows, copy_bw, path=None):
-    lines = table_lines(rows, copy_bw)
-    if path:
-        with open(path, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    log("")
-    log("=" * 96)
-    for line in lines:
-        log(line)
-
-
 # --------------------------------------------------------------------------- main
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
@@ -1297,25 +976,16 @@ def main(argv=None):
         if copy_bw is None and dev.type == "cuda":
             log("    (no copy bandwidth: fractions left empty)")
         device = info["device"]
-        report["byte_models"] = {f.__name__: f.__doc__.strip() for f in (
-            b_step_poco, b_step_ivon, b_sample_inner, b_sample_outer, b_accumulate, b_gather,
-            b_restore, b_refresh_kernel, b_poco_cycle, b_ivon_cycle, b_refresh, b_adamw,
-            b_ivonopt_step, b_ivonopt_cycle)}
+        report["byte_models"] = {f.__name__: f.__doc__.strip() for f in BYTE_MODELS}
 
         def flush(rows_so_far):
             write_csv(os.path.join(args.out, "bench_gpu.csv"), rows_so_far, device, date)
-            write_bw_csv(os.path.join(args.out, "bench_gpu_bandwidth.csv"), rows_so_far)
             report["bench"] = rows_so_far
             dump(report_path, report)
 
         first = []
         if isinstance(report.get("copy"), dict):
-            cb = report["copy"]
-            first.append(dict(kernel="d2d_copy", provider="torch.Tensor.copy_", dtype="float32",
-                              size=cb["bytes_each_way"] // 4, median=cb["median_s"],
-                              p20=cb["p20_s"], p80=cb["p80_s"], bytes_per_param=8,
-                              bandwidth_Bps=cb["bandwidth_Bps"], frac_copy=1.0,
-                              timing="events"))
+            first.append(copy_row(report["copy"], "events"))
         B = benchmarks(dev, sizes, timer, info, copy_bw, ref_max, ivon_mod,
                        deadline=t_start + args.budget_s, flush=flush, first_rows=first)
         rows = B.rows
@@ -1335,7 +1005,7 @@ def main(argv=None):
     report["seconds"] = time.perf_counter() - t_start
     dump(report_path, report)
 
-    print_table(rows, copy_bw, os.path.join(args.out, "bench_gpu_table.txt"))
+    print_table(rows, copy_bw, "bench_gpu summary", os.path.join(args.out, "bench_gpu_table.txt"))
     code = (1 if failures["parity"] else 0) | (2 if failures["checks"] else 0) | (
         4 if failures["bench"] else 0)
     log("-" * 96)
