@@ -22,6 +22,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "poco_kernels.h"
 
@@ -75,6 +76,14 @@ const KernelTable& kernels() {
 }
 
 std::string isa_op() { return kernels().isa; }
+
+// The instruction sets this CPU can run, best last.
+std::vector<std::string> supported_isas_op() {
+  std::vector<std::string> out;
+  for (const char* name : {"base", "avx2", "avx512"})
+    if (isa_supported(name)) out.emplace_back(name);
+  return out;
+}
 
 // Select the instruction set ('base', 'avx2', 'avx512', or 'best'); returns the previous.
 std::string set_isa_op(std::string name) {
@@ -416,6 +425,7 @@ TORCH_LIBRARY(poco_kernels_cpp, m) {
   m.def("finish(Tensor(a!) ctl, Tensor? found_inf, int slot) -> ()");
   m.def("randn(Tensor(a!) out, int seed, int counter, int stream, int offset) -> ()");
   m.def("isa() -> str", &poco::isa_op);
+  m.def("supported_isas() -> str[]", &poco::supported_isas_op);
   m.def("set_isa(str name) -> str", &poco::set_isa_op);
 }
 

@@ -96,15 +96,4 @@ def set_isa(name: str) -> str:
 
 def available_isas() -> List[str]:
     """The instruction sets this CPU can run, best last."""
-    out = []
-    prev = isa()
-    try:
-        for name in ("base", "avx2", "avx512"):
-            try:
-                set_isa(name)
-                out.append(name)
-            except RuntimeError:
-                pass
-    finally:
-        set_isa(prev)
-    return out
+    return list(_ops.supported_isas())
