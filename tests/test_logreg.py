@@ -15,7 +15,7 @@ from poco_kernels.experiments import logreg as L  # noqa: E402
 # every 250 steps on the full training set) far below it
 SHORT = ["--dataset", "breast_cancer", "--lr", "0.1", "--batch", "5", "--steps", "2000",
          "--warmup", "250", "--refresh-every", "250", "--methods", "sgd,svrg",
-         "--log-every", "0"]
+         "--log-every", "0", "--out-dir", ""]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_divergence_is_reported_not_raised(problem):
                 raise FloatingPointError("the update produced non-finite values in 'mean'")
             return super().step(closure, **kw)
 
-    short = L.Config(steps=50, warmup=10, refresh_every=10)
+    short = L.Config(steps=50, warmup=10, refresh_every=10, lr=0.05)
     r = L.run_method("svrg", prob, ref, short,
                      optimizer_factory=lambda w, c, n: Exploding([w], lr=c.lr, weight_decay=c.l2))
     assert r.status == "diverged@8" and r.steps == 7
@@ -145,3 +145,124 @@ def test_finite_blow_up_is_reported(problem):
     r = L.run_method("sgd", prob, ref, short)       # lr 1e4: F explodes but stays finite
     assert r.status.startswith("blow-up@") and r.steps < 400
     assert r.error.startswith("blow-up") and math.isfinite(r.objective)
+
+
+# --------------------------------------------------------------------------- the study
+def test_the_study_writes_its_plot_report_and_traces(tmp_path, capsys):
+    """Every method, a shortened schedule: the PNG, the report with the claims, the CSVs."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    argv = ["--steps", "600", "--warmup", "200", "--refresh-every", "100", "--lr", "0.05",
+            "--out-dir", str(out), "--log-every", "0"]
+    assert L.main(argv) == 0
+    text = capsys.readouterr().out
+    for claim in ("stall below L-BFGS", "reach L-BFGS", "jump after each refresh",
+                  "faster than first-order"):
+        assert claim in text
+    png = out / "breast_cancer_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    report = (out / "breast_cancer_report.md").read_text()
+    assert "| claim | here | evidence |" in report and "von-poco" in report
+    assert "![curves](breast_cancer_curves.png)" in report
+    rows = list(csv.DictReader((out / "breast_cancer_trace.csv").open()))
+    assert {r["method"] for r in rows} == set(L.METHODS)
+    refreshed = [r for r in rows if r["method"] == "svrg" and r["refresh"] == "1"]
+    assert [int(r["step"]) for r in refreshed] == [200, 300, 400, 500]
+    von = [r for r in rows if r["method"] == "von-poco"]
+    assert int(von[-1]["step"]) == 60                     # its schedule, scaled by 0.1
+    assert all(0.0 <= float(r["test_acc"]) <= 1.0 for r in rows)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    cfg = L.Config(dataset="digits", max_train=400)
+    prob = L.load_problem(cfg)
+    return cfg, prob, L.lbfgs_reference(prob)
+
+
+def test_multiclass_objective_gradient_and_minimiser(digits):
+    cfg, prob, ref = digits
+    assert prob.classes == 10 and prob.d == 65 * 10 and prob.ytr.dtype == torch.int64
+    w = (0.1 * torch.randn(prob.d, dtype=torch.float64)).requires_grad_(True)
+    f = torch.nn.functional.cross_entropy(prob.Xtr @ w.view(65, 10), prob.ytr) \
+        + 0.5 * prob.l2 * w.dot(w)
+    f.backward()
+    assert L.objective(w, prob.Xtr, prob.ytr, prob.l2) == pytest.approx(float(f.detach()),
+                                                                        rel=1e-12)
+    assert torch.allclose(L.gradient(w, prob.Xtr, prob.ytr, prob.l2), w.grad, atol=1e-12)
+    c = L._BatchGrad(w)
+    c.set(prob.Xtr[:5], prob.ytr[:5])
+    c()
+    w2 = w.detach().clone().requires_grad_(True)
+    torch.nn.functional.cross_entropy(prob.Xtr[:5] @ w2.view(65, 10), prob.ytr[:5]).backward()
+    assert torch.allclose(w.grad, w2.grad, atol=1e-14)
+    assert ref.grad_norm < 1e-8 and 0.85 < ref.test_acc <= 1.0
+
+
+def test_multiclass_svrg_beats_sgd_and_von_poco_respects_its_limit(digits):
+    cfg, prob, ref = digits
+    short = L.Config(dataset="digits", steps=3000, warmup=500, refresh_every=500, lr=0.05,
+                     von_max_dim=100)
+    sgd = L.run_method("sgd", prob, ref, short)
+    svrg = L.run_method("svrg", prob, ref, short)
+    assert svrg.rel_gap < sgd.rel_gap / 10 and svrg.status == sgd.status == "ok"
+    von = L.run_method("von-poco", prob, ref, short)
+    assert von.status == "skipped" and "650 > --von-max-dim 100" in von.skipped
+    assert "skipped" in L.format_table(ref, [sgd, von])
+
+
+# --------------------------------------------------------------------------- the claims
+def _result(method, gaps, ref, step=100, refresh_steps=(), accs=None):
+    """A MethodResult whose recorded relative gaps are ``gaps`` (one point per ``step``)."""
+    trace = [(i * step, i * 1.0, ref.f * (1 + g), (accs or [0.9] * len(gaps))[i])
+             for i, g in enumerate(gaps)]
+    r = L.MethodResult(method, trace[-1][2], gaps[-1], trace[-1][3], 0.9, trace[-1][1], 0.0,
+                       trace[-1][0])
+    r.trace, r.refresh_steps = trace, list(refresh_steps)
+    return r
+
+
+def test_claim_criteria_on_constructed_runs():
+    from poco_kernels.experiments import claims as C
+    ref = L.Reference(torch.zeros(2), 0.1, 0.0, 0.9, 0.9, 1, 0.0)
+    cfg = L.Config(refresh_every=1000, reach_tol=1e-6)
+    flat = [1e-3] * 21                                    # a plateau
+    falling = [10.0 ** (-k / 2 - 0.1) for k in range(21)]  # 0.8 .. 8e-11, steadily
+    slow = [1e-2 * 0.8 ** k for k in range(21)]           # still falling at the end, > tol
+    assert C.classify(_result("sgd", flat, ref), ref, 1e-6) == "stalls"
+    assert C.classify(_result("svrg", falling, ref), ref, 1e-6) == "reaches"
+    assert C.classify(_result("svrg", slow, ref), ref, 1e-6) == "still descending"
+    # a jump: a plateau, then a 100x drop right after the refresh at step 1000
+    jump = [1e-3] * 11 + [1e-5] * 10
+    r = _result("svrg", jump, ref, refresh_steps=[1000])
+    (step, after, before, dacc), = C.refresh_jumps(r, ref, 1000)
+    assert step == 1000 and after == pytest.approx(100) and before == pytest.approx(1)
+    # a noisy plateau (x3 up and down) is still a plateau: medians, not single points
+    noisy = [1e-3 * (3.0 if k % 2 else 1 / 3) for k in range(21)]
+    assert C.classify(_result("sgd", noisy, ref), ref, 1e-6) == "stalls"
+    # a steady linear rate through the refresh (five points per window, as real runs have)
+    steady = _result("svrg", [10.0 ** (-k / 10 - 0.1) for k in range(101)], ref, step=20,
+                     refresh_steps=[1000])
+    (_, after, before, _), = C.refresh_jumps(steady, ref, 1000)
+    assert after == pytest.approx(before, rel=0.05)       # no acceleration: not a jump
+    assert after < 2 * before
+    assert C.evals_to_reach(_result("x", falling, ref), ref, 1e-3) == 6.0
+    assert C.evals_to_reach(_result("x", flat, ref), ref, 1e-4) is None
+    # whole verdicts
+    results = [_result("sgd", flat, ref), _result("vsgd", flat, ref), _result("ivon", flat, ref),
+               _result("svrg", jump, ref, refresh_steps=[1000]),
+               _result("vsgd-poco", falling, ref, refresh_steps=[1000]),
+               _result("ivon-poco", falling, ref, refresh_steps=[1000])]
+    prob = L.Problem("x", torch.zeros(4, 2), torch.zeros(4), torch.zeros(10, 2), torch.zeros(10),
+                     0.01)
+    verdicts = {c.claim.split()[0]: c.verdict for c in C.evaluate(results, ref, cfg, prob)}
+    # IVON ties with SGD and IVON-PoCo ("falling") reaches 1e-2 after SVRG ("jump"): not faster
+    assert verdicts == {"SGD,": "holds", "SVRG,": "partly", "a": "partly",
+                        "IVON-type": "does not hold"}
+    slower = [1e-1 * 0.8 ** k for k in range(21)]         # 1e-2 at point 11, 1e-3 never
+    faster = [_result("sgd", slower, ref), _result("ivon", falling, ref),
+              _result("svrg", slower, ref), _result("ivon-poco", falling, ref)]
+    claims = {c.claim.split()[0]: c for c in C.evaluate(faster, ref, cfg, prob)}
+    assert claims["IVON-type"].verdict == "holds"
+    assert claims["IVON-type"].evidence[0] == (
+        "ivon vs sgd (evals/example): g<=0.01: 4.0 vs 11.0, g<=0.001: 6.0 vs never")

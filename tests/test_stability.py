@@ -12,7 +12,7 @@ pytest.importorskip("scipy")
 
 import poco_kernels.experiments.logreg as L  # noqa: E402
 
-SHORT = dict(steps=3000, warmup=500, refresh_every=500, beta2=0.999)
+SHORT = dict(steps=3000, warmup=500, refresh_every=500, beta2=0.999, lr=0.05)
 
 
 @pytest.fixture(scope="module")
