@@ -120,27 +120,25 @@ def evaluate(results, ref, cfg, prob) -> List[Claim]:
     n_test = prob.Xte.shape[0]
     claims = []
 
+    def outcomes(methods, wanted):
+        """(whether each method that ran has the outcome ``wanted``, evidence lines)."""
+        flags, ev = [], []
+        for m in methods:
+            r = by.get(m)
+            if not _ran(r):
+                continue
+            c = classify(r, ref, cfg.reach_tol)
+            flags.append(c == wanted)
+            ev.append(f"{m}: g = {r.rel_gap:.2e}, {c}, {_acc_note(r, ref, n_test)}")
+        return flags, ev
+
     # 1. stall
-    flags, ev = [], []
-    for m in ("sgd", "vsgd", "ivon"):
-        r = by.get(m)
-        if not _ran(r):
-            continue
-        c = classify(r, ref, cfg.reach_tol)
-        flags.append(c == "stalls")
-        ev.append(f"{m}: g = {r.rel_gap:.2e}, {c}, {_acc_note(r, ref, n_test)}")
+    flags, ev = outcomes(("sgd", "vsgd", "ivon"), "stalls")
     claims.append(Claim("SGD, VSGD and IVON stall below L-BFGS", _verdict(flags),
                         ev or ["not run"]))
 
     # 2. reach
-    flags, ev = [], []
-    for m in ("svrg", "vsgd-poco", "ivon-poco"):
-        r = by.get(m)
-        if not _ran(r):
-            continue
-        c = classify(r, ref, cfg.reach_tol)
-        flags.append(c == "reaches")
-        ev.append(f"{m}: g = {r.rel_gap:.2e}, {c}, {_acc_note(r, ref, n_test)}")
+    flags, ev = outcomes(("svrg", "vsgd-poco", "ivon-poco"), "reaches")
     extra = [f"{m}: g = {by[m].rel_gap:.2e}, {classify(by[m], ref, cfg.reach_tol)}"
              for m in ("ivon-poco-pair", "von-poco") if _ran(by.get(m))]
     if extra:
