@@ -55,7 +55,8 @@ from poco_kernels.kernels import cpp_status  # noqa: E402
 
 from common import (BYTE_MODELS, Bench, Timer, b_adamw, b_ivon_cycle, b_ivonopt_cycle,  # noqa: E402
                     b_ivonopt_step, b_poco_cycle, b_refresh, b_step_ivon, b_step_poco,
-                    copy_bandwidth, copy_row, dtype_name, dump, inplace_bandwidth, inplace_row,
+                    copy_bandwidth, copy_row, dtype_name, dump, import_ivon, inplace_bandwidth,
+                    inplace_row,
                     log, poco_opt, print_table, rotation, round_robin, step_buffers,
                     step_launcher, write_csv)
 
@@ -92,14 +93,6 @@ def cpu_info():
         info["isa"] = f"unavailable: {cpp_status()}"
     info["device"] = f"cpu: {info['cpu']}, {info['threads']} threads, C++ kernels {info['isa']}"
     return info
-
-
-def import_ivon():
-    try:
-        import ivon
-        return ivon, None
-    except ImportError as exc:
-        return None, str(exc)
 
 
 class Instances:

@@ -63,7 +63,6 @@ if SMOKE:
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import glob  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -111,7 +110,7 @@ _load_tolerances()
 from common import (BYTE_MODELS, Bench, Timer, copy_bandwidth, copy_row, dtype_name,  # noqa: E402
                     dump, log, print_table, release, b_adamw, b_ivon_cycle,
                     b_ivonopt_cycle, b_ivonopt_step, b_poco_cycle, b_refresh, b_step_ivon,
-                    b_step_poco, poco_opt, step_buffers, step_launcher, sync as _sync,
+                    b_step_poco, import_ivon, poco_opt, step_buffers, step_launcher, sync as _sync,
                     write_csv, _json_default)
 
 
@@ -149,22 +148,6 @@ def jit_variants():
         else:
             return None
     return out
-
-
-def import_ivon():
-    try:
-        import ivon
-        return ivon, None
-    except ImportError as exc:
-        err = f"{type(exc).__name__}: {exc}"
-    for whl in sorted(glob.glob(os.path.join(REPO, ".whl", "ivon_opt-*.whl"))):
-        sys.path.insert(0, whl)
-        try:
-            import ivon
-            return ivon, None
-        except ImportError as exc:
-            err = f"{type(exc).__name__}: {exc} (from {whl})"
-    return None, err
 
 
 def free_bytes(dev):

@@ -9,10 +9,12 @@ percentage of the copy bandwidth measured in the same run), timing, device, date
 from __future__ import annotations
 
 import csv
+import glob
 import json
 import math
 import os
 import statistics
+import sys
 import time
 import traceback
 
@@ -303,6 +305,26 @@ class Bench:
             traceback.print_exc()
         finally:
             release(self.dev)
+
+
+def import_ivon():
+    """(the ivon-opt module, None) or (None, why not).  Where it is not installed (a lent
+    GPU machine reaches no registry), a wheel in ``<repo>/.whl/ivon_opt-*.whl`` is imported
+    from the zip (ivon-opt is pure Python)."""
+    try:
+        import ivon
+        return ivon, None
+    except ImportError as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for whl in sorted(glob.glob(os.path.join(repo, ".whl", "ivon_opt-*.whl"))):
+        sys.path.insert(0, whl)
+        try:
+            import ivon
+            return ivon, None
+        except ImportError as exc:
+            err = f"{type(exc).__name__}: {exc} (from {whl})"
+    return None, err
 
 
 # --------------------------------------------------------------------------- inputs

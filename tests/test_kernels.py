@@ -410,6 +410,14 @@ def test_noise_of_element_indices_past_2_to_32(base, ops):
     assert not torch.allclose(_kernel_noise(ops, n, base, 8, 12345), exp, **NOISE)
 
 
+def _assert_same_bits(got, expected):
+    """Bit for bit, except that any NaN matches any NaN."""
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(got), nan)
+    bits = torch.int16 if expected.element_size() == 2 else torch.int32
+    assert torch.equal(got[~nan].view(bits), expected[~nan].view(bits))
+
+
 def test_bfloat16_parameters_round_to_nearest_even_and_keep_nan(ops):
     """The kernels' float32 -> bfloat16 store equals torch's cast bit for bit, specials
     (every NaN payload, infinities, overflow to inf, subnormals) included."""
@@ -421,10 +429,7 @@ def test_bfloat16_parameters_round_to_nearest_even_and_keep_nan(ops):
     x[:len(specials)] = specials.view(torch.float32)
     p = torch.empty(n, dtype=torch.bfloat16)
     ops.sample(p, x, x, None, None, _ctl(), SEED, 0, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_NONE, False)
-    e = x.to(torch.bfloat16)
-    nan = torch.isnan(e)
-    assert torch.equal(torch.isnan(p), nan)
-    assert torch.equal(p[~nan].view(torch.int16), e[~nan].view(torch.int16))
+    _assert_same_bits(p, x.to(torch.bfloat16))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # numpy, on purpose
@@ -439,19 +444,13 @@ def test_float16_parameters_and_gradients_convert_like_torch(ops):
     x[:len(ties)] = ties
     p = torch.empty(n, dtype=torch.float16)
     ops.sample(p, x, x, None, None, _ctl(), SEED, 0, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_NONE, False)
-    e = x.to(torch.float16)
-    nan = torch.isnan(e)
-    assert torch.equal(torch.isnan(p), nan)
-    assert torch.equal(p[~nan].view(torch.int16), e[~nan].view(torch.int16))
+    _assert_same_bits(p, x.to(torch.float16))
     # loads: every float16 encoding through accumulate (acc_g = g as float32)
     g = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.float16)
     acc = torch.empty(g.numel())
     ctl = _ctl()
     ops.accumulate(g, acc, None, ctl, SEED, 0, 0, 1.0, True, False)
-    ref = g.float()
-    nan = torch.isnan(ref)
-    assert torch.equal(torch.isnan(acc), nan)
-    assert torch.equal(acc[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+    _assert_same_bits(acc, g.float())
     assert int(ctl[K.CTL_BAD]) == 1        # the encodings include inf and NaN
 
 
