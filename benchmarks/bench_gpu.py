@@ -1,13 +1,13 @@
 """GPU check-and-benchmark of the Triton backend, in one call on a CUDA machine.
 
-    python3 benchmarks/bench_gpu.py --out $OUT            # CUDA: the full run (a few minutes)
+    python3 benchmarks/bench_gpu.py --out $OUT            # CUDA: checks, then run.py's suite
     python3 benchmarks/bench_gpu.py --smoke --out /tmp/s  # CPU, TRITON_INTERPRET=1, tiny sizes
 
 Sections, in order (each one is written to ``--out`` as soon as it is done, so a crash
 later keeps what came before):
 
-1. **Device**: name, properties, versions, date; device-to-device copy bandwidth of a
-   1 GiB buffer (bytes read + written over the median time): the memory ceiling.
+1. **Device**: name, properties, versions, date (the copy bandwidth, the memory ceiling,
+   is measured by the benchmark suite, section 3).
 2. **Checks** (correctness first):
    * parity: the same trajectory (a quadratic loss, 30 steps, refresh at steps 5, 15, 25)
      with ``backend="torch"`` and ``backend="triton"`` on the device, for IVON-PoCo (Alg. 3
@@ -25,23 +25,15 @@ later keeps what came before):
      accumulate, lazy restore; the outer sample likewise; step), replayed and compared
      with the same steps run eagerly on a twin optimizer (capture failure is reported,
      not fatal).
-3. **Benchmarks** at ``--sizes`` (default 2**20, 2**24, 2**27) for float32 and bfloat16
-   parameters: the step kernel alone (launched directly with prepared buffers) for
-   IVON-PoCo with correction and for plain IVON; the optimizer-side cost of a whole
-   IVON-PoCo step (inner and outer sample, two accumulates, step; no model, gradients
-   written once) through three protocols and a CUDA graph; a refresh; IVON's cycle;
-   beside them ``torch.optim.AdamW(fused=True)``, ivon-opt 0.1.3 (its ``step()`` alone and
-   its whole ``sampled_params`` + ``step`` cycle) and the reference backend (sizes up to
-   ``--ref-max-size``).  Times: ``triton.testing.do_bench`` (CUDA events, L2 flushed
-   before each call), median / p20 / p80.  Each row gets its bytes-per-parameter model
-   (``benchmarks/common.py``), the achieved bandwidth (bytes / median) and its fraction of
-   the copy bandwidth.
-4. Output: ``bench_gpu.csv`` (the schema of ``benchmarks/common.py``, shared with
-   ``bench_cpu.py``: kernel, provider, dtype, size, median, p20, p80 (seconds), bytes per
-   parameter, GB/s, % of copy, timing, device, date), ``bench_gpu_report.json``
-   (everything), ``bench_gpu_table.txt`` (the closing table), and, with ``--record``,
-   ``benchmarks/results/gpu_<device>_<date>.csv``.  A short table is printed last, then
-   the verdict.
+3. **Benchmarks**: ``benchmarks/run.py``'s suite on the device (microbenchmarks of every
+   backend beside ivon-opt and AdamW, memory, the GPT training step; see its docstring),
+   plus the Triton-only rows of ``micro.triton_extras`` (the step with ``.grad`` as views
+   of the flat buffer, through a CUDA graph, and host-inclusive ``*_wall`` times).  Any
+   option after this script's own (``--smoke``, ``--only``) goes to ``run.py``
+   (``--sizes``, ``--record``, ``--out``, ...).
+4. Output in ``--out``: ``bench_gpu_report.json`` (device and checks) beside run.py's
+   ``bench.csv``, ``bench.md`` and ``bench_report.json``; with ``--record``,
+   ``benchmarks/results/gpu_<device>_<date>.{csv,md}``.
 
 Exit status: 0 all passed; otherwise the OR of 1 (parity above tolerance), 2 (a
 synchronisation, JIT-cache, memory or graph-replay check failed) and 4 (a benchmark
@@ -62,12 +54,8 @@ if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
@@ -106,12 +94,9 @@ def _load_tolerances():
 
 _load_tolerances()
 
-# byte models, timing, rows, CSV: benchmarks/common.py (shared with bench_cpu.py)
-from common import (BYTE_MODELS, Bench, Timer, copy_bandwidth, copy_row, dtype_name,  # noqa: E402
-                    dump, log, print_table, release, b_adamw, b_ivon_cycle,
-                    b_ivonopt_cycle, b_ivonopt_step, b_poco_cycle, b_refresh, b_step_ivon,
-                    b_step_poco, import_ivon, poco_opt, step_buffers, step_launcher, sync as _sync,
-                    write_csv, _json_default)
+# timing, device description, CUDA-graph helpers: benchmarks/common.py (shared with run.py)
+from common import (capture, device_info, dtype_name, dump, graph_seq, log,  # noqa: E402
+                    release, reset_host, sync as _sync, _json_default)
 
 
 def rel_err(a, b):
@@ -148,51 +133,6 @@ def jit_variants():
         else:
             return None
     return out
-
-
-def free_bytes(dev):
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return free
-    return 1 << 62
-
-
-def device_info(dev):
-    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "smoke": SMOKE, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "")}
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except Exception as exc:  # pragma: no cover
-        info["triton"] = f"unavailable: {exc}"
-    try:
-        info["git_head"] = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"],
-                                          capture_output=True, text=True,
-                                          timeout=10).stdout.strip() or None
-    except Exception:
-        info["git_head"] = None
-    if dev.type == "cuda":
-        p = torch.cuda.get_device_properties(dev)
-        info.update(name=torch.cuda.get_device_name(dev), capability=list(
-            torch.cuda.get_device_capability(dev)), sm_count=p.multi_processor_count,
-            total_memory_gib=round(p.total_memory / 2 ** 30, 2),
-            l2_cache_mib=round(getattr(p, "L2_cache_size", 0) / 2 ** 20, 1),
-            cuda=torch.version.cuda)
-        try:
-            q = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem,clocks.max.sm,"
-                 "temperature.gpu,power.draw,power.limit", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20)
-            info["nvidia_smi"] = q.stdout.strip() or q.stderr.strip()
-        except Exception as exc:
-            info["nvidia_smi"] = f"unavailable: {exc}"
-        info["device"] = info["name"]
-    else:
-        info["name"] = f"cpu: {platform.processor() or platform.machine()}"
-        info["device"] = (f"cpu-interpreter: {platform.processor() or platform.machine()}, "
-                          f"{torch.get_num_threads()} threads")
-    return info
 
 
 # --------------------------------------------------------------------------- 2. parity
@@ -466,7 +406,7 @@ def check_sync(dev, smoke):
             failures.append(f"sync: {label}: {exc}")
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        _reset_host(opt)                      # (a phase that raised left it mid-step)
+        reset_host(opt)                      # (a phase that raised left it mid-step)
     # where: per phase, warn mode
     per_phase = {}
     torch.cuda.synchronize()
@@ -576,64 +516,6 @@ def check_bf16_store(dev):
     return res
 
 
-def _graph_seq(opt, params, grads_fixed=None):
-    """The captured step: inner sample, fixed gradients written into .grad in place
-    (``grads_fixed``; None: .grad already holds them, e.g. as views of the flat gradient
-    buffer), accumulate (grads kept), lazy restore; the same for the outer sample; step."""
-    def write():
-        if grads_fixed is not None:
-            for p, g in zip(params, grads_fixed):
-                p.grad.copy_(g)
-
-    def seq():
-        opt.sample("inner")
-        write()
-        opt.accumulate(clear_grads=False)
-        opt.restore(_lazy=True)
-        if opt.correction_active():
-            opt.sample("outer")
-            write()
-            opt.accumulate(clear_grads=False)
-            opt.restore(_lazy=True)
-        opt.step()
-    return seq
-
-
-def _reset_host(opt):
-    """After a failed capture: end any sample left active and drop pending sums."""
-    if opt._active is not None:
-        opt.restore()
-    opt._pending.clear((0, 1))
-
-
-def capture(dev, seq, warm=3):
-    """Warm ``seq`` up on a side stream, capture it in a CUDA graph; (graph, None) or
-    (None, error).  On the CPU (smoke) the 'graph' is ``seq`` itself."""
-    if dev.type != "cuda":
-        for _ in range(warm):
-            seq()
-        return seq, None
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(warm):
-                seq()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            seq()
-        torch.cuda.synchronize()
-        return g.replay, None
-    except Exception as exc:
-        try:
-            torch.cuda.synchronize()
-        except Exception:
-            pass
-        return None, f"{type(exc).__name__}: {exc}"
-
-
 def check_graph(dev, smoke, replays=5):
     """Capture on optimizer A, replay; run the same steps eagerly on twin B; compare."""
     res, failures = {}, []
@@ -644,12 +526,12 @@ def check_graph(dev, smoke, replays=5):
         _assign(params, [g.clone() for g in grads])       # .grad buffers written in place
         twins.append((params, opt, grads))
     (pa, oa, ga), (pb, ob, gb) = twins
-    seq_a, seq_b = _graph_seq(oa, pa, ga), _graph_seq(ob, pb, gb)
+    seq_a, seq_b = graph_seq(oa, pa, ga), graph_seq(ob, pb, gb)
     replay, err = capture(dev, seq_a)
     for _ in range(3):                                      # B: the warm-up steps of A
         seq_b()
     if err is not None:
-        _reset_host(oa)
+        reset_host(oa)
         res["capture"] = f"FAILED: {err}"
         log(f"  graph capture FAILED: {err}")
     else:
@@ -684,200 +566,44 @@ def check_graph(dev, smoke, replays=5):
     return res, failures
 
 
-# --------------------------------------------------------------------------- 3. benchmarks
-def benchmarks(dev, sizes, timer, info, copy_bw, ref_max_size, ivon_mod, deadline=math.inf,
-               flush=lambda rows: None, first_rows=()):
-    """The rows; ``flush(rows)`` after each (size, dtype); past ``deadline``
-    (perf_counter seconds) the remaining (size, dtype) blocks are skipped, with a note."""
-    B = Bench(dev, timer, copy_bw)
-    B.rows.extend(first_rows)
-    for size in sizes:
-        need = 20 * 4 * size     # the largest set below (the optimizers) with headroom
-        if free_bytes(dev) < need:
-            msg = f"size {size}: skipped, {free_bytes(dev) / 2**30:.1f} GiB free < {need / 2**30:.1f}"
-            log("  " + msg)
-            B.errors.append(msg)
-            continue
-        for dt in (torch.float32, torch.bfloat16):
-            if time.perf_counter() > deadline:
-                msg = f"size {size} {dtype_name(dt)}: skipped, time budget (--budget-s) spent"
-                log("  " + msg)
-                B.errors.append(msg)
-                continue
-            flush(B.rows)
-            P = torch.tensor([], dtype=dt).element_size()
-            tag = f"{size}/{dtype_name(dt)}"
-
-            def step_kernels():
-                from poco_kernels.kernels import triton_ops
-                b = step_buffers(size, dt, dev)
-                B.add("step_kernel_poco", "poco_kernels.triton(direct)", dt, size,
-                      timer(step_launcher(triton_ops, b, corr=True)), b_step_poco(P))
-                B.add("step_kernel_ivon", "poco_kernels.triton(direct)", dt, size,
-                      timer(step_launcher(triton_ops, b, corr=False)), b_step_ivon(P))
-            B.run(f"step kernels {tag}", step_kernels)
-
-            def poco_cycles(backend):
-                p, opt, grad = poco_opt(size, dt, dev, backend)
-                prov = f"poco_kernels.{backend}"
-                _closure_step_1 = lambda: opt.step(lambda: setattr(p, "grad", grad))  # noqa
-                for _ in range(2):
-                    _closure_step_1()
-                with opt.sampled("refresh", accumulate=False):
-                    p.grad = grad
-                    opt.accumulate()
-                opt.refresh()
-                B.add("ivon_poco_cycle", prov + "(closure)", dt, size, timer(_closure_step_1),
-                      b_poco_cycle(P, "closure"))
-
-                def sampled():
-                    with opt.sampled("inner"):
-                        p.grad = grad
-                    with opt.sampled("outer"):
-                        p.grad = grad
-                    opt.step()
-                B.add("ivon_poco_cycle", prov + "(sampled)", dt, size, timer(sampled),
-                      b_poco_cycle(P, "sampled"))
-                if backend != "triton":
-                    return
-                B.add("ivon_poco_cycle_wall", prov + "(closure)", dt, size,
-                      timer.wall(_closure_step_1), b_poco_cycle(P, "closure"), wall=True)
-                # .grad as a view of the engine's flat gradient buffer: no gather copy
-                bk = opt._buckets[0]
-                bk.grad_flat.copy_(grad)
-                views = list(bk.grad_views)
-
-                def flat():
-                    opt.sample("inner")
-                    p.grad = views[0]
-                    opt.accumulate(clear_grads=False)
-                    opt.restore(_lazy=True)
-                    opt.sample("outer")
-                    opt.accumulate(clear_grads=False)
-                    opt.restore(_lazy=True)
-                    opt.step()
-                B.add("ivon_poco_cycle", prov + "(flat-grads)", dt, size, timer(flat),
-                      b_poco_cycle(P, "flat"))
-                B.add("ivon_poco_cycle_wall", prov + "(flat-grads)", dt, size,
-                      timer.wall(flat), b_poco_cycle(P, "flat"), wall=True)
-                # the flat-grads step in a CUDA graph (no host overhead)
-                p.grad = views[0]
-                replay, err = capture(dev, _graph_seq(opt, [p]))
-                if err is not None:
-                    _reset_host(opt)
-                if err is None and dev.type == "cuda":
-                    B.add("ivon_poco_cycle", prov + "(flat-grads,cuda-graph)", dt, size,
-                          timer(replay), b_poco_cycle(P, "flat"))
-                elif err is not None:
-                    B.errors.append(f"graph capture {tag}: {err}")
-                del replay
-
-                # refresh (views as .grad)
-                def refresh():
-                    opt.sample("refresh")
-                    p.grad = views[0]
-                    opt.accumulate(clear_grads=False)
-                    opt.restore()
-                    opt.refresh()
-                B.add("refresh", prov + "(flat-grads)", dt, size, timer(refresh), b_refresh(P))
-            B.run(f"poco cycles triton {tag}", lambda: poco_cycles("triton"))
-            if size <= ref_max_size:
-                B.run(f"poco cycles torch {tag}", lambda: poco_cycles("torch"))
-
-            def ivon_cycles():
-                for backend in (("triton", "torch") if size <= ref_max_size else ("triton",)):
-                    p, opt, grad = poco_opt(size, dt, dev, backend, cls="IVON")
-                    B.add("ivon_cycle", f"poco_kernels.{backend}(closure)", dt, size,
-                          timer(lambda: opt.step(lambda: setattr(p, "grad", grad))),
-                          b_ivon_cycle(P))
-                    del p, opt, grad
-            B.run(f"ivon cycles {tag}", ivon_cycles)
-
-            def adamw():
-                g = torch.Generator(device=dev).manual_seed(1)
-                p = torch.nn.Parameter(torch.randn(size, device=dev, generator=g).to(dt))
-                p.grad = torch.randn(size, device=dev, generator=g).to(dt)
-                try:
-                    opt, prov = torch.optim.AdamW([p], lr=1e-3, fused=True), "torch.AdamW(fused)"
-                    opt.step()
-                except Exception:
-                    opt, prov = torch.optim.AdamW([p], lr=1e-3, foreach=True), "torch.AdamW(foreach)"
-                B.add("adamw_step", prov, dt, size, timer(opt.step), b_adamw(P))
-            B.run(f"adamw {tag}", adamw)
-
-            def ivonopt():
-                if ivon_mod is None:
-                    return
-                g = torch.Generator(device=dev).manual_seed(2)
-                p = torch.nn.Parameter(torch.randn(size, device=dev, generator=g).to(dt))
-                grad = torch.randn(size, device=dev, generator=g).to(dt)
-                ref = ivon_mod.IVON([p], lr=1e-3, ess=1.0)
-                nxg = torch.randn(size, device=dev, generator=g).to(dt) * 1e-3
-
-                def step_only():          # what sampled_params(train=True) leaves, then step
-                    ref.state["count"] = 1
-                    ref.state["avg_grad"] = grad
-                    ref.state["avg_nxg"] = nxg
-                    ref.step()
-                B.add("ivon_step", "ivon-opt-0.1.3", dt, size, timer(step_only),
-                      b_ivonopt_step(P))
-
-                def cycle():
-                    with ref.sampled_params(train=True):
-                        p.grad = grad
-                    ref.step()
-                B.add("ivon_cycle", "ivon-opt-0.1.3", dt, size, timer(cycle),
-                      b_ivonopt_cycle(P))
-            B.run(f"ivon-opt {tag}", ivonopt)
-    flush(B.rows)
-    return B
-
-
-# --------------------------------------------------------------------------- output
 # --------------------------------------------------------------------------- main
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(description=__doc__, add_help=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/bench_gpu",
-                    help="output folder (default: $OUT, else /tmp/bench_gpu)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes on the CPU under TRITON_INTERPRET=1 (CUDA-only parts skipped)")
-    ap.add_argument("--record", action="store_true",
-                    help="also write benchmarks/results/gpu_<device>_<date>.csv")
-    ap.add_argument("--sizes", type=int, nargs="+", default=None,
-                    help="benchmark sizes (default 2**20 2**24 2**27; smoke 1024 2053)")
-    ap.add_argument("--ref-max-size", type=int, default=None,
-                    help="largest size for the reference (torch) backend rows (default 2**24)")
-    ap.add_argument("--rep-ms", type=float, default=100.0, help="do_bench rep (ms)")
-    ap.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warmup (ms)")
-    ap.add_argument("--copy-gib", type=float, default=1.0, help="copy-bandwidth buffer (GiB)")
-    ap.add_argument("--budget-s", type=float, default=480.0,
-                    help="wall seconds from the start after which no new (size, dtype) "
-                         "benchmark block starts (default 480: a 10-minute call keeps its "
-                         "table)")
-    ap.add_argument("--skip", nargs="*", default=[],
-                    choices=["parity", "checks", "graph", "bench"], help="sections to skip")
-    args = ap.parse_args(argv)
-    t_start = time.perf_counter()
-
+    ap.add_argument("--only", nargs="*", default=None,
+                    choices=["parity", "checks", "graph", "bench"],
+                    help="sections to run (default: all)")
+    ap.add_argument("-h", "--help", action="store_true")
+    args, rest = ap.parse_known_args(argv)
+    import run as suite_mod
+    if args.help:
+        ap.print_help()
+        print("\nBenchmark options (benchmarks/run.py):")
+        suite_mod.build_parser().print_help()
+        return 0
+    sections = set(args.only or ["parity", "checks", "graph", "bench"])
     if args.smoke:
+        rest = ["--device", "cpu", "--sizes", "1024", "2053", "--reps", "2", "--max-s", "1",
+                "--copy-mib", "4", "--rotate-mib", "4", "--memory-numel", "3001", "--gpt", "gpt-test",
+                "--gpt-iters", "2"] + rest
         dev = torch.device("cpu")
-        sizes = args.sizes or [2 ** 10, 2053]
-        ref_max = args.ref_max_size or 2 ** 12
     else:
         if not torch.cuda.is_available():
             log("no CUDA device: run with --smoke for the CPU (interpreter) check")
             return 8
         dev = torch.device("cuda", torch.cuda.current_device())
-        sizes = args.sizes or [2 ** 20, 2 ** 24, 2 ** 27]
-        ref_max = args.ref_max_size or 2 ** 24
-    os.makedirs(args.out, exist_ok=True)
-    report_path = os.path.join(args.out, "bench_gpu_report.json")
-    timer = Timer(dev, args.warmup_ms, args.rep_ms, cpu_reps=3)
+    bargs = suite_mod.build_parser().parse_args(rest)
+    if args.smoke and bargs.record:
+        log("    --record ignored with --smoke (results/ holds device measurements)")
+        bargs.record = False
+    t_start = time.perf_counter()
+    os.makedirs(bargs.out, exist_ok=True)
+    report_path = os.path.join(bargs.out, "bench_gpu_report.json")
 
     # 1. device
     info = device_info(dev)
-    date = info["date"][:10]
     report = {"info": info, "tolerances": {"RTOL_FP32": RTOL_FP32,
                                            "RTOL_BF16_MASTER": RTOL_BF16_MASTER,
                                            "source": TOLERANCE_SOURCE}}
@@ -887,28 +613,12 @@ def main(argv=None):
               "nvidia_smi", "git_head"):
         if k in info:
             log(f"    {k}: {info[k]}")
-    copy_bw = None
-    if dev.type == "cuda":
-        try:
-            cb = copy_bandwidth(dev, timer, int(args.copy_gib * 2 ** 30))
-            copy_bw = cb["bandwidth_Bps"]
-            report["copy"] = cb
-            log(f"    d2d copy {args.copy_gib:g} GiB: median {cb['median_s'] * 1e3:.3f} ms -> "
-                f"{copy_bw / 1e9:.0f} GB/s (read + write), verified {cb['copy_verified']}")
-        except Exception as exc:
-            report["copy"] = f"FAILED: {exc}"
-            log(f"    copy bandwidth FAILED: {exc}")
-    else:
-        report["copy"] = "skipped (CUDA only)"
-    ivon_mod, ivon_err = import_ivon()
-    report["ivon_opt"] = "ok" if ivon_mod is not None else f"skipped: {ivon_err}"
-    log(f"    ivon-opt: {report['ivon_opt']}")
     dump(report_path, report)
 
     failures = {"parity": [], "checks": [], "bench": []}
     warns = []                                   # reported, not gating
     # 2. checks
-    if "parity" not in args.skip:
+    if "parity" in sections:
         log(f"[2] parity torch vs triton on {dev} (gate: max-norm rel, fp32 mean/h "
             f"{RTOL_FP32:g}, bf16 master mean {RTOL_BF16_MASTER:g})")
         try:
@@ -918,7 +628,7 @@ def main(argv=None):
             failures["parity"].append(f"parity raised {type(exc).__name__}: {exc}")
             report["parity"] = f"RAISED: {exc}"
         dump(report_path, report)
-    if "checks" not in args.skip:
+    if "checks" in sections:
         log("[2b] steady state: synchronisation, JIT cache, memory")
         for name, fn in (("sync", check_sync), ("jit_memory", check_jit_and_memory)):
             try:
@@ -940,7 +650,7 @@ def main(argv=None):
             report["bf16_store"] = f"RAISED: {exc}"
             warns.append(f"bf16 store check raised {type(exc).__name__}: {exc}")
         dump(report_path, report)
-    if "graph" not in args.skip:
+    if "graph" in sections:
         log("[2c] CUDA graph of one step (capture, replay, compare with eager twin)")
         try:
             res, fails = check_graph(dev, args.smoke)
@@ -952,43 +662,21 @@ def main(argv=None):
         log(f"    graph: {json.dumps(res, default=_json_default)[:1500]}")
         dump(report_path, report)
 
-    # 3. benchmarks
-    rows = []
-    if "bench" not in args.skip:
-        log(f"[3] benchmarks, sizes {sizes} (reference backend up to {ref_max})")
-        if copy_bw is None and dev.type == "cuda":
-            log("    (no copy bandwidth: fractions left empty)")
-        device = info["device"]
-        report["byte_models"] = {f.__name__: f.__doc__.strip() for f in BYTE_MODELS}
-
-        def flush(rows_so_far):
-            write_csv(os.path.join(args.out, "bench_gpu.csv"), rows_so_far, device, date)
-            report["bench"] = rows_so_far
-            dump(report_path, report)
-
-        first = []
-        if isinstance(report.get("copy"), dict):
-            first.append(copy_row(report["copy"], "events"))
-        B = benchmarks(dev, sizes, timer, info, copy_bw, ref_max, ivon_mod,
-                       deadline=t_start + args.budget_s, flush=flush, first_rows=first)
-        rows = B.rows
-        failures["bench"] = [e for e in B.errors if "skipped" not in e]
-        report["bench_notes"] = B.errors
-        report["bench"] = rows
-        if args.record:
-            if args.smoke:
-                log("    --record ignored with --smoke (results/ holds device measurements)")
-            else:
-                name = re.sub(r"[^A-Za-z0-9]+", "_", info["name"]).strip("_")
-                path = os.path.join(REPO, "benchmarks", "results", f"gpu_{name}_{date}.csv")
-                write_csv(path, rows, device, date)
-                log(f"    recorded {path}")
+    # 3. the benchmarks: benchmarks/run.py's suite, on this device
+    if "bench" in sections:
+        log("[3] benchmarks (benchmarks/run.py)")
+        try:
+            code, _ = suite_mod.suite(bargs, dev, info)
+            if code:
+                failures["bench"].append(f"benchmark suite exit {code} (see bench.md)")
+        except Exception as exc:
+            traceback.print_exc()
+            failures["bench"].append(f"benchmark suite raised {type(exc).__name__}: {exc}")
     report["failures"] = failures
     report["warnings"] = warns
     report["seconds"] = time.perf_counter() - t_start
     dump(report_path, report)
 
-    print_table(rows, copy_bw, "bench_gpu summary", os.path.join(args.out, "bench_gpu_table.txt"))
     code = (1 if failures["parity"] else 0) | (2 if failures["checks"] else 0) | (
         4 if failures["bench"] else 0)
     log("-" * 96)
@@ -1001,7 +689,7 @@ def main(argv=None):
     log(f"graph capture: {gr.get('capture') if isinstance(gr, dict) else gr}; "
         f"replay: {gr.get('replay') if isinstance(gr, dict) else '-'}")
     log(f"{'PASS' if code == 0 else 'FAIL'} (exit {code}) in {report['seconds']:.0f} s; "
-        f"outputs in {args.out}")
+        f"outputs in {bargs.out}")
     return code
 
 

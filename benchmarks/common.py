@@ -9,11 +9,15 @@ percentage of the copy bandwidth measured in the same run), timing, device, date
 from __future__ import annotations
 
 import csv
+import datetime
 import glob
 import json
 import math
 import os
+import platform
+import re
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -120,15 +124,33 @@ def b_ivonopt_step(P):
     return 8 * P
 
 
+def b_ivonopt_sample(P):
+    """Fewest bytes of ivon-opt's sample (entering ``sampled_params``): reads param, hess;
+    writes the noise and the sample (ivon-opt also copies the mean with ``torch.cat``)."""
+    return 4 * P
+
+
+def b_ivonopt_restore(P):
+    """Fewest bytes of ivon-opt's restore with ``train=True`` (leaving ``sampled_params``):
+    the mean is put back by pointer; reads grad, noise; writes avg_grad, avg_nxg."""
+    return 4 * P
+
+
 def b_ivonopt_cycle(P):
-    """Fewest bytes of ivon-opt's cycle: sample (read param, hess; write noise, sample),
-    restore + collect (read grad, noise; write avg_grad, avg_nxg), then its step."""
-    return 4 * P + 4 * P + b_ivonopt_step(P)
+    """Fewest bytes of ivon-opt's cycle: its sample, restore + collect, then its step."""
+    return b_ivonopt_sample(P) + b_ivonopt_restore(P) + b_ivonopt_step(P)
+
+
+def b_accumulate_restore(P):
+    """Ours, leaving ``sampled(...)`` (closure-assigned .grad, not views of the flat
+    buffer): gather copy, accumulate, restore."""
+    return b_gather(P) + b_accumulate(P) + b_restore(P)
 
 
 BYTE_MODELS = (b_step_poco, b_step_ivon, b_sample_inner, b_sample_outer, b_accumulate,
                b_gather, b_restore, b_refresh_kernel, b_poco_cycle, b_ivon_cycle, b_refresh,
-               b_adamw, b_ivonopt_step, b_ivonopt_cycle)
+               b_accumulate_restore, b_adamw, b_ivonopt_step, b_ivonopt_sample,
+               b_ivonopt_restore, b_ivonopt_cycle)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -175,12 +197,20 @@ class Timer:
     def __call__(self, fn, setup=None):
         if self.dev.type == "cuda":
             if setup is not None:
-                raise ValueError("setup is for CPU timing only")
+                return self._cuda_with_setup(fn, setup)
             import triton.testing
             q = triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms,
                                         quantiles=[0.5, 0.2, 0.8])
             return tuple(float(x) * 1e-3 for x in q)
-        for _ in range(self.cpu_warmup):
+        t_first = None
+        for i in range(self.cpu_warmup):
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            t_first = time.perf_counter() - t0
+            if t_first > self.cpu_max_s / 8:      # a slow row: one warm-up call is enough
+                break
             if setup is not None:
                 setup()
             fn()
@@ -192,6 +222,33 @@ class Timer:
             fn()
             ts.append(time.perf_counter() - t0)
         return _quantiles(ts)
+
+    def _cuda_with_setup(self, fn, setup):
+        """As ``do_bench`` (CUDA events around each call, L2 flushed before each), with
+        ``setup`` enqueued untimed before each call."""
+        flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device=self.dev)
+        ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+
+        def once(s, e):
+            setup()
+            flush.zero_()
+            s.record()
+            fn()
+            e.record()
+        once(ev(), ev())
+        torch.cuda.synchronize(self.dev)
+        probe = [(ev(), ev()) for _ in range(5)]
+        for s, e in probe:
+            once(s, e)
+        torch.cuda.synchronize(self.dev)
+        est_ms = max(1e-3, statistics.median(s.elapsed_time(e) for s, e in probe))
+        for _ in range(max(1, int(self.warmup_ms / est_ms))):
+            once(ev(), ev())
+        pairs = [(ev(), ev()) for _ in range(max(5, min(1000, int(self.rep_ms / est_ms))))]
+        for s, e in pairs:
+            once(s, e)
+        torch.cuda.synchronize(self.dev)
+        return _quantiles([s.elapsed_time(e) * 1e-3 for s, e in pairs])
 
     def wall(self, fn, n=20, rounds=5):
         """Host-inclusive time per call: ``n`` calls back to back, then a synchronise;
@@ -316,8 +373,7 @@ def import_ivon():
         return ivon, None
     except ImportError as exc:
         err = f"{type(exc).__name__}: {exc}"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for whl in sorted(glob.glob(os.path.join(repo, ".whl", "ivon_opt-*.whl"))):
+    for whl in sorted(glob.glob(os.path.join(REPO, ".whl", "ivon_opt-*.whl"))):
         sys.path.insert(0, whl)
         try:
             import ivon
@@ -325,6 +381,154 @@ def import_ivon():
         except ImportError as exc:
             err = f"{type(exc).__name__}: {exc} (from {whl})"
     return None, err
+
+
+# --------------------------------------------------------------------------- the device
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_bytes(dev):
+    """Memory a benchmark may use on ``dev``: CUDA free memory, or the host's available
+    memory (``/proc/meminfo``; unknown: 8 GiB)."""
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2 ** 30
+
+
+def _git_head():
+    try:
+        return subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def device_info(dev):
+    """What the rows were measured on.  ``info["device"]`` is the one-line description
+    that goes into every CSV row; ``info["slug"]`` names the recorded result files."""
+    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "git_head": _git_head(),
+            "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "")}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except Exception as exc:
+        info["triton"] = f"unavailable: {type(exc).__name__}"
+    from poco_kernels.kernels import cpp_status
+    if cpp_status() is None:
+        from poco_kernels.kernels import cpp_ops
+        info["cpp_isa"] = cpp_ops.isa()
+    else:
+        info["cpp_isa"] = f"unavailable: {cpp_status()}"
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        info.update(name=torch.cuda.get_device_name(dev), capability=list(
+            torch.cuda.get_device_capability(dev)), sm_count=p.multi_processor_count,
+            total_memory_gib=round(p.total_memory / 2 ** 30, 2),
+            l2_cache_mib=round(getattr(p, "L2_cache_size", 0) / 2 ** 20, 1),
+            cuda=torch.version.cuda)
+        try:
+            q = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem,clocks.max.sm,"
+                 "temperature.gpu,power.draw,power.limit", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20)
+            info["nvidia_smi"] = q.stdout.strip() or q.stderr.strip()
+        except Exception as exc:
+            info["nvidia_smi"] = f"unavailable: {exc}"
+        info["device"] = f"{info['name']}, CUDA {info['cuda']}"
+        info["slug"] = "gpu_" + re.sub(r"[^A-Za-z0-9]+", "_", info["name"]).strip("_")
+        return info
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        cpu = re.search(r"model name\s*:\s*(.*)", text).group(1).strip()
+        info["logical_cpus"] = text.count("processor\t:")
+    except (OSError, AttributeError):
+        pass
+    info["name"] = cpu
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        info["caches"] = "; ".join(line.split(":", 1)[0].strip() + " " +
+                                   line.split(":", 1)[1].strip()
+                                   for line in lscpu.splitlines() if "cache" in line)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    interp = " (Triton interpreter)" if info["TRITON_INTERPRET"] == "1" else ""
+    info["device"] = (f"cpu: {cpu}, {info['threads']} threads, C++ kernels "
+                      f"{info['cpp_isa']}{interp}")
+    info["slug"] = "cpu_" + re.sub(r"[^A-Za-z0-9]+", "_", cpu).strip("_")
+    return info
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+def graph_seq(opt, params, grads_fixed=None):
+    """One IVON-PoCo step as a graph captures it: inner sample, fixed gradients written
+    into .grad in place (``grads_fixed``; None: .grad already holds them, e.g. as views of
+    the flat gradient buffer), accumulate (grads kept), lazy restore; the same for the
+    outer sample; step."""
+    def write():
+        if grads_fixed is not None:
+            for p, g in zip(params, grads_fixed):
+                p.grad.copy_(g)
+
+    def seq():
+        opt.sample("inner")
+        write()
+        opt.accumulate(clear_grads=False)
+        opt.restore(_lazy=True)
+        if opt.correction_active():
+            opt.sample("outer")
+            write()
+            opt.accumulate(clear_grads=False)
+            opt.restore(_lazy=True)
+        opt.step()
+    return seq
+
+
+def reset_host(opt):
+    """After a failed capture or a phase that raised: end any sample left active and drop
+    pending sums."""
+    if opt._active is not None:
+        opt.restore()
+    opt._pending.clear((0, 1))
+
+
+def capture(dev, seq, warm=3):
+    """Warm ``seq`` up on a side stream, capture it in a CUDA graph; (replay, None) or
+    (None, error).  On the CPU the 'graph' is ``seq`` itself."""
+    if dev.type != "cuda":
+        for _ in range(warm):
+            seq()
+        return seq, None
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(warm):
+                seq()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            seq()
+        torch.cuda.synchronize()
+        return g.replay, None
+    except Exception as exc:
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 # --------------------------------------------------------------------------- inputs

@@ -264,7 +264,7 @@ class FusedEngine:
             return
         if found_inf is not None and bool(found_inf.detach().float().sum() != 0):
             return
-        bad = any(bool(c[K.CTL_BAD] != 0) for c in self.ctl.values())
+        bad = any(c[K.CTL_BAD].item() != 0 for c in self.ctl.values())  # no allocation
         if bad:
             for c in self.ctl.values():
                 self.ops.finish(c, found_inf, slot)

@@ -1,0 +1,393 @@
+"""The benchmark a user runs before adopting poco_kernels, on whatever device it runs on.
+
+    .venv/bin/python benchmarks/run.py                  # this machine's default device
+    .venv/bin/python benchmarks/run.py --record         # also into benchmarks/results/
+
+The device is CUDA when torch sees one, else the CPU (``--device`` overrides).  Three
+sections, each written to ``--out`` as soon as it is done:
+
+1. **Optimizer-step microbenchmarks** (``micro.py``) at sizes 2**20, 2**22, ... up to what
+   fits in memory (2**26 on a machine with ~23 GB available), float32 and bf16: this
+   package's IVON step, IVON-PoCoMo inner step, refresh fold, sample and whole cycles on
+   every backend that runs on the device (``cpp`` or ``triton``, and ``torch``, the
+   reference), ivon-opt's IVON (sample, backward-free restore, step, cycle) and
+   ``torch.optim.AdamW`` with ``foreach=True`` and ``fused=True``.  Each row has the bytes
+   per parameter its operation must move, the achieved GB/s and that as a percentage of
+   the device's copy bandwidth, measured in the same run (the ceiling).
+2. **Memory** (``memory.py``): optimizer state in bytes per parameter for each optimizer,
+   and the allocations one steady-state step makes.
+3. **Training-step cost** (``train_gpt.py``): on a small GPT, the share of an iteration
+   spent outside forward / backward for AdamW, ivon-opt's IVON, our IVON and our
+   IVON-PoCoMo.
+
+Timing: CPU, ``time.perf_counter`` around each call after warm-up, median / p20 / p80 of
+``--reps`` calls (fewer past ``--max-s`` seconds, at least 3), inputs rotated so that a
+round touches at least ``--rotate-mib``; CUDA, CUDA events (``triton.testing.do_bench``,
+or the same with an untimed setup), the L2 cache flushed before each call.
+
+Outputs in ``--out`` (default ``bench_out/``): ``bench.csv`` (kernel, provider, dtype,
+size, median, p20, p80, bytes_per_param, gbps, pct_of_copy, timing, device, date),
+``bench.md`` (the short tables), ``bench_report.json`` (everything, the memory
+breakdown included).  ``--record`` copies the CSV and the tables to
+``benchmarks/results/<device>_<date>.{csv,md}``.  Exit status 0, or 4 if a benchmark
+raised (the others still ran).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import memory  # noqa: E402
+import micro  # noqa: E402
+import train_gpt  # noqa: E402
+from common import (BYTE_MODELS, Bench, Timer, copy_bandwidth, copy_row, device_info,  # noqa: E402
+                    dump, import_ivon, inplace_bandwidth, inplace_row, log, write_csv)
+
+PLAIN_SIZES = {2 ** k: f"2^{k}" for k in range(10, 40)}
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None,
+                    help="parameters per microbenchmark (default 2**20, 2**22, ... up to "
+                         "what fits)")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                    choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--backends", nargs="+", default=None, choices=["cpp", "triton", "torch"],
+                    help="this package's backends to measure (default: every one that runs "
+                         "on the device; torch is the reference)")
+    ap.add_argument("--ref-max-size", type=int, default=None,
+                    help="largest size for the reference backend (default: every size)")
+    ap.add_argument("--reps", type=int, default=10, help="CPU: timed calls per row")
+    ap.add_argument("--max-s", type=float, default=20.0,
+                    help="CPU: seconds per row after which it stops (at least 3 calls)")
+    ap.add_argument("--rotate-mib", type=int, default=1024,
+                    help="CPU: bytes one rotation round touches at least (beyond the cache)")
+    ap.add_argument("--copy-mib", type=int, default=1024,
+                    help="copy-bandwidth buffer, each way (default 1024)")
+    ap.add_argument("--rep-ms", type=float, default=100.0, help="CUDA: timing per row (ms)")
+    ap.add_argument("--warmup-ms", type=float, default=25.0, help="CUDA: warm-up per row (ms)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds after which no new microbenchmark (size, dtype) block "
+                         "starts (default: none on the CPU, 360 on CUDA, so that a "
+                         "10-minute call keeps its tables)")
+    ap.add_argument("--memory-numel", type=int, default=2 ** 20 - 1,
+                    help="parameters of the memory section's model (three tensors)")
+    ap.add_argument("--gpt", default=None,
+                    help="GPT preset for the training section (default gpt2-124m on CUDA, "
+                         "gpt-tiny on the CPU; see poco_kernels/experiments/gpt.py)")
+    ap.add_argument("--gpt-batch", type=int, default=8)
+    ap.add_argument("--gpt-seq", type=int, default=None, help="tokens per sequence "
+                    "(default: the preset's context)")
+    ap.add_argument("--gpt-iters", type=int, default=6, help="timed iterations per optimizer")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["micro", "memory", "train"])
+    ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    ap.add_argument("--record", action="store_true",
+                    help="also write benchmarks/results/<device>_<date>.csv and .md")
+    return ap
+
+
+def pick_device(name):
+    if name == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    return dev
+
+
+# --------------------------------------------------------------------------- tables
+def _size_label(n):
+    return PLAIN_SIZES.get(n, str(n))
+
+
+def micro_tables(rows, ceiling):
+    """Per dtype: one line per (kernel, provider), one column per size: median ms and
+    % of the copy bandwidth."""
+    out = []
+    bench = [r for r in rows if r["kernel"] not in ("copy", "inplace_add")
+             and not r["kernel"].startswith("gpt_")]
+    for dt in dict.fromkeys(r["dtype"] for r in bench):
+        sel = [r for r in bench if r["dtype"] == dt]
+        sizes = sorted({r["size"] for r in sel})
+        keys = list(dict.fromkeys((r["kernel"], r["provider"]) for r in sel))
+        out += [f"### {dt} parameters: median ms (% of copy bandwidth)", "",
+                "| kernel | provider | B/param | " + " | ".join(_size_label(s) for s in sizes)
+                + " |", "|---|---|---|" + "---|" * len(sizes)]
+        for k, prov in keys:
+            cells, bpp = [], ""
+            for s in sizes:
+                r = next((r for r in sel if (r["kernel"], r["provider"], r["size"])
+                          == (k, prov, s)), None)
+                if r is None:
+                    cells.append("")
+                    continue
+                bpp = r["bytes_per_param"] or ""
+                pct = f" ({100 * r['frac_copy']:.0f}%)" if r.get("frac_copy") else ""
+                cells.append(f"{r['median'] * 1e3:.3g}{pct}")
+            out.append(f"| `{k}` | {prov.replace('poco_kernels.', 'pk.')} | {bpp} | "
+                       + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
+def memory_table(rows):
+    out = ["| optimizer | provider | dtype | state B/param (in `opt.state` + elsewhere) | "
+           "allocations / step (bytes) | allocations / refresh (bytes) |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['optimizer']} | {r['provider']} | {r['dtype']} | error: "
+                       f"{r['error'][:80]} | | |")
+            continue
+
+        def al(a, b):
+            return "n/a" if a is None else f"{a:g} ({b:,.0f})"
+        ref = (al(r["allocs_per_refresh"], r["alloc_bytes_per_refresh"])
+               if "allocs_per_refresh" in r else "")
+        cuda = (f"; allocator {r['allocator_bytes_per_param']:g}, peak +"
+                f"{r['peak_extra_bytes_per_param']:g}" if "allocator_bytes_per_param" in r
+                else "")
+        out.append(f"| {r['optimizer']} | {r['provider'].replace('poco_kernels.', 'pk.')} | "
+                   f"{r['dtype']} | {r['state_bytes_per_param']:g} "
+                   f"({r['opt_state_bytes_per_param']:g} + {r['other_bytes_per_param']:g}{cuda})"
+                   f" | {al(r['allocs_per_step'], r['alloc_bytes_per_step'])} | {ref} |")
+    return out
+
+
+def train_table(rows):
+    out = ["| optimizer | provider | gradient evaluations / iteration | iteration ms | "
+           "forward + backward ms | outside ms | share outside |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['optimizer']} | | error: {r['error'][:80]} | | | | |")
+            continue
+        out.append(f"| {r['optimizer']} | {r['provider'].replace('poco_kernels.', 'pk.')} | "
+                   f"{r['evals_per_iter']:g} | {r['iter_s'] * 1e3:.2f} | "
+                   f"{r['fwd_bwd_s'] * 1e3:.2f} | {r['outside_s'] * 1e3:.2f} | "
+                   f"{100 * r['outside_share']:.1f}% |")
+    return out
+
+
+def headline(rows, dev):
+    """The comparison a user asks for first, at the largest float32 size."""
+    def find(kernel, provider):
+        c = [r for r in rows if r["kernel"] == kernel and r["provider"] == provider
+             and r["dtype"] == "float32"]
+        return max(c, key=lambda r: r["size"]) if c else None
+    ours = "poco_kernels.triton" if dev.type == "cuda" else "poco_kernels.cpp"
+    step = find("ivon_poco_step", ours)
+    if step is None:
+        return []
+    n = step["size"]
+    lines = [f"At {_size_label(n)} float32 parameters, IVON-PoCoMo's inner step "
+             f"({ours.replace('poco_kernels.', 'pk.')}) takes {step['median'] * 1e3:.3g} ms, "
+             f"{step['bytes_per_param']} B/param: "
+             + (f"{100 * step['frac_copy']:.0f}% of the copy bandwidth" if step.get("frac_copy")
+                else "no copy bandwidth measured") + "."]
+    for kernel, prov, what in (("adamw_step", "torch.AdamW(fused)", "fused AdamW's step"),
+                               ("adamw_step", "torch.AdamW(foreach)", "foreach AdamW's step"),
+                               ("ivon_step", "ivon-opt-0.1.3", "ivon-opt's IVON step"),
+                               ("ivon_cycle", "ivon-opt-0.1.3", "ivon-opt's IVON cycle"),
+                               ("ivon_poco_step", "poco_kernels.torch",
+                                "the reference backend's inner step")):
+        r = next((r for r in rows if r["kernel"] == kernel and r["provider"] == prov
+                  and r["dtype"] == "float32" and r["size"] == n), None)
+        if r is not None:
+            lines.append(f"- {what}: {r['median'] * 1e3:.3g} ms "
+                         f"({r['median'] / step['median']:.2f}x the inner step's time)")
+    return lines
+
+
+def markdown(info, ceiling, inplace_bw, rows, mem_rows, train_rows, notes):
+    out = [f"# poco_kernels benchmarks: {info['device']}", "",
+           f"{info['date']}; torch {info['torch']}; triton {info.get('triton')}; "
+           f"{info['threads']} threads; git {str(info.get('git_head'))[:10]}."]
+    if "caches" in info:
+        out.append(f"Caches: {info['caches']}.")
+    out.append("")
+    if ceiling:
+        out.append(f"Copy bandwidth (the ceiling): {ceiling / 1e9:.1f} GB/s"
+                   + (f"; in-place add {inplace_bw / 1e9:.1f} GB/s" if inplace_bw else "")
+                   + ".")
+        out.append("")
+    out += headline(rows, torch.device("cuda" if "gpu_" in info["slug"] else "cpu"))
+    if rows:
+        out += ["", "## Optimizer-step microbenchmarks", ""] + micro_tables(rows, ceiling)
+    if mem_rows:
+        out += ["## Memory", ""] + memory_table(mem_rows) + [""]
+    if train_rows:
+        r0 = train_rows[0]
+        out += ["## Training step on a small GPT", "",
+                f"Preset `{r0['preset']}`, {r0['numel'] / 1e6:.2f}M parameters; medians "
+                "per iteration.", ""] + train_table(train_rows) + [""]
+    if notes:
+        out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return out
+
+
+def train_csv_rows(train_rows):
+    out = []
+    for r in train_rows:
+        if "error" in r or r["optimizer"].startswith("("):
+            continue
+        name = r["optimizer"].lower().replace("-", "_")
+        out.append(dict(kernel=f"gpt_{name}_iteration", provider=r["provider"], dtype="float32",
+                        size=r["numel"], median=r["iter_s"], p20=r["iter_p20_s"],
+                        p80=r["iter_p80_s"], bytes_per_param=None, bandwidth_Bps=None,
+                        frac_copy=None, timing="perf_counter+sync"))
+        out.append(dict(kernel=f"gpt_{name}_outside_fwd_bwd", provider=r["provider"],
+                        dtype="float32", size=r["numel"], median=r["outside_s"],
+                        p20=r["outside_p20_s"], p80=r["outside_p80_s"], bytes_per_param=None,
+                        bandwidth_Bps=None, frac_copy=None, timing="perf_counter+sync"))
+    return out
+
+
+# --------------------------------------------------------------------------- main
+def suite(args, dev, info, report=None, report_name="bench_report.json"):
+    """All three sections on ``dev``; returns (exit code, report)."""
+    t_start = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    report = {} if report is None else report
+    report.update(info=info, args=vars(args),
+                  byte_models={f.__name__: f.__doc__.strip() for f in BYTE_MODELS})
+    date, device = info["date"][:10], info["device"]
+    rpath = os.path.join(args.out, report_name)
+    cpu = dev.type == "cpu"
+    timer = Timer(dev, args.warmup_ms, args.rep_ms, cpu_reps=args.reps, cpu_max_s=args.max_s)
+    copy_timer = Timer(dev, args.warmup_ms, args.rep_ms, cpu_reps=max(args.reps, 10),
+                       cpu_max_s=args.max_s)
+    ivon_mod, ivon_err = import_ivon()
+    notes = [] if ivon_mod else [f"ivon-opt not importable ({ivon_err}): its rows are skipped"]
+    log(f"[1] {device} | torch {info['torch']} | {info['date']}")
+    copies, inplace = [], []
+
+    def measure_copy(when):
+        cb = copy_bandwidth(dev, copy_timer, args.copy_mib * 2 ** 20)
+        copies.append(cb)
+        msg = (f"    copy {args.copy_mib} MiB each way ({when}): "
+               f"{cb['bandwidth_Bps'] / 1e9:.1f} GB/s")
+        if cpu:      # on a CPU, in-place updates pass the copy model's 100% (README)
+            inplace.append(inplace_bandwidth(dev, copy_timer, args.copy_mib * 2 ** 20))
+            msg += f"; in-place add {inplace[-1]['bandwidth_Bps'] / 1e9:.1f} GB/s"
+        log(msg)
+    measure_copy("start")
+    B = Bench(dev, timer, copies[0]["bandwidth_Bps"])
+    dtypes = [getattr(torch, d) for d in args.dtypes]
+    sizes = args.sizes or micro.default_sizes(dev)
+    ref_max = args.ref_max_size or max(sizes)
+    backends = args.backends or micro.kernel_backends(dev) + ["torch"]
+    budget = args.budget_s if args.budget_s is not None else (float("inf") if cpu else 360.0)
+    mem_rows, train_rows = [], []
+    timing = "perf_counter" if cpu else "events"
+
+    def ceiling():
+        return statistics.median(c["bandwidth_Bps"] for c in copies)
+
+    def all_rows():
+        c = ceiling()
+        rows = ([copy_row(x, timing) for x in copies] + [inplace_row(x, timing) for x in inplace]
+                + B.rows + train_csv_rows(train_rows))
+        for r in rows:
+            r["frac_copy"] = r["bandwidth_Bps"] / c if r.get("bandwidth_Bps") else None
+        return rows
+
+    def write():
+        rows = all_rows()
+        inpl = statistics.median(x["bandwidth_Bps"] for x in inplace) if inplace else None
+        write_csv(os.path.join(args.out, "bench.csv"), rows, device, date)
+        md = markdown(info, ceiling(), inpl, rows, mem_rows, train_rows,
+                      notes + B.errors + report.get("targets", []))
+        with open(os.path.join(args.out, "bench.md"), "w") as f:
+            f.write("\n".join(md) + "\n")
+        report.update(copies=copies, inplace=inplace, ceiling_Bps=ceiling(), rows=rows,
+                      memory=mem_rows, train=train_rows, errors=B.errors, notes=notes,
+                      seconds=time.perf_counter() - t_start)
+        dump(rpath, report)
+        return rows, md
+
+    if "micro" not in args.skip:
+        log(f"[2] microbenchmarks: sizes {sizes}, {args.dtypes}")
+
+        def between_sizes(rows):
+            if cpu and len(B.rows) and B.rows[-1]["dtype"] == args.dtypes[-1]:
+                measure_copy(f"after size {B.rows[-1]['size']}")
+            write()
+        micro.run(B, timer, dev, sizes, dtypes, ivon_mod, ref_max, args.rotate_mib * 2 ** 20,
+                  backends=backends, deadline=t_start + budget, flush=between_sizes)
+        if cpu:
+            report["targets"] = cpp_targets(all_rows(), max(sizes), inplace)
+        write()
+    if "memory" not in args.skip:
+        log("[3] memory: state bytes per parameter, allocations per step")
+        mem_rows = memory.run(dev, dtypes, backends, ivon_mod,
+                              numel=args.memory_numel)
+        write()
+    if "train" not in args.skip:
+        log("[4] training step on a small GPT")
+        train_rows = train_gpt.run(dev, ivon_mod, preset=args.gpt, batch=args.gpt_batch,
+                                   seq=args.gpt_seq, iters=args.gpt_iters)
+        write()
+    rows, md = write()
+    if args.record:
+        base = os.path.join(HERE, "results", f"{info['slug']}_{date}")
+        shutil.copyfile(os.path.join(args.out, "bench.csv"), base + ".csv")
+        shutil.copyfile(os.path.join(args.out, "bench.md"), base + ".md")
+        log(f"    recorded {base}.csv and .md")
+    log("")
+    log("\n".join(md))
+    bad = [e for e in B.errors if "skipped" not in e]
+    bad += [f"memory {r['optimizer']} {r['provider']}: {r['error']}" for r in mem_rows
+            if "error" in r]
+    bad += [f"train {r['optimizer']}: {r['error']}" for r in train_rows if "error" in r]
+    code = 4 if bad else 0
+    log(f"{'PASS' if code == 0 else 'FAIL'} (exit {code}) in "
+        f"{time.perf_counter() - t_start:.0f} s; outputs in {args.out}")
+    return code, report
+
+
+def cpp_targets(rows, size, inplace):
+    """Issue 4's targets for the C++ backend at ``size``, float32 (reported, not gating)."""
+    def get(kernel, provider):
+        return next((r for r in rows if (r["kernel"], r["provider"], r["dtype"], r["size"])
+                     == (kernel, provider, "float32", size)), None)
+    k = get("step_kernel_poco", "poco_kernels.cpp(direct)")
+    if k is None:
+        return []
+    out = [f"C++ target, IVON-PoCoMo step at >= 70% of copy bandwidth: "
+           f"{100 * k['frac_copy']:.0f}% ({_size_label(size)}, float32)"]
+    for kernel, prov, what in (("ivon_poco_step", "poco_kernels.torch", "the reference's step"),
+                               ("ivon_cycle", "ivon-opt-0.1.3", "ivon-opt's IVON cycle")):
+        r = get(kernel, prov)
+        if r is not None:
+            out.append(f"C++ target, >= 4x faster than {what}: "
+                       f"{r['median'] / k['median']:.1f}x")
+    if inplace:
+        bw = statistics.median(x["bandwidth_Bps"] for x in inplace)
+        out.append(f"the same step at {k['bandwidth_Bps'] / bw:.0%} of the in-place add "
+                   f"bandwidth ({bw / 1e9:.1f} GB/s)")
+    return out
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    dev = pick_device(args.device)
+    code, _ = suite(args, dev, device_info(dev))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The benchmark command (``benchmarks/run.py``) runs end to end at tiny sizes and writes
+the shared CSV schema and the tables; the memory section's measurements are right on
+cases whose answer is known.  (Speed is read from the benchmark's own runs, never
+asserted here.)"""
+import csv
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+
+@pytest.fixture
+def bench_modules(monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)
+    for m in ("common", "micro", "memory", "train_gpt", "run"):
+        sys.modules.pop(m, None)
+    import common
+    import memory
+    import run
+    return common, memory, run
+
+
+@pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
+                    reason="the CPU run benchmarks the C++ backend")
+def test_run_writes_the_schema_and_tables(tmp_path, bench_modules):
+    pytest.importorskip("ivon")
+    common, _, run = bench_modules
+    code = run.main(["--device", "cpu", "--sizes", "3001", "--dtypes", "float32", "bfloat16",
+                     "--reps", "2", "--max-s", "1", "--copy-mib", "4", "--rotate-mib", "4",
+                     "--gpt", "gpt-test", "--gpt-iters", "2", "--memory-numel", "30001",
+                     "--backends", "cpp", "torch", "--out", str(tmp_path)])
+    assert code == 0, (tmp_path / "bench.md").read_text()
+    with open(tmp_path / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == common.CSV_FIELDS
+    got = {(r["kernel"], r["provider"], r["dtype"]) for r in rows}
+    for dt in ("float32", "bfloat16"):
+        for backend in ("cpp", "torch"):
+            for k in ("sample_inner", "restore_accumulate", "ivon_step", "ivon_cycle",
+                      "ivon_poco_step", "ivon_poco_cycle", "refresh_fold", "refresh_cycle"):
+                assert (k, f"poco_kernels.{backend}", dt) in got, (k, backend, dt)
+        for k in ("sample_inner", "restore_accumulate", "ivon_step", "ivon_cycle"):
+            assert (k, "ivon-opt-0.1.3", dt) in got, (k, dt)
+        for flag in ("foreach", "fused"):
+            assert ("adamw_step", f"torch.AdamW({flag})", dt) in got
+        assert ("step_kernel_poco", "poco_kernels.cpp(direct)", dt) in got
+    assert ("copy", "torch.Tensor.copy_", "float32") in got
+    for name in ("adamw", "ivon", "ivon_pocomo"):
+        assert any(r["kernel"] == f"gpt_{name}_outside_fwd_bwd" for r in rows), name
+    assert all(float(r["median"]) > 0 for r in rows if not r["kernel"].endswith("fwd_bwd"))
+    # every microbenchmark row states its bytes, bandwidth and share of the ceiling
+    for r in rows:
+        if not r["kernel"].startswith("gpt_"):
+            assert r["bytes_per_param"] and r["gbps"] and r["pct_of_copy"], r
+    md = (tmp_path / "bench.md").read_text()
+    for section in ("## Optimizer-step microbenchmarks", "## Memory",
+                    "## Training step on a small GPT", "IVON-PoCoMo's inner step"):
+        assert section in md, section
+
+
+def test_readme_documents_the_benchmark_command():
+    text = open(os.path.join(ROOT, "README.md")).read()
+    assert ".venv/bin/python benchmarks/run.py" in text
+
+
+def test_held_bytes_counts_known_state(bench_modules):
+    """AdamW holds exp_avg and exp_avg_sq (8 B/param in float32; the step counters are
+    scalars); ivon-opt holds momentum and hess in its param groups."""
+    _, memory, _ = bench_modules
+    p = torch.nn.Parameter(torch.randn(100003))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+    opt.step()
+    held, per = memory.held_bytes(opt, [p])
+    assert 8 * p.numel() <= held <= 8 * p.numel() + 64, per
+    ivon = pytest.importorskip("ivon")
+    q = torch.nn.Parameter(torch.randn(100003))
+    io = ivon.IVON([q], lr=1e-3, ess=1.0)
+    held, per = memory.held_bytes(io, [q])
+    assert held == 8 * q.numel(), per
+
+
+def test_count_allocations_sees_allocations(bench_modules):
+    _, memory, _ = bench_modules
+    n, nbytes = memory.count_allocations(lambda: torch.empty(1000), n=3)
+    assert n == 1 and nbytes == 4000
+    x, y = torch.zeros(1000), torch.ones(1000)
+    n, nbytes = memory.count_allocations(lambda: x.add_(y), n=3)
+    assert n == 0 and nbytes == 0
+
+
+def test_fused_steady_state_allocates_nothing(backend, bench_modules):
+    """A steady-state step and refresh of IVON-PoCoMo on a fused backend make no
+    allocation (the reference backend allocates freely: it is not checked).  Triton runs
+    here under its interpreter; on CUDA, run.py's memory section measures the same."""
+    if backend == "torch":
+        pytest.skip("the reference allocates temporaries by design")
+    import poco_kernels as pk
+    _, memory, _ = bench_modules
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (1001, 37)]
+    grads = [torch.randn_like(p) for p in params]
+    opt = pk.IVONPoCo(params, lr=1e-3, ess=10.0, rho1=0.6, rho2=0.1, backend=backend)
+
+    def closure():
+        for p, g in zip(params, grads):
+            p.grad = g
+    for _ in range(2):
+        opt.step(closure)
+        opt.refresh([closure, closure])
+    assert memory.count_allocations(lambda: opt.step(closure)) == (0, 0)
+    assert memory.count_allocations(lambda: opt.refresh([closure])) == (0, 0)
+
+
+def test_bench_gpu_smoke_runs_the_suite_on_triton(tmp_path, bench_modules):
+    """bench_gpu.py hands its benchmark section to run.py's suite (here on the Triton
+    interpreter, tiny, memory and training skipped); options after its own go to run.py."""
+    pytest.importorskip("triton")
+    sys.modules.pop("bench_gpu", None)
+    import bench_gpu
+    code = bench_gpu.main(["--smoke", "--only", "bench", "--backends", "triton", "--sizes",
+                           "1031", "--dtypes", "float32", "--skip", "memory", "train",
+                           "--out", str(tmp_path)])
+    assert code == 0
+    with open(tmp_path / "bench.csv") as f:
+        got = {(r["kernel"], r["provider"]) for r in csv.DictReader(f)}
+    for k in ("ivon_poco_step", "refresh_fold", "sample_inner", "ivon_step"):
+        assert (k, "poco_kernels.triton") in got, k
+    assert ("step_kernel_poco", "poco_kernels.triton(direct)") in got
+    assert (tmp_path / "bench_gpu_report.json").exists()
