@@ -176,6 +176,19 @@ def _poco_ready(opt, p, grad):
     opt.refresh()
 
 
+IVON_PHASES = ("sample_inner", "restore_accumulate", "ivon_step")
+
+
+def _ivon_rows(B, timer, ph, prov, dt, size, bpps):
+    """IVON's three phase rows and its cycle, for ours and ivon-opt alike; ``bpps``: the
+    byte models of the phases and of the cycle."""
+    for i, name in enumerate(IVON_PHASES):
+        fn, setup = ph.timed(i)
+        B.add(name, prov, dt, size, timer(fn, setup=setup), bpps[i])
+        ph.finish()
+    B.add("ivon_cycle", prov, dt, size, timer(ph.cycle()), bpps[3])
+
+
 def bench_size(B, timer, dev, size, dt, backends, ivon_mod, rot_bytes, with_ref):
     """All rows at one (size, dtype)."""
     P = torch.tensor([], dtype=dt).element_size()
@@ -203,14 +216,9 @@ def bench_size(B, timer, dev, size, dt, backends, ivon_mod, rot_bytes, with_ref)
                 p, opt, grad = poco_opt(size, dt, dev, backend, cls="IVON", seed=3 + i)
                 return opt, p, grad
             ph = _instances(rot(b_ivon_cycle(P)), make, ours_ivon)
-            sync = P == 4
-            for i, (name, bpp) in enumerate((("sample_inner", b_sample_inner(P, sync)),
-                                             ("restore_accumulate", b_accumulate_restore(P)),
-                                             ("ivon_step", b_step_ivon(P)))):
-                fn, setup = ph.timed(i)
-                B.add(name, prov, dt, size, timer(fn, setup=setup), bpp)
-                ph.finish()
-            B.add("ivon_cycle", prov, dt, size, timer(ph.cycle()), b_ivon_cycle(P))
+            _ivon_rows(B, timer, ph, prov, dt, size,
+                       (b_sample_inner(P, P == 4), b_accumulate_restore(P), b_step_ivon(P),
+                        b_ivon_cycle(P)))
         B.run(f"{backend} IVON {tag}", ivon_rows)
 
         def poco_rows(backend=backend, prov=prov):
@@ -245,13 +253,9 @@ def bench_size(B, timer, dev, size, dt, backends, ivon_mod, rot_bytes, with_ref)
             grad = torch.randn(size, device=dev, generator=g).to(dt)
             return ivon_mod.IVON([p], lr=1e-3, ess=1.0), p, grad
         ph = _instances(rot(b_ivonopt_cycle(P)), make, ivonopt_phases)
-        for i, (name, bpp) in enumerate((("sample_inner", b_ivonopt_sample(P)),
-                                         ("restore_accumulate", b_ivonopt_restore(P)),
-                                         ("ivon_step", b_ivonopt_step(P)))):
-            fn, setup = ph.timed(i)
-            B.add(name, IVONOPT, dt, size, timer(fn, setup=setup), bpp)
-            ph.finish()
-        B.add("ivon_cycle", IVONOPT, dt, size, timer(ph.cycle()), b_ivonopt_cycle(P))
+        _ivon_rows(B, timer, ph, IVONOPT, dt, size,
+                   (b_ivonopt_sample(P), b_ivonopt_restore(P), b_ivonopt_step(P),
+                    b_ivonopt_cycle(P)))
     B.run(f"ivon-opt {tag}", ivonopt_rows)
 
     def adamw_rows():

@@ -47,56 +47,47 @@ def _ours(cls, backend, dt, ready=False):
     return opt, p, grad
 
 
-@pytest.mark.parametrize("dt", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("phase", ["sample_inner", "restore_accumulate", "ivon_step"])
-def test_ivon_phase(benchmark, backend, dt, phase):
-    ph = micro._instances(1, lambda i: _ours("IVON", backend, dt), micro.ours_ivon)
-    fn, setup = ph.timed(["sample_inner", "restore_accumulate", "ivon_step"].index(phase))
-    _bench(benchmark, fn, setup)
-    ph.finish()
+# kernel -> (optimizer class, its phases, the timed phase; None: the whole cycle)
+OURS = {"sample_inner": ("IVON", micro.ours_ivon, 0),
+        "restore_accumulate": ("IVON", micro.ours_ivon, 1),
+        "ivon_step": ("IVON", micro.ours_ivon, 2),
+        "ivon_cycle": ("IVON", micro.ours_ivon, None),
+        "ivon_poco_step": ("IVONPoCo", micro.ours_poco, 2),
+        "ivon_poco_cycle": ("IVONPoCo", micro.ours_poco, None),
+        "refresh_fold": ("IVONPoCo", micro.ours_refresh, 1),
+        "refresh_cycle": ("IVONPoCo", micro.ours_refresh, None)}
+
+
+def _time_phase(benchmark, ph, index):
+    if index is None:
+        _bench(benchmark, ph.cycle())
+    else:
+        fn, setup = ph.timed(index)
+        _bench(benchmark, fn, setup)
+        ph.finish()
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_ivon_poco_step(benchmark, backend, dt):
-    ph = micro._instances(1, lambda i: _ours("IVONPoCo", backend, dt, ready=True),
-                          micro.ours_poco)
-    fn, setup = ph.timed(2)
-    _bench(benchmark, fn, setup)
-    ph.finish()
-
-
-@pytest.mark.parametrize("dt", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_refresh_fold(benchmark, backend, dt):
-    ph = micro._instances(1, lambda i: _ours("IVONPoCo", backend, dt, ready=True),
-                          micro.ours_refresh)
-    fn, setup = ph.timed(1)
-    _bench(benchmark, fn, setup)
-    ph.finish()
-
-
-@pytest.mark.parametrize("dt", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_ivon_poco_cycle(benchmark, backend, dt):
-    ph = micro._instances(1, lambda i: _ours("IVONPoCo", backend, dt, ready=True),
-                          micro.ours_poco)
-    _bench(benchmark, ph.cycle())
+@pytest.mark.parametrize("kernel", list(OURS))
+def test_ours(benchmark, kernel, backend, dt):
+    cls, phases_of, index = OURS[kernel]
+    ph = micro._instances(1, lambda i: _ours(cls, backend, dt, ready=cls == "IVONPoCo"),
+                          phases_of)
+    _time_phase(benchmark, ph, index)
 
 
 @pytest.mark.skipif(IVON_MOD is None, reason="ivon-opt is not installed")
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
-@pytest.mark.parametrize("phase", ["sample_inner", "restore_accumulate", "ivon_step"])
-def test_ivonopt_phase(benchmark, dt, phase):
+@pytest.mark.parametrize("kernel", list(micro.IVON_PHASES) + ["ivon_cycle"])
+def test_ivonopt(benchmark, dt, kernel):
     def make(i):
         g = torch.Generator(device=DEV).manual_seed(2)
         p = torch.nn.Parameter(torch.randn(SIZE, device=DEV, generator=g).to(dt))
         return IVON_MOD.IVON([p], lr=1e-3, ess=1.0), p, torch.randn_like(p)
     ph = micro._instances(1, make, micro.ivonopt_phases)
-    fn, setup = ph.timed(["sample_inner", "restore_accumulate", "ivon_step"].index(phase))
-    _bench(benchmark, fn, setup)
-    ph.finish()
+    _time_phase(benchmark, ph, micro.IVON_PHASES.index(kernel)
+                if kernel in micro.IVON_PHASES else None)
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
