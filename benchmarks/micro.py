@@ -80,40 +80,41 @@ def kernel_backends(dev):
 
 
 class Phases:
-    """``k`` (optimizer, parameter, gradient) instances cycled round-robin, each driven
-    through the same list of phases.  ``timed(i)`` gives (fn, setup) for ``Timer``: the
-    setup finishes the previous instance's cycle (phases after ``i``), takes the next
-    instance and runs phases before ``i``; fn runs phase ``i``."""
+    """Instances (opt, p, grad) cycled round-robin, each driven through its own list of
+    phases (``phases_of(opt, p, grad)``: callables with no arguments).  ``timed(i)``
+    gives (fn, setup) for ``Timer``: the setup finishes the previous instance's cycle
+    (phases after ``i``), takes the next instance and runs phases before ``i``; fn runs
+    phase ``i``."""
 
-    def __init__(self, items, phases):
-        self.items, self.phases = items, phases
+    def __init__(self, items, phases_of):
+        self.items = items
+        self.phases = [phases_of(*it) for it in items]
         self.n, self.cur, self.tail = 0, None, []
 
     def _next(self):
-        item = self.items[self.n % len(self.items)]
+        k = self.n % len(self.items)
         self.n += 1
-        return item
+        return self.phases[k]
 
     def finish(self):
         for ph in self.tail:
-            ph(*self.cur)
+            ph()
         self.tail = []
 
     def timed(self, i):
         def setup():
             self.finish()
             self.cur = self._next()
-            for ph in self.phases[:i]:
-                ph(*self.cur)
-            self.tail = self.phases[i + 1:]
-        return (lambda: self.phases[i](*self.cur)), setup
+            for ph in self.cur[:i]:
+                ph()
+            self.tail = self.cur[i + 1:]
+        return (lambda: self.cur[i]()), setup
 
     def cycle(self):
         """fn for the whole cycle on the next instance (no setup)."""
         def fn():
-            item = self._next()
-            for ph in self.phases:
-                ph(*item)
+            for ph in self._next():
+                ph()
         return fn
 
 
@@ -122,51 +123,43 @@ def _grad_phase(p, grad):
 
 
 def ours_ivon(opt, p, grad):
-    return [lambda *a: opt.sample("inner"),
-            lambda *a: (_grad_phase(p, grad), opt.accumulate(), opt.restore()),
-            lambda *a: opt.step()]
+    return [lambda: opt.sample("inner"),
+            lambda: (_grad_phase(p, grad), opt.accumulate(), opt.restore()),
+            lambda: opt.step()]
 
 
 def ours_poco(opt, p, grad):
     def collect(kind):
-        def ph(*a):
+        def ph():
             with opt.sampled(kind):
                 p.grad = grad
         return ph
-    return [collect("inner"), collect("outer"), lambda *a: opt.step()]
+    return [collect("inner"), collect("outer"), lambda: opt.step()]
 
 
 def ours_refresh(opt, p, grad):
-    def collect(*a):
+    def collect():
         with opt.sampled("refresh"):
             p.grad = grad
-    return [collect, lambda *a: opt.refresh()]
+    return [collect, lambda: opt.refresh()]
 
 
 def ivonopt_phases(ref, p, grad):
     cm = {}
 
-    def sample(*a):
+    def sample():
         cm["cm"] = ref.sampled_params(train=True)
         cm["cm"].__enter__()
 
-    def restore(*a):
+    def restore():
         p.grad = grad
         cm.pop("cm").__exit__(None, None, None)
-    return [sample, restore, lambda *a: ref.step()]
+    return [sample, restore, lambda: ref.step()]
 
 
 def _instances(k, make, phases_of):
     """``k`` instances from ``make(i)`` -> (opt, p, grad), driven by ``phases_of``."""
-    return _instances_from([make(i) for i in range(k)], phases_of)
-
-
-def _instances_from(items, phases_of):
-    """``Phases`` over ``items``, each instance with its own phase closures."""
-    per = {id(it[0]): phases_of(*it) for it in items}
-    n = len(phases_of(*items[0]))
-    return Phases(items, [(lambda j: (lambda opt, p, grad: per[id(opt)][j]()))(j)
-                          for j in range(n)])
+    return Phases([make(i) for i in range(k)], phases_of)
 
 
 def _poco_ready(opt, p, grad):
@@ -233,7 +226,7 @@ def bench_size(B, timer, dev, size, dt, backends, ivon_mod, rot_bytes, with_ref)
             ph.finish()
             B.add("ivon_poco_cycle", prov, dt, size, timer(ph.cycle()),
                   b_poco_cycle(P, "sampled"))
-            rf = _instances_from(ph.items, ours_refresh)
+            rf = Phases(ph.items, ours_refresh)
             fn, setup = rf.timed(1)
             B.add("refresh_fold", prov, dt, size, timer(fn, setup=setup), b_refresh_kernel(P))
             rf.finish()
