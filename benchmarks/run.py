@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/run.py                  # this machine's default device
     .venv/bin/python benchmarks/run.py --record         # also into benchmarks/results/
 
-The device is CUDA when torch sees one, else the CPU (``--device`` overrides).  Three
+The device is CUDA when torch sees one, else the CPU (``--device`` overrides).  Four
 sections, each written to ``--out`` as soon as it is done:
 
 1. **Optimizer-step microbenchmarks** (``micro.py``) at sizes 2**20, 2**22, ... up to what
@@ -19,6 +19,10 @@ sections, each written to ``--out`` as soon as it is done:
 3. **Training-step cost** (``train_gpt.py``): on a small GPT, the share of an iteration
    spent outside forward / backward for AdamW, ivon-opt's IVON, our IVON and our
    IVON-PoCoMo.
+4. **Pretraining throughput** (``pretrain_bench.py``): the package's GPT pretraining loop
+   (``poco_kernels.experiments.pretrain``) for a few hundred steps on real text, GPT-2
+   124M in bf16 on CUDA: tokens per second, step time and the share outside forward /
+   backward for AdamW (fused), ivon-opt's IVON, our IVON and our IVON-PoCoMo.
 
 Timing: CPU, ``time.perf_counter`` around each call after warm-up, median / p20 / p80 of
 ``--reps`` calls (fewer past ``--max-s`` seconds, at least 3), inputs rotated so that a
@@ -49,6 +53,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import memory  # noqa: E402
 import micro  # noqa: E402
+import pretrain_bench  # noqa: E402
 import train_gpt  # noqa: E402
 from common import (BYTE_MODELS, Bench, Timer, copy_bandwidth, copy_row, device_info,  # noqa: E402
                     dump, import_ivon, inplace_bandwidth, inplace_row, log, write_csv)
@@ -92,7 +97,14 @@ def build_parser():
     ap.add_argument("--gpt-seq", type=int, default=None, help="tokens per sequence "
                     "(default: the preset's context)")
     ap.add_argument("--gpt-iters", type=int, default=6, help="timed iterations per optimizer")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["micro", "memory", "train"])
+    ap.add_argument("--pretrain-preset", default=None, help="GPT preset of the pretraining "
+                    "section (default gpt2-124m on CUDA, gpt-tiny on the CPU)")
+    ap.add_argument("--pretrain-batch", type=int, default=None,
+                    help="sequences per step (default 16)")
+    ap.add_argument("--pretrain-steps", type=int, default=None,
+                    help="steps per optimizer (default 200 on CUDA, 60 on the CPU)")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=["micro", "memory", "train", "pretrain"])
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--record", action="store_true",
                     help="also write benchmarks/results/<device>_<date>.csv and .md")
@@ -212,7 +224,7 @@ def headline(rows, dev):
     return lines
 
 
-def markdown(info, ceiling, inplace_bw, rows, mem_rows, train_rows, notes):
+def markdown(info, ceiling, inplace_bw, rows, mem_rows, train_rows, notes, pre_rows=()):
     out = [f"# poco_kernels benchmarks: {info['device']}", "",
            f"{info['date']}; torch {info['torch']}; triton {info.get('triton')}; "
            f"{info['threads']} threads; git {str(info.get('git_head'))[:10]}."]
@@ -234,6 +246,17 @@ def markdown(info, ceiling, inplace_bw, rows, mem_rows, train_rows, notes):
         out += ["## Training step on a small GPT", "",
                 f"Preset `{r0['preset']}`, {r0['numel'] / 1e6:.2f}M parameters; medians "
                 "per iteration.", ""] + train_table(train_rows) + [""]
+    good = [r for r in pre_rows if "error" not in r]
+    if pre_rows:
+        r0 = good[0] if good else {}
+        out += ["## Pretraining throughput", "",
+                (f"`poco_kernels.experiments.pretrain`, preset `{r0['preset']}` "
+                 f"({r0['numel'] / 1e6:.2f}M parameters), {r0['batch']} x {r0['seq']} tokens "
+                 f"per step, {r0['dtype']}, {r0['steps']} steps, IVON-PoCoMo corrected from "
+                 f"step {r0['poco_start']}. Over the steps after the first tenth (IVON-PoCoMo: its "
+                 "corrected steps, refreshes included); tokens/s: mini-batch tokens per "
+                 "second of wall time."
+                 if r0 else ""), ""] + pretrain_bench.table(pre_rows) + [""]
     if notes:
         out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return out
@@ -291,7 +314,7 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
     ref_max = args.ref_max_size or max(sizes)
     backends = args.backends or micro.kernel_backends(dev) + ["torch"]
     budget = args.budget_s if args.budget_s is not None else (float("inf") if cpu else 360.0)
-    mem_rows, train_rows = [], []
+    mem_rows, train_rows, pre_rows = [], [], []
     timing = "perf_counter" if cpu else "events"
 
     def ceiling():
@@ -300,7 +323,7 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
     def all_rows():
         c = ceiling()
         rows = ([copy_row(x, timing) for x in copies] + [inplace_row(x, timing) for x in inplace]
-                + B.rows + train_csv_rows(train_rows))
+                + B.rows + train_csv_rows(train_rows) + pretrain_bench.csv_rows(pre_rows))
         for r in rows:
             r["frac_copy"] = r["bandwidth_Bps"] / c if r.get("bandwidth_Bps") else None
         return rows
@@ -310,11 +333,12 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
         inpl = statistics.median(x["bandwidth_Bps"] for x in inplace) if inplace else None
         write_csv(os.path.join(args.out, "bench.csv"), rows, device, date)
         md = markdown(info, ceiling(), inpl, rows, mem_rows, train_rows,
-                      notes + B.errors + report.get("targets", []))
+                      notes + B.errors + report.get("targets", []), pre_rows)
         with open(os.path.join(args.out, "bench.md"), "w") as f:
             f.write("\n".join(md) + "\n")
         report.update(copies=copies, inplace=inplace, ceiling_Bps=ceiling(), rows=rows,
-                      memory=mem_rows, train=train_rows, errors=B.errors, notes=notes,
+                      memory=mem_rows, train=train_rows, pretrain=pre_rows, errors=B.errors,
+                      notes=notes,
                       seconds=time.perf_counter() - t_start)
         dump(rpath, report)
         return rows, md
@@ -341,6 +365,11 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
         train_rows = train_gpt.run(dev, ivon_mod, preset=args.gpt, batch=args.gpt_batch,
                                    seq=args.gpt_seq, iters=args.gpt_iters)
         write()
+    if "pretrain" not in args.skip:
+        log("[5] pretraining throughput")
+        pre_rows = pretrain_bench.run(dev, ivon_mod, preset=args.pretrain_preset,
+                                      batch=args.pretrain_batch, steps=args.pretrain_steps)
+        write()
     rows, md = write()
     if args.record:
         base = os.path.join(HERE, "results", f"{info['slug']}_{date}")
@@ -353,6 +382,7 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
     bad += [f"memory {r['optimizer']} {r['provider']}: {r['error']}" for r in mem_rows
             if "error" in r]
     bad += [f"train {r['optimizer']}: {r['error']}" for r in train_rows if "error" in r]
+    bad += [f"pretrain {r['optimizer']}: {r['error']}" for r in pre_rows if "error" in r]
     code = 4 if bad else 0
     log(f"{'PASS' if code == 0 else 'FAIL'} (exit {code}) in "
         f"{time.perf_counter() - t_start:.0f} s; outputs in {args.out}")

@@ -11,6 +11,10 @@
   the posterior mean back.  ``eps`` comes from the counter-based stream of
   :mod:`poco_kernels.noise`, keyed by ``(seed, counter, bucket, kind, draw, element)``:
   nothing about noise is stored, and ranks that share the seed draw the same sample.
+* **Sharded parameters** (FSDP2's ``DTensor``, sharded on dim 0): a bucket holds the
+  local shards; each shard's noise is drawn at its elements' positions in the unsharded
+  bucket (``Bucket.segments``), so a sharded run draws exactly the unsharded sample.
+  The maths is elementwise, so nothing else needs communication.  Reference backend only.
 * **Transactions.**  A step or a refresh computes every new buffer out of place, checks it,
   and only then commits, so bad input raises and leaves the optimizer as it was.
 """
@@ -38,6 +42,42 @@ def _state_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if param_dtype == torch.float64 else torch.float32
 
 
+def is_sharded(t) -> bool:
+    """True for a ``torch.distributed`` ``DTensor`` (FSDP2's sharded parameters)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:                 # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a ``DTensor`` (an alias: in-place writes reach the parameter),
+    else the tensor itself."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def _shard_start(p: Tensor) -> int:
+    """Index, in ``p``'s unsharded flattening, of the first element of its local shard.
+    Supported: a 1-D mesh with ``Shard(0)`` (FSDP2's default, ``torch.chunk`` rows) or
+    ``Replicate()``."""
+    from torch.distributed.tensor import Replicate, Shard
+    mesh, pl = p.device_mesh, tuple(p.placements)
+    if mesh.ndim != 1 or len(pl) != 1 or not isinstance(pl[0], (Shard, Replicate)) \
+            or (isinstance(pl[0], Shard) and pl[0].dim != 0):
+        raise ValueError(f"sharded parameters must be Shard(0) or Replicate() on a 1-D mesh "
+                         f"(FSDP2's default), got {pl} on a {mesh.ndim}-D mesh")
+    if isinstance(pl[0], Replicate) or p.dim() == 0:
+        return 0
+    rows, w, r = p.shape[0], mesh.size(), mesh.get_local_rank()
+    chunk = -(-rows // w)
+    start = min(r * chunk, rows)
+    local_rows = _local(p).shape[0]
+    if local_rows != max(0, min(chunk, rows - start)):
+        raise ValueError(f"unexpected shard: {local_rows} of {rows} rows on rank {r} of {w}")
+    return start * (p.numel() // max(rows, 1))
+
+
 @dataclass
 class Bucket:
     """Parameters of one group that share a device and a dtype, laid end to end."""
@@ -50,26 +90,35 @@ class Bucket:
     param_dtype: torch.dtype
     dtype: torch.dtype                     # state dtype
     buffers: Dict[str, Tensor] = field(default_factory=dict)
+    #: sharded parameters: (local offset, length, index in the unsharded bucket) per
+    #: parameter, where the noise of those elements is drawn; None: not sharded
+    segments: Optional[List[Tuple[int, int, int]]] = None
+
+    def local(self, i: int) -> Tensor:
+        """Parameter ``i`` as this process holds it (its local shard when sharded)."""
+        return _local(self.params[i])
 
     def flat_params(self) -> Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.params]).to(self.dtype)
+        return torch.cat([_local(p.detach()).reshape(-1) for p in self.params]).to(self.dtype)
 
     def flat_grads(self) -> Tensor:
         """Gradients as one flat state-dtype vector; ``None`` gradients count as zero."""
         parts = []
-        for p in self.params:
+        for i, p in enumerate(self.params):
             if p.grad is None:
-                parts.append(torch.zeros(p.numel(), device=self.device, dtype=self.dtype))
+                parts.append(torch.zeros(self.local(i).numel(), device=self.device,
+                                         dtype=self.dtype))
             else:
                 if p.grad.is_sparse:
                     raise RuntimeError("poco_kernels optimizers do not support sparse gradients")
-                parts.append(p.grad.detach().reshape(-1).to(self.dtype))
+                parts.append(_local(p.grad.detach()).reshape(-1).to(self.dtype))
         return torch.cat(parts) if parts else torch.zeros(0, device=self.device, dtype=self.dtype)
 
     def write_params(self, flat: Tensor) -> None:
         with torch.no_grad():
-            for p, off in zip(self.params, self.offsets):
-                p.copy_(flat[off:off + p.numel()].view_as(p))
+            for i, off in enumerate(self.offsets):
+                loc = self.local(i)
+                loc.copy_(flat[off:off + loc.numel()].view_as(loc))
 
 
 COUNTER_STEPS, COUNTER_REFRESHES = 0, 1
@@ -205,6 +254,9 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         if not self._kernel_capable:
             reasons.append(f"{type(self).__name__} has no {name} kernels")
         for b in self._buckets:
+            if b.segments is not None:
+                reasons.append(f"sharded (DTensor, e.g. FSDP2) parameters run on the reference "
+                               f"backend only, not the {name} kernels")
             if b.param_dtype == torch.float64:
                 reasons.append(f"float64 parameters are not supported by the {name} kernels "
                                "(float32, bfloat16, float16)")
@@ -254,11 +306,18 @@ class PosteriorOptimizer(torch.optim.Optimizer):
                        f"parameters must be float16, bfloat16, float32 or float64, got {p.dtype}")
                 by_key.setdefault((p.device, p.dtype), []).append(p)
             for (dev, dt), ps in by_key.items():
-                offsets, n = [], 0
+                offsets, n, segments, n_full = [], 0, [], 0
                 for p in ps:
                     offsets.append(n)
-                    n += p.numel()
-                b = Bucket(len(self._buckets), gi, ps, offsets, n, dev, dt, _state_dtype(dt))
+                    k = _local(p).numel()
+                    if is_sharded(p):
+                        segments.append((n, k, n_full + _shard_start(p)))
+                    else:
+                        segments.append((n, k, n_full))
+                    n += k
+                    n_full += p.numel()
+                b = Bucket(len(self._buckets), gi, ps, offsets, n, dev, dt, _state_dtype(dt),
+                           segments=segments if any(is_sharded(p) for p in ps) else None)
                 self._buckets.append(b)
         _check(len(self._buckets) <= _noise.MAX_BUCKETS,
                f"at most {_noise.MAX_BUCKETS} (group, device, dtype) buckets are supported")
@@ -270,11 +329,12 @@ class PosteriorOptimizer(torch.optim.Optimizer):
 
     def _expose(self, b: Bucket) -> None:
         """Per-parameter views of the flat buffers, as ``optimizer.state[p]``."""
-        for p, off in zip(b.params, b.offsets):
+        for i, (p, off) in enumerate(zip(b.params, b.offsets)):
+            loc = b.local(i)
             st = {}
             for name, buf in b.buffers.items():
                 if buf.dim() == 1 and buf.numel() == b.numel:
-                    st[name] = buf[off:off + p.numel()].view_as(p)
+                    st[name] = buf[off:off + loc.numel()].view(loc.shape)
             self.state[p] = st
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -301,8 +361,14 @@ class PosteriorOptimizer(torch.optim.Optimizer):
         hit = self._eps_cache.get(b.index)
         if hit is not None and hit[0] == key:
             return hit[1]
-        eps = _noise.randn(b.numel, self.seed, counter, _noise.stream_id(b.index, kind, draw),
-                           device=b.device, dtype=b.dtype)
+        stream = _noise.stream_id(b.index, kind, draw)
+        if b.segments is None:
+            eps = _noise.randn(b.numel, self.seed, counter, stream, device=b.device,
+                               dtype=b.dtype)
+        else:           # local shards: the noise of their places in the unsharded bucket
+            eps = torch.empty(b.numel, device=b.device, dtype=b.dtype)
+            for off, n, start in b.segments:
+                _noise.randn(n, self.seed, counter, stream, offset=start, out=eps[off:off + n])
         self._eps_cache[b.index] = (key, eps)
         return eps
 

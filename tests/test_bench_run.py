@@ -32,6 +32,8 @@ def test_run_writes_the_schema_and_tables(tmp_path, bench_modules):
     code = run.main(["--device", "cpu", "--sizes", "3001", "--dtypes", "float32", "bfloat16",
                      "--reps", "2", "--max-s", "1", "--copy-mib", "4", "--rotate-mib", "4",
                      "--gpt", "gpt-test", "--gpt-iters", "2", "--memory-numel", "30001",
+                     "--pretrain-preset", "gpt-test", "--pretrain-batch", "4",
+                     "--pretrain-steps", "12",
                      "--backends", "cpp", "torch", "--out", str(tmp_path)])
     assert code == 0, (tmp_path / "bench.md").read_text()
     with open(tmp_path / "bench.csv") as f:
@@ -51,14 +53,17 @@ def test_run_writes_the_schema_and_tables(tmp_path, bench_modules):
     assert ("copy", "torch.Tensor.copy_", "float32") in got
     for name in ("adamw", "ivon", "ivon_pocomo"):
         assert any(r["kernel"] == f"gpt_{name}_outside_fwd_bwd" for r in rows), name
+        assert any(r["kernel"] == f"pretrain_{name}_step" for r in rows), name
+    assert ("pretrain_ivon_opt_step", "ivon-opt-0.1.3", "float32") in got
     assert all(float(r["median"]) > 0 for r in rows if not r["kernel"].endswith("fwd_bwd"))
     # every microbenchmark row states its bytes, bandwidth and share of the ceiling
     for r in rows:
-        if not r["kernel"].startswith("gpt_"):
+        if not r["kernel"].startswith(("gpt_", "pretrain_")):
             assert r["bytes_per_param"] and r["gbps"] and r["pct_of_copy"], r
     md = (tmp_path / "bench.md").read_text()
     for section in ("## Optimizer-step microbenchmarks", "## Memory",
-                    "## Training step on a small GPT", "IVON-PoCoMo's inner step"):
+                    "## Training step on a small GPT", "IVON-PoCoMo's inner step",
+                    "## Pretraining throughput"):
         assert section in md, section
 
 
@@ -122,7 +127,7 @@ def test_bench_gpu_smoke_runs_the_suite_on_triton(tmp_path, bench_modules):
     sys.modules.pop("bench_gpu", None)
     import bench_gpu
     code = bench_gpu.main(["--smoke", "--only", "bench", "--backends", "triton", "--sizes",
-                           "1031", "--dtypes", "float32", "--skip", "memory", "train",
+                           "1031", "--dtypes", "float32", "--skip", "memory", "train", "pretrain",
                            "--out", str(tmp_path)])
     assert code == 0
     with open(tmp_path / "bench.csv") as f:

@@ -6,4 +6,9 @@
   (``python -m poco_kernels.experiments.logreg --help``); its data sets in
   :mod:`~poco_kernels.experiments.datasets`, the claims in
   :mod:`~poco_kernels.experiments.claims`, the figure in :mod:`~poco_kernels.experiments.plots`.
+* :mod:`poco_kernels.experiments.pretrain`: Sec. 5.2 and the continual-pretraining
+  appendix, GPT pretraining with AdamW, IVON or IVON-PoCoMo, single process, DDP or FSDP2
+  (``python -m poco_kernels.experiments.pretrain --help``); the model in
+  :mod:`~poco_kernels.experiments.gpt`, the data in :mod:`~poco_kernels.experiments.lm_data`,
+  starting from saved IVON states in :mod:`~poco_kernels.experiments.continual`.
 """
