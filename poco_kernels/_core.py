@@ -42,13 +42,15 @@ def _state_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if param_dtype == torch.float64 else torch.float32
 
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:                     # pragma: no cover - torch without distributed
+    _DTensor = ()
+
+
 def is_sharded(t) -> bool:
     """True for a ``torch.distributed`` ``DTensor`` (FSDP2's sharded parameters)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:                 # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    return isinstance(t, _DTensor)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -306,18 +308,18 @@ class PosteriorOptimizer(torch.optim.Optimizer):
                        f"parameters must be float16, bfloat16, float32 or float64, got {p.dtype}")
                 by_key.setdefault((p.device, p.dtype), []).append(p)
             for (dev, dt), ps in by_key.items():
+                sharded = any(is_sharded(p) for p in ps)
                 offsets, n, segments, n_full = [], 0, [], 0
                 for p in ps:
                     offsets.append(n)
                     k = _local(p).numel()
-                    if is_sharded(p):
-                        segments.append((n, k, n_full + _shard_start(p)))
-                    else:
-                        segments.append((n, k, n_full))
+                    if sharded:
+                        start = _shard_start(p) if is_sharded(p) else 0
+                        segments.append((n, k, n_full + start))
                     n += k
                     n_full += p.numel()
                 b = Bucket(len(self._buckets), gi, ps, offsets, n, dev, dt, _state_dtype(dt),
-                           segments=segments if any(is_sharded(p) for p in ps) else None)
+                           segments=segments if sharded else None)
                 self._buckets.append(b)
         _check(len(self._buckets) <= _noise.MAX_BUCKETS,
                f"at most {_noise.MAX_BUCKETS} (group, device, dtype) buckets are supported")

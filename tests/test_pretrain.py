@@ -205,18 +205,20 @@ def test_val_loss_falls_for_all_three(tmp_path):
 
 
 def test_compile_and_bf16_autocast(tmp_path):
-    """--compile (inductor on the CPU) and bf16 autocast run the PoCoMo loop with
-    refreshes; the loss matches the eager float32 run's to bf16 accuracy."""
-    args = SMALL + ["--optimizer", "ivon-pocomo", "--max-steps", "6", "--poco-start", "2",
-                    "--refresh-every", "2", "--mega-batches", "2", "--eval-every", "6"]
+    """The PoCoMo loop with refreshes under --compile (inductor on the CPU) follows the
+    eager run's trajectory (measured 3e-6 relative); under bf16 autocast its validation
+    loss stays within bf16 accuracy of float32's (measured 7e-5), well inside what the
+    6 steps move it (0.025)."""
+    args = SMALL + SMOOTH + ["--optimizer", "ivon-pocomo", "--max-steps", "6",
+                             "--poco-start", "2", "--refresh-every", "2", "--mega-batches",
+                             "2", "--eval-every", "6", "--save-rank-states"]
     eager = P.main(args + ["--out-dir", str(tmp_path / "e")])[0]
-    comp = P.main(args + ["--out-dir", str(tmp_path / "c"), "--compile", "--amp", "bf16"])[0]
-    assert comp["steps"] == 6 and math_isfinite(comp["val_loss"])
-    assert comp["val_loss"] == pytest.approx(eager["val_loss"], abs=0.05)
-
-
-def math_isfinite(x):
-    return x is not None and np.isfinite(x)
+    assert eager["val_loss"] < eager["val_loss_first"] - 0.01
+    P.main(args + ["--out-dir", str(tmp_path / "c"), "--compile"])
+    rel, key = _max_rel(_load(tmp_path / "c" / "rank0.pt"), _load(tmp_path / "e" / "rank0.pt"))
+    assert rel < 1e-4, (rel, key)
+    bf16 = P.main(args + ["--out-dir", str(tmp_path / "b"), "--amp", "bf16"])[0]
+    assert bf16["val_loss"] == pytest.approx(eager["val_loss"], abs=2e-3)
 
 
 # --------------------------------------------------------------------------- distributed
@@ -360,6 +362,11 @@ def test_continual_errors(tmp_path, stdlib):
     torch.save(bad, tmp_path / "nostep.pt")
     with pytest.raises(ValueError, match="--init-step"):
         P.Trainer(P.resolve_config("ivon-pocomo", "cpu", init_from=str(tmp_path / "nostep.pt"),
+                                   out_dir=str(tmp_path / "y"), quiet=True), data=stdlib)
+    torch.save({k: v for k, v in ck.items() if k not in ("model", "optimizer")} | {"sharded": True},
+               tmp_path / "sharded.pt")
+    with pytest.raises(ValueError, match="sharded FSDP checkpoint"):
+        P.Trainer(P.resolve_config("ivon-pocomo", "cpu", init_from=str(tmp_path / "sharded.pt"),
                                    out_dir=str(tmp_path / "y"), quiet=True), data=stdlib)
     bad = copy.deepcopy(ck)
     bad["model"]["blocks.0.fc.weight"] = bad["model"]["blocks.0.fc.weight"][:, :3]

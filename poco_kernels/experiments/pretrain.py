@@ -321,6 +321,9 @@ class Trainer:
         init_ckpt = None
         if cfg.init_from:
             init_ckpt = torch.load(cfg.init_from, map_location="cpu", weights_only=False)
+            if not isinstance(init_ckpt, dict) or "model" not in init_ckpt:
+                raise ValueError(f"--init-from {cfg.init_from}: not a checkpoint with a "
+                                 "'model' (a sharded FSDP checkpoint cannot start a run)")
             margs = init_ckpt.get("model_config") or init_ckpt.get("model_args")
             if margs:
                 keys = {f.name for f in fields(GPTConfig)}
@@ -470,17 +473,15 @@ class Trainer:
         return (c.optimizer == "ivon-pocomo" and it >= c.poco_start
                 and (it - c.poco_start) % c.refresh_every == 0)
 
-    def _refresh(self) -> torch.Tensor:
+    def _refresh(self) -> None:
         opt, k = self.opt, self.cfg.mega_batches
-        losses = []
         for _ in range(opt.param_groups[0]["refresh_samples"]):
             with opt.sampled("refresh", accumulate=False):
                 for c in range(k):
-                    losses.append(self._backward(self.data_pos + c))
+                    self._backward(self.data_pos + c)
                     opt.accumulate()
         opt.refresh()
         self.data_pos += k
-        return torch.stack(losses).mean()
 
     def _train_step(self, it: int) -> torch.Tensor:
         opt, name = self.opt, self.cfg.optimizer
@@ -507,7 +508,7 @@ class Trainer:
                 for g in opt.param_groups:
                     g["alpha"] = a
                 if self._refresh_due(it):
-                    self._last_refresh_loss = self._refresh()
+                    self._refresh()
             loss = torch.zeros((), device=self.dev)
             for _ in range(self.cfg.mc_samples):
                 with opt.sampled("inner"):
@@ -638,7 +639,6 @@ class Trainer:
                   f"{cfg.micro_batch} per rank), {cfg.max_steps} steps"
                   + (", bf16 autocast" if self.amp else ""))
         self._fb_time = 0.0
-        self._last_refresh_loss = None
         last = self.step
         stop = cfg.max_steps if cfg.stop_after is None else min(cfg.max_steps, cfg.stop_after)
         _sync(self.dev)
