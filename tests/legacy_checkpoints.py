@@ -1,0 +1,170 @@
+"""Checkpoints written before the architecture change (issue 16, at commit 720fa9a) must
+load and resume bit for bit.
+
+``tests/data/checkpoints_720fa9a.pt`` was written by ``python tests/legacy_checkpoints.py
+write`` at 720fa9a.  For every case it holds the problem data, the optimizer's state dict
+and the parameters saved mid inner loop (after a refresh, with gradients collected by
+``sampled()`` but not yet stepped), and what the optimizer held after continuing for
+``CONTINUE`` more steps.  ``check`` rebuilds each optimizer with today's code from the
+constructor arguments, loads the saved state dict, continues the same steps and compares
+every parameter and state tensor, and the counters, bit for bit.
+
+Only the public API is used, and the gradients are elementwise (no matmul), so nothing
+depends on BLAS.  Noise transforms use vectorised log/cos: the write and the check run
+with ATen and the C++ kernels pinned to AVX2 (``ENV``), so the bits do not depend on the
+CPU having AVX-512 or not.
+"""
+import copy
+import os
+import sys
+
+import torch
+
+ENV = {"ATEN_CPU_CAPABILITY": "avx2", "POCO_KERNELS_CPU_ISA": "avx2", "OMP_NUM_THREADS": "1",
+       "MKL_CBWR": "COMPATIBLE", "TRITON_INTERPRET": "0"}
+FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                    "checkpoints_720fa9a.pt")
+SAVE_AT, CONTINUE, REFRESH_EVERY = 6, 6, 4
+
+# (name, class, constructor keywords, backends); VON-PoCo has no fused kernels
+CASES = [
+    ("IVONPoCoMo", "IVONPoCo", dict(lr=0.05, ess=300.0, beta2=0.999, alpha=0.6, rho1=0.3,
+                                    rho2=0.1, seed=11), ("torch", "cpp")),
+    ("IVONPoCo-pair", "IVONPoCo", dict(lr=0.05, ess=300.0, alpha=0.5, refresh_samples=2,
+                                       refresh_antithetic=True, hess_floor=0.0,
+                                       outer_noise="independent", mc_samples=2, seed=12),
+     ("torch", "cpp")),
+    ("IVON", "IVON", dict(lr=0.05, ess=300.0, mc_samples=2, clip_radius=0.5, seed=13),
+     ("torch", "cpp")),
+    ("SVRG", "SVRG", dict(lr=0.05, momentum=0.9, alpha=0.7, weight_decay=1e-3, seed=14),
+     ("torch", "cpp")),
+    ("SVRGAdamW", "SVRGAdamW", dict(lr=1e-2, alpha=0.5, seed=15), ("torch", "cpp")),
+    ("VSGDPoCo", "VSGDPoCo", dict(lr=0.05, sigma=0.01, momentum=0.5, seed=16),
+     ("torch", "cpp")),
+    ("VONPoCo", "VONPoCo", dict(ess=50.0, lr=0.2, beta=0.2, alpha=0.8, seed=17), ("torch",)),
+]
+
+
+def _data(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"w0": torch.randn(4, 5, generator=g), "b0": torch.randn(3, generator=g),
+            "A": torch.randn(8, 4 * 5 + 3, generator=g),
+            "C": 0.5 + torch.rand(4 * 5 + 3, generator=g)}
+
+
+def _params(d):
+    return [torch.nn.Parameter(d["w0"].clone()), torch.nn.Parameter(d["b0"].clone())]
+
+
+def _loss(ps, d, k):
+    flat = torch.cat([p.reshape(-1) for p in ps])
+    return (d["A"][k % d["A"].shape[0]] * flat).sum() + 0.5 * (d["C"] * flat * flat).sum()
+
+
+def _make(cls, kw, ps, backend):
+    import poco_kernels as pk
+    return getattr(pk, cls)([{"params": ps[:1]}, {"params": ps[1:], "lr": kw["lr"] * 0.5}],
+                            backend=backend, **kw)
+
+
+def _closures(opt, ps, d, von):
+    def closure(k):
+        def c():
+            if von:                          # VON-PoCo closures return the loss
+                return _loss(ps, d, k)
+            opt.zero_grad()
+            loss = _loss(ps, d, k)
+            loss.backward()
+            return loss
+        return c
+    return closure
+
+
+def cls_has_refresh(opt):
+    return type(opt).__name__ != "IVON"
+
+
+def _refresh_due(t):
+    return t >= 2 and (t - 2) % REFRESH_EVERY == 0
+
+
+def _run(opt, ps, d, von, start, stop, *, pause=False, resumed=False):
+    """Steps ``start..stop-1`` with a refresh on 3 chunks every REFRESH_EVERY steps from
+    step 2.  ``pause``: at the last step collect the inner gradient with ``sampled()`` and
+    return before stepping.  ``resumed``: the optimizer holds step ``start``'s inner
+    gradient (and its refresh is done): collect the outer one and step."""
+    closure = _closures(opt, ps, d, von)
+    for t in range(start, stop):
+        mid = resumed and t == start and not von
+        if _refresh_due(t) and not mid and cls_has_refresh(opt):
+            opt.refresh([closure(100 + j) for j in range(3)])
+        if von:
+            opt.step(closure(t))
+            continue
+        if not mid:
+            with opt.sampled("inner"):
+                _loss(ps, d, t).backward()
+            if pause and t == stop - 1:
+                return
+        if opt.correction_active():
+            with opt.sampled("outer"):
+                _loss(ps, d, t).backward()
+        opt.step()
+
+
+def _state(opt, ps):
+    sd = opt.state_dict()
+    return {"params": [p.detach().clone() for p in ps],
+            "state": {i: {k: v.clone() for k, v in s.items()} for i, s in sd["state"].items()},
+            "poco": {k: sd["poco"][k] for k in ("step", "refreshes", "seed")},
+            "bucket_buffers": {k: v.clone() for k, v in sd["poco"]["bucket_buffers"].items()}}
+
+
+def write():
+    out = []
+    for name, cls, kw, backends in CASES:
+        for backend in backends:
+            d = _data(len(out) + 1)
+            ps = _params(d)
+            opt = _make(cls, kw, ps, backend)
+            von = cls == "VONPoCo"
+            _run(opt, ps, d, von, 0, SAVE_AT + 1, pause=True)
+            saved = copy.deepcopy({"state_dict": opt.state_dict(),
+                                   "params": [p.detach() for p in ps]})
+            _run(opt, ps, d, von, SAVE_AT + von, SAVE_AT + CONTINUE, resumed=True)
+            out.append({"name": name, "cls": cls, "kw": kw, "backend": backend, "data": d,
+                        "saved": saved, "final": _state(opt, ps)})
+    torch.save(out, FILE)
+    print(f"wrote {len(out)} cases to {FILE}")
+
+
+def check():
+    cases = torch.load(FILE, weights_only=False)
+    bad = []
+    for c in cases:
+        d = c["data"]
+        ps = [torch.nn.Parameter(t.clone()) for t in c["saved"]["params"]]
+        opt = _make(c["cls"], c["kw"], ps, c["backend"])
+        opt.load_state_dict(c["saved"]["state_dict"])
+        von = c["cls"] == "VONPoCo"
+        _run(opt, ps, d, von, SAVE_AT + von, SAVE_AT + CONTINUE, resumed=True)
+        got, exp = _state(opt, ps), c["final"]
+        tag = f"{c['name']}/{c['backend']}"
+        for i, (a, b) in enumerate(zip(got["params"], exp["params"])):
+            if not torch.equal(a, b):
+                bad.append(f"{tag}: parameter {i} differs by {(a - b).abs().max():.3g}")
+        if got["poco"] != exp["poco"]:
+            bad.append(f"{tag}: counters {got['poco']} != {exp['poco']}")
+        for i, s in exp["state"].items():
+            for k, v in s.items():
+                if not torch.equal(got["state"][i][k], v):
+                    bad.append(f"{tag}: state {i}/{k} differs")
+        for k, v in exp["bucket_buffers"].items():
+            if not torch.equal(got["bucket_buffers"][k], v):
+                bad.append(f"{tag}: bucket buffer {k} differs")
+    print("\n".join(bad) if bad else f"ok: {len(cases)} cases")
+    return not bad
+
+
+if __name__ == "__main__":
+    sys.exit(0 if {"write": write, "check": check}[sys.argv[1]]() in (None, True) else 1)
