@@ -6,7 +6,7 @@
 // comment; tests/test_kernels.py checks both against them.  Per tile of kTile elements:
 // first the noise the tile needs, generated into an L1-resident buffer (Philox with
 // intrinsics, the transform by the vectoriser), then ONE vectorised pass over the
-// buffers.  The arithmetic follows the reference op for op (ops.cpp builds the float32
+// buffers.  The arithmetic follows the reference maths op for op (ops.cpp builds the float32
 // constants the way the reference's Python floats become float32 scalars, and the build
 // turns off floating-point contraction), so the only differences are the last bit of
 // the noise transform and of a few reordered products.

@@ -2,7 +2,7 @@
 //
 // Each operator has the signature of its Triton twin in poco_kernels/kernels/triton_ops.py
 // (same arguments, same control-tensor protocol), so one host engine
-// (poco_kernels/_fused_backend.py) drives either backend.  Here: check every tensor,
+// (poco_kernels/backends/fused.py) drives either backend.  Here: check every tensor,
 // read the control tensor and the AMP scalars (a CPU read costs nothing), turn the
 // hyperparameters into the float32 constants of the kernels (in double first, as the
 // reference's Python floats are), and run the kernels over fixed tiles with
@@ -22,6 +22,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "poco_kernels.h"
@@ -244,10 +245,55 @@ void fold_ge_op(const at::Tensor& acc_g, const at::Tensor& acc_ge, const at::Ten
   for_tiles(n, [&](int64_t t0, int64_t t1) { k.fold_ge(a, t0, t1); });
 }
 
-// bit layout of `flags` (= triton_ops.step_flags): family in bits 0-1, then these
-enum StepBit : int {
-  kCorr = 2, kGeIn, kGeO, kSharedNoise, kHessCorr, kFloor, kClip, kDebias, kMomentum, kNesterov
-};
+// The typed interface (poco_kernels.h): the operator's float list, read into its struct
+// by name, and the flag bits unpacked in the declared order.
+#define POCO_COUNT(name) +1
+template <typename Hyper>
+Hyper read_hyper(at::ArrayRef<double> hp, size_t count, const char* op, const char* names) {
+  TORCH_CHECK(hp.size() == count, "poco_kernels_cpp::", op, ": ", count,
+              " hyperparameters expected (", names, "), got ", hp.size());
+  Hyper h{};
+  static_assert(std::is_standard_layout<Hyper>::value, "a plain struct of doubles");
+  std::memcpy(&h, hp.data(), sizeof(double) * count);
+  return h;
+}
+
+StepHyper step_hyper(at::ArrayRef<double> hp) {
+  constexpr size_t n = 0 POCO_STEP_HYPER(POCO_COUNT);
+  static_assert(sizeof(StepHyper) == n * sizeof(double), "StepHyper is its doubles");
+  return read_hyper<StepHyper>(hp, n, "step", "StepHyper");
+}
+
+RefreshHyper refresh_hyper(at::ArrayRef<double> hp) {
+  constexpr size_t n = 0 POCO_REFRESH_HYPER(POCO_COUNT);
+  static_assert(sizeof(RefreshHyper) == n * sizeof(double), "RefreshHyper is its doubles");
+  return read_hyper<RefreshHyper>(hp, n, "refresh", "RefreshHyper");
+}
+
+StepFlags step_flags(int64_t bits) {
+  constexpr int64_t n = 0 POCO_STEP_FLAGS(POCO_COUNT);
+  TORCH_CHECK(bits >= 0 && bits < (int64_t(1) << n), "poco_kernels_cpp::step: invalid flags ",
+              bits);
+  StepFlags f{};
+  int i = 0;
+#define POCO_BIT(name) f.name = ((bits >> i++) & 1) != 0;
+  POCO_STEP_FLAGS(POCO_BIT)
+#undef POCO_BIT
+  return f;
+}
+
+RefreshFlags refresh_flags(int64_t bits) {
+  constexpr int64_t n = 0 POCO_REFRESH_FLAGS(POCO_COUNT);
+  TORCH_CHECK(bits >= 0 && bits < (int64_t(1) << n), "poco_kernels_cpp::refresh: invalid flags ",
+              bits);
+  RefreshFlags f{};
+  int i = 0;
+#define POCO_BIT(name) f.name = ((bits >> i++) & 1) != 0;
+  POCO_REFRESH_FLAGS(POCO_BIT)
+#undef POCO_BIT
+  return f;
+}
+#undef POCO_COUNT
 
 void step_op(const at::Tensor& mean, const at::Tensor& param,
              const c10::optional<at::Tensor>& s1, const c10::optional<at::Tensor>& s2,
@@ -256,23 +302,22 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
              const c10::optional<at::Tensor>& g_out, const c10::optional<at::Tensor>& h_out,
              const c10::optional<at::Tensor>& m_out, const c10::optional<at::Tensor>& sigma_out,
              const at::Tensor& ctl, const c10::optional<at::Tensor>& found_inf,
-             const c10::optional<at::Tensor>& grad_scale, at::IntArrayRef ints,
-             at::ArrayRef<double> hp, int64_t flags) {
+             const c10::optional<at::Tensor>& grad_scale, int64_t seed, int64_t stream,
+             int64_t stream_o, at::ArrayRef<double> hp_list, int64_t family, int64_t flag_bits) {
   const int64_t n = mean.numel();
-  TORCH_CHECK(ints.size() == 3, "poco_kernels_cpp::step: ints = (seed, stream, stream_o)");
-  TORCH_CHECK(hp.size() == 16, "poco_kernels_cpp::step: 16 hyperparameters expected, got ",
-              hp.size());
-  auto bit = [&](int b) { return ((flags >> b) & 1) != 0; };
+  const StepHyper hp = step_hyper(hp_list);
+  const StepFlags f = step_flags(flag_bits);
   StepArgs a{};
-  a.family = (int)(flags & 3);
-  TORCH_CHECK(a.family <= kFamilyAdamw, "poco_kernels_cpp::step: invalid family");
-  a.corr = bit(kCorr);
-  a.ge_in_sum = bit(kGeIn);
-  a.ge_o_sum = bit(kGeO);
-  a.shared_noise = bit(kSharedNoise);
-  a.hess_corr_on = bit(kHessCorr);
-  a.momentum_on = bit(kMomentum);
-  a.nesterov = bit(kNesterov);
+  a.family = (int)family;
+  TORCH_CHECK(family >= kFamilyIvon && family <= kFamilyAdamw,
+              "poco_kernels_cpp::step: invalid family ", family);
+  a.corr = f.corr;
+  a.ge_in_sum = f.ge_in;
+  a.ge_o_sum = f.ge_o;
+  a.shared_noise = f.shared_noise;
+  a.hess_corr_on = f.hess_corr;
+  a.momentum_on = f.momentum;
+  a.nesterov = f.nesterov;
   TORCH_CHECK(!(a.shared_noise && a.ge_in_sum),
               "poco_kernels_cpp::step: shared noise is regenerated, not summed");
   const bool ivon = a.family == kFamilyIvon, sgd = a.family == kFamilySgd;
@@ -298,19 +343,16 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
   }
   const int64_t steps = c[0];
   const double t = (double)(steps + 1);
-  const double sign_o = hp[0], inv_n_in = hp[1], inv_n_o = hp[2], lr = hp[3], beta1 = hp[4];
-  const double beta2 = hp[5], wd = hp[6], ess = hp[7], alpha = hp[8], hess_corr = hp[9];
-  const double floor_c = hp[10], clip = hp[11], momentum = hp[12], dampening = hp[13];
-  const double eps = hp[14], mom_first = hp[15];
-  const double alpha_eff = a.corr && c[1] > 0 ? alpha : 0.0;
-  a.seed = (uint64_t)ints[0];
+  const double lr = hp.lr, beta1 = hp.beta1, beta2 = hp.beta2, wd = hp.wd;
+  const double alpha_eff = a.corr && c[1] > 0 ? hp.alpha : 0.0;
+  a.seed = (uint64_t)seed;
   a.counter = u32(steps, "step counter");
-  a.stream_in = u32(ints[1], "stream");
-  a.stream_o = u32(ints[2], "stream_o");
-  a.sign_o = (float)sign_o;
+  a.stream_in = u32(stream, "stream");
+  a.stream_o = u32(stream_o, "stream_o");
+  a.sign_o = (float)hp.sign_o;
   const float inv_gs = inv_scale(grad_scale);
-  a.scale_in = (float)inv_n_in * inv_gs;
-  a.scale_o = (float)inv_n_o * inv_gs;
+  a.scale_in = (float)hp.inv_n_in * inv_gs;
+  a.scale_o = (float)hp.inv_n_o * inv_gs;
   a.alpha = (float)alpha_eff;
   a.lr = (float)lr;
   a.beta1 = (float)beta1;
@@ -319,20 +361,20 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
   a.one_m_beta2 = (float)(1.0 - beta2);
   a.half_sq_one_m_beta2 = (float)(0.5 * (1.0 - beta2) * (1.0 - beta2));
   a.wd = (float)wd;
-  a.ess = (float)ess;
-  a.hess_corr_alpha = (float)(hess_corr * alpha_eff);
-  a.neg_floor = bit(kFloor) ? (float)(-floor_c) : -kInf;
-  a.clip = bit(kClip) ? (float)clip : kInf;
-  a.inv_bias1 = bit(kDebias) ? (float)(1.0 / (1.0 - std::pow(beta1, t))) : 1.0f;
-  a.momentum = (float)momentum;
-  a.one_m_dampening = (float)(1.0 - dampening);
-  a.mom_first = mom_first != 0.0;
+  a.ess = (float)hp.ess;
+  a.hess_corr_alpha = (float)(hp.hess_corr * alpha_eff);
+  a.neg_floor = f.floor ? (float)(-hp.floor) : -kInf;
+  a.clip = f.clip ? (float)hp.clip : kInf;
+  a.inv_bias1 = f.debias ? (float)(1.0 / (1.0 - std::pow(beta1, t))) : 1.0f;
+  a.momentum = (float)hp.momentum;
+  a.one_m_dampening = (float)(1.0 - hp.dampening);
+  a.mom_first = hp.mom_first != 0.0;
   if (a.family == kFamilyAdamw) {
     const double bc1 = 1.0 - std::pow(beta1, t), bc2 = 1.0 - std::pow(beta2, t);
     a.decay = (float)(1.0 - lr * wd);
     a.step_size = (float)(lr / bc1);
     a.bias2_sqrt = (float)std::pow(bc2, 0.5);
-    a.eps = (float)eps;
+    a.eps = (float)hp.eps;
   }
   for_tiles(n, [&](int64_t t0, int64_t t1) { k.step(a, t0, t1); });
 }
@@ -343,18 +385,18 @@ void refresh_op(const at::Tensor& mean, const c10::optional<at::Tensor>& h,
                 const at::Tensor& m_out, const c10::optional<at::Tensor>& sigma_out,
                 const at::Tensor& ctl, const c10::optional<at::Tensor>& found_inf,
                 const c10::optional<at::Tensor>& grad_scale, int64_t seed, int64_t stream,
-                at::ArrayRef<double> hp, int64_t family, bool ge, bool noisy) {
+                at::ArrayRef<double> hp_list, int64_t family, int64_t flag_bits) {
   const int64_t n = mean.numel();
-  TORCH_CHECK(hp.size() == 6,
-              "poco_kernels_cpp::refresh: hp = (inv_n, ess, wd, rho1, rho2, sigma)");
+  const RefreshHyper hp = refresh_hyper(hp_list);
+  const RefreshFlags f = refresh_flags(flag_bits);
   TORCH_CHECK(family >= kFamilyIvon && family <= kFamilyAdamw,
-              "poco_kernels_cpp::refresh: invalid family");
+              "poco_kernels_cpp::refresh: invalid family ", family);
   const bool ivon = family == kFamilyIvon;
   RefreshArgs a{};
   a.mean = state_ptr(mean, n, "mean");
   a.h = state_ptr(h, n, "h", ivon);
   a.acc_g = state_ptr(acc_g, n, "acc_g");
-  a.acc_ge = state_ptr(acc_ge, n, "acc_ge", ivon && ge);
+  a.acc_ge = state_ptr(acc_ge, n, "acc_ge", ivon && f.ge);
   a.g_out = state_ptr(g_out, n, "g_out");
   a.h_out = state_ptr(h_out, n, "h_out", ivon);
   a.m_out = state_ptr(m_out, n, "m_out");
@@ -364,18 +406,18 @@ void refresh_op(const at::Tensor& mean, const c10::optional<at::Tensor>& h,
   const int64_t refreshes = c[1];
   a.n = n;
   a.noise = Noise{(uint64_t)seed, u32(refreshes, "refresh counter"), u32(stream, "stream"), 1.0f};
-  a.scale = (float)hp[0] * inv_scale(grad_scale);
+  a.scale = (float)hp.inv_n * inv_scale(grad_scale);
   a.family = (int)family;
-  a.ge = ge;
-  a.noisy = noisy;
+  a.ge = f.ge;
+  a.noisy = f.noisy;
   a.first = refreshes == 0;
-  a.ess = (float)hp[1];
-  a.wd = (float)hp[2];
-  a.rho1 = (float)hp[3];
-  a.one_m_rho1 = (float)(1.0 - hp[3]);
-  a.rho2 = (float)hp[4];
-  a.one_m_rho2 = (float)(1.0 - hp[4]);
-  a.sigma_const = (float)hp[5];
+  a.ess = (float)hp.ess;
+  a.wd = (float)hp.wd;
+  a.rho1 = (float)hp.rho1;
+  a.one_m_rho1 = (float)(1.0 - hp.rho1);
+  a.rho2 = (float)hp.rho2;
+  a.one_m_rho2 = (float)(1.0 - hp.rho2);
+  a.sigma_const = (float)hp.sigma;
   const KernelTable& k = kernels();
   for_tiles(n, [&](int64_t t0, int64_t t1) { k.refresh(a, t0, t1); });
 }
@@ -417,11 +459,12 @@ TORCH_LIBRARY(poco_kernels_cpp, m) {
   m.def("step(Tensor(a!) mean, Tensor(b!) param, Tensor(c!)? s1, Tensor(d!)? s2, Tensor g_in, "
         "Tensor? ge_in, Tensor? g_o, Tensor? ge_o, Tensor? g_out, Tensor? h_out, "
         "Tensor? m_out, Tensor? sigma_out, Tensor ctl, Tensor? found_inf, "
-        "Tensor? grad_scale, int[] ints, float[] hp, int flags) -> ()");
+        "Tensor? grad_scale, int seed, int stream, int stream_o, float[] hp, int family, "
+        "int flags) -> ()");
   m.def("refresh(Tensor mean, Tensor? h, Tensor acc_g, Tensor? acc_ge, Tensor(a!) g_out, "
         "Tensor(b!)? h_out, Tensor(c!) m_out, Tensor(d!)? sigma_out, Tensor ctl, "
         "Tensor? found_inf, Tensor? grad_scale, int seed, int stream, float[] hp, int family, "
-        "bool ge, bool noisy) -> ()");
+        "int flags) -> ()");
   m.def("finish(Tensor(a!) ctl, Tensor? found_inf, int slot) -> ()");
   m.def("randn(Tensor(a!) out, int seed, int counter, int stream, int offset) -> ()");
   m.def("isa() -> str", &poco::isa_op);

@@ -16,10 +16,12 @@ import torch
 from torch import Tensor
 
 from . import reference as R
-from ._core import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KIND_REFRESH,
-                    Bucket, PosteriorOptimizer, SampleSpec, _check, check_range)
-
-from .kernels.common import FAMILY_IVON
+from ._layout import Bucket
+from ._optimizer import PosteriorOptimizer
+from ._protocol import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KIND_REFRESH,
+                        KernelRefresh, KernelStep, SampleSpec)
+from ._validation import check, check_range
+from .kernels.interface import FAMILY_IVON, RefreshHP, StepHP, StepPath
 
 __all__ = ["IVON", "IVONPoCo", "ivon_inner_update", "ivon_refresh_update"]
 
@@ -65,6 +67,14 @@ def ivon_refresh_update(*, mean: Tensor, h: Tensor, gM: Tensor, geM: Tensor, g_o
             "m_out": mean.clone(), "sigma_out": sigma}
 
 
+def _ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples, clip_radius,
+                debias, rescale_lr) -> Dict[str, Any]:
+    """IVON's per-group hyperparameters (the defaults of a parameter group)."""
+    return dict(lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
+                weight_decay=weight_decay, mc_samples=mc_samples, clip_radius=clip_radius,
+                debias=debias, rescale_lr=rescale_lr)
+
+
 class IVON(PosteriorOptimizer):
     """Improved Variational Online Newton (Shen et al., 2024), ivon-opt 0.1.3 semantics.
 
@@ -77,6 +87,28 @@ class IVON(PosteriorOptimizer):
     clear error, the step counter is in the state dict, parameters may have several
     dtypes and devices (state is float32, with a float32 master mean for bf16/fp16
     parameters), and ``debias``/``rescale_lr`` are per group.
+
+    Arguments (all but the last three per parameter group):
+
+    * ``lr``: learning rate (``>= 0``).  Not AdamW's scale: with ``rescale_lr`` the step
+      is ``lr (hess_init + wd) clip(u)``, so IVON's usual lr is 0.1-1 (the paper's GPT-2:
+      0.3); without it, ``lr * clip_radius`` bounds a step.
+    * ``ess``: effective sample size ``lambda`` (``> 0``), about the number of training
+      examples; ``sigma = 1/sqrt(ess (h + wd))``, so a larger ``ess`` is less noise (the
+      paper's GPT-2: 1e10).
+    * ``hess_init``: initial Hessian estimate ``h`` (``> 0``, default 1.0; the paper's
+      GPT-2: 1e-3).  It sets the initial noise and, with ``rescale_lr``, the lr scale.
+    * ``beta1``: momentum of the gradient ``g``, in ``[0, 1)`` (default 0.9).
+    * ``beta2``: momentum of the Hessian ``h``, in ``[0, 1)`` (default 0.99999; below it
+      the Price estimator's noise shows, see docs/logreg-study.md).
+    * ``weight_decay``: ``wd``, the prior precision per example (``>= 0``, default 1e-4).
+    * ``mc_samples``: posterior samples per step, 1-4096 (default 1); ``step(closure)``
+      evaluates the closure at each and averages.
+    * ``clip_radius``: clip of the update direction ``u`` per coordinate (``> 0``, default
+      ``inf``: none; the paper's GPT-2: 1e-3).
+    * ``debias``: divide ``g`` by ``1 - beta1^t`` (default True).
+    * ``rescale_lr``: multiply lr by ``hess_init + wd``, as ivon-opt (default True).
+    {common_arguments}
     """
 
     noisy = True
@@ -87,11 +119,10 @@ class IVON(PosteriorOptimizer):
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
                  clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True,
                  *, seed: int = 0, backend: str = "auto",
-                 check_finite: Optional[bool] = None, **extra):
-        defaults = dict(lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
-                        weight_decay=weight_decay, mc_samples=mc_samples,
-                        clip_radius=clip_radius, debias=debias, rescale_lr=rescale_lr, **extra)
-        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite)
+                 check_finite: Optional[bool] = None):
+        super().__init__(params, _ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay,
+                                             mc_samples, clip_radius, debias, rescale_lr),
+                         seed=seed, backend=backend, check_finite=check_finite)
 
     def _validate_group(self, group):
         check_range(group, "lr", lo=0.0)
@@ -103,7 +134,7 @@ class IVON(PosteriorOptimizer):
         check_range(group, "mc_samples", lo=1, hi=4096, kind=int)
         check_range(group, "clip_radius", lo=0.0, lo_open=True, allow_inf=True)
         for k in ("debias", "rescale_lr"):
-            _check(isinstance(group[k], bool), f"invalid {k}: {group[k]!r} (expected a bool)")
+            check(isinstance(group[k], bool), f"invalid {k}: {group[k]!r} (expected a bool)")
 
     def _init_buffers(self, b: Bucket, group) -> Dict[str, Tensor]:
         z = lambda: torch.zeros(b.numel, device=b.device, dtype=b.dtype)  # noqa: E731
@@ -128,22 +159,22 @@ class IVON(PosteriorOptimizer):
                                  g=b.buffers["momentum"], g_in=g_in, ge_in=ge_in, outer=None,
                                  group=group, step=t)
 
-    def _kernel_step(self, b, group):
-        """The step kernel's arguments (``triton_kernels.step_kernel`` and the C++
-        ``step``, IVON family): the same maths as :func:`ivon_inner_update`."""
+    def _kernel_step(self, b, group) -> KernelStep:
+        """The step kernel's records (IVON family): the same maths as
+        :func:`ivon_inner_update`."""
         wd, clip = group["weight_decay"], group["clip_radius"]
         poco = self._has_correction
-        return dict(
-            family=FAMILY_IVON, s1=b.buffers["momentum"], s2=b.buffers["h"],
-            flags=dict(DEBIAS=group["debias"], CLIP=math.isfinite(clip),
-                       HESS_CORR=poco and group["hess_corr_scale"] != 0.0,
-                       FLOOR=poco and group["hess_floor"] is not None),
-            hp=dict(lr=R.ivon_lr(group["lr"], group["hess_init"], wd, group["rescale_lr"]),
-                    beta1=group["beta1"], beta2=group["beta2"], wd=wd, ess=group["ess"],
-                    clip=clip if math.isfinite(clip) else 0.0,
-                    alpha=group["alpha"] if poco else 0.0,
-                    hess_corr=group["hess_corr_scale"] if poco else 0.0,
-                    floor=(group["hess_floor"] or 0.0) if poco else 0.0))
+        return KernelStep(
+            FAMILY_IVON, s1=b.buffers["momentum"], s2=b.buffers["h"],
+            hp=StepHP.ivon(lr=R.ivon_lr(group["lr"], group["hess_init"], wd, group["rescale_lr"]),
+                           beta1=group["beta1"], beta2=group["beta2"], wd=wd, ess=group["ess"],
+                           alpha=group["alpha"] if poco else 0.0,
+                           hess_corr=group["hess_corr_scale"] if poco else 0.0,
+                           floor=(group["hess_floor"] or 0.0) if poco else 0.0,
+                           clip=clip if math.isfinite(clip) else 0.0),
+            path=StepPath.ivon(hess_corr=poco and group["hess_corr_scale"] != 0.0,
+                               floor=poco and group["hess_floor"] is not None,
+                               clip=math.isfinite(clip), debias=group["debias"]))
 
 
 class IVONPoCo(IVON):
@@ -171,16 +202,33 @@ class IVONPoCo(IVON):
     ``hess_corr_scale`` defaults to 0.01, the paper's Sec. 5.1 down-weighting: with 1 (Alg. 3
     as written) every logistic-regression configuration we tried diverged.
 
-    Stabilisers (README, 'Stability of IVON-PoCo'; off by default, so the defaults are
+    Stabilisers (docs/logreg-study.md, 'Stability of IVON-PoCo'; off by default, so the defaults are
     Alg. 3): ``refresh_samples`` posterior samples per refresh (every chunk closure is run
     at each); ``refresh_antithetic=True`` makes them mirrored pairs ``+eps, -eps``, which
     cancels the data-gradient noise of the Price estimate ``hM`` exactly and cuts the error
     of ``g_out`` from O(sigma) to O(sigma^2); ``hess_floor=c`` clamps the corrected Hessian
     estimate at ``-c (h + wd)`` (c = 0 for beta2 below 0.99999).
+
+    Arguments: IVON's (``lr``, ``ess``, ``hess_init``, ``beta1``, ``beta2``,
+    ``weight_decay``, ``mc_samples``, ``clip_radius``, ``debias``, ``rescale_lr``: see
+    :class:`IVON`), and per group:
+
+    * ``alpha``: correction weight in ``[0, 1]`` (default 1.0; 0 is IVON; the paper's
+      continual runs: 0.7, and its ablation favours a schedule rising from 0.2 to 0.8).
+    * ``rho1``, ``rho2``: outer momentum of ``g_out`` and ``h_out`` in ``[0, 1)``
+      (default 0: IVON-PoCo; nonzero: IVON-PoCoMo, the paper's GPT-2: 0.6 and 0.1).
+    * ``hess_corr_scale``: ``c``, scale of the Hessian-correction term (``>= 0``, default
+      0.01, the paper's Sec. 5.1 down-weighting).
+    * ``outer_noise``: ``"shared"`` (default) or ``"independent"``, above.
+    * ``refresh_samples``: posterior samples per refresh, 1-4096 (default 1).
+    * ``refresh_antithetic``: draw the refresh samples as mirrored pairs (default False;
+      needs an even ``refresh_samples``).
+    * ``hess_floor``: ``None`` (default, no floor) or ``c >= 0``.
+    {common_arguments}
     """
 
     _has_correction = True
-    _divergence_hint = ("See the README, 'Stability of IVON-PoCo', for the settings that keep "
+    _divergence_hint = ("See docs/logreg-study.md, 'Stability of IVON-PoCo', for the settings that keep "
                         "IVON-PoCo stable (antithetic refresh pair, hess_floor, beta2, "
                         "hess_corr_scale).")
 
@@ -193,11 +241,13 @@ class IVONPoCo(IVON):
                  hess_floor: Optional[float] = None,
                  *, seed: int = 0, backend: str = "auto",
                  check_finite: Optional[bool] = None):
-        super().__init__(params, lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
-                         clip_radius, debias, rescale_lr, seed=seed, backend=backend, check_finite=check_finite,
-                         alpha=alpha, rho1=rho1, rho2=rho2, hess_corr_scale=hess_corr_scale,
-                         outer_noise=outer_noise, refresh_samples=refresh_samples,
-                         refresh_antithetic=refresh_antithetic, hess_floor=hess_floor)
+        defaults = dict(_ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
+                                    clip_radius, debias, rescale_lr),
+                        alpha=alpha, rho1=rho1, rho2=rho2, hess_corr_scale=hess_corr_scale,
+                        outer_noise=outer_noise, refresh_samples=refresh_samples,
+                        refresh_antithetic=refresh_antithetic, hess_floor=hess_floor)
+        PosteriorOptimizer.__init__(self, params, defaults, seed=seed, backend=backend,
+                                    check_finite=check_finite)
 
     def _validate_group(self, group):
         super()._validate_group(group)
@@ -211,13 +261,13 @@ class IVONPoCo(IVON):
                     "momentum (the paper's text calls that setting 'rho = 1')")
             check_range(group, k, lo=0.0, hi=1.0, hi_open=True)
         check_range(group, "hess_corr_scale", lo=0.0)
-        _check(group["outer_noise"] in ("shared", "independent"),
+        check(group["outer_noise"] in ("shared", "independent"),
                f"invalid outer_noise: {group['outer_noise']!r} (expected 'shared' or 'independent')")
         check_range(group, "refresh_samples", lo=1, hi=4096, kind=int)
-        _check(isinstance(group["refresh_antithetic"], bool),
+        check(isinstance(group["refresh_antithetic"], bool),
                f"invalid refresh_antithetic: {group['refresh_antithetic']!r} (expected a bool)")
         if group["refresh_antithetic"]:
-            _check(group["refresh_samples"] % 2 == 0,
+            check(group["refresh_samples"] % 2 == 0,
                    "refresh_antithetic pairs each draw with its mirror image: refresh_samples "
                    f"must be even, got {group['refresh_samples']}")
         if group["hess_floor"] is not None:
@@ -246,13 +296,13 @@ class IVONPoCo(IVON):
                                  g=b.buffers["momentum"], g_in=g_in, ge_in=ge_in, outer=o,
                                  group=group, step=t)
 
-    def _kernel_refresh(self, b, group):
-        """The refresh kernel's arguments (IVON family): :func:`ivon_refresh_update`."""
-        return dict(family=FAMILY_IVON, h=b.buffers["h"], g_out=b.buffers["g_out"],
-                    h_out=b.buffers["h_out"], m_out=b.buffers["m_out"],
-                    sigma_out=b.buffers["sigma_out"],
-                    hp=dict(ess=group["ess"], wd=group["weight_decay"], rho1=group["rho1"],
-                            rho2=group["rho2"]))
+    def _kernel_refresh(self, b, group) -> KernelRefresh:
+        """The refresh kernel's records (IVON family): :func:`ivon_refresh_update`."""
+        return KernelRefresh(FAMILY_IVON, h=b.buffers["h"], g_out=b.buffers["g_out"],
+                             h_out=b.buffers["h_out"], m_out=b.buffers["m_out"],
+                             sigma_out=b.buffers["sigma_out"],
+                             hp=RefreshHP.ivon(ess=group["ess"], wd=group["weight_decay"],
+                                               rho1=group["rho1"], rho2=group["rho2"]))
 
     def _refresh_update(self, b, group, gM, geM, first):
         return ivon_refresh_update(mean=b.buffers["mean"], h=b.buffers["h"], gM=gM, geM=geM,

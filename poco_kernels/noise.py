@@ -4,7 +4,7 @@ This module generates Gaussian noise with plain torch integer/float ops (no
 torch RNG state at all), so the value of every element is a pure function of
 ``(seed, step, stream, element index)``.  A Triton kernel can therefore
 regenerate exactly the same noise on the fly with ``tl.philox`` instead of
-reading it from memory, and the reference (CPU) backend and the kernels agree.
+reading it from memory, and the torch backend and the kernels agree.
 
 Generator
 ---------

@@ -16,7 +16,7 @@ theta = centre + sigma * eps           :func:`perturb`             Alg. 2 l. 3, 
 hhat = E[g eps] / sigma  (Price)       :func:`price_hessian`       Alg. 3 lines 4, 8, 9
 x_out <- rho x_out + (1 - rho) x_M     :func:`outer_fold`          Alg. 3 line 4
 xhat = x_in - alpha (x_o - x_out)      :func:`control_variate`     Alg. 1 l. 7; Alg. 3 l. 10
-hhat >= -c (h + wd)  (optional)        :func:`hessian_floor`       (stabiliser, README)
+hhat >= -c (h + wd)  (optional)        :func:`hessian_floor`       (stabiliser, docs/)
 g <- beta1 g + (1 - beta1) ghat        :func:`ivon_momentum`       Alg. 3 line 11
 h <- beta2 h + ... (positivity)        :func:`ivon_hessian`        Alg. 3 line 12
 u = (gbar + wd m + c a dh dm)/(h + wd) :func:`ivon_direction`      Alg. 3 lines 13-14
@@ -87,8 +87,8 @@ def control_variate(x_in: Tensor, x_o: Tensor, x_out: Tensor, alpha: float) -> T
 def hessian_floor(hhat: Tensor, h: Tensor, weight_decay: float, c: Optional[float]) -> Tensor:
     """Optional floor on the corrected Hessian estimate, ``max(hhat, -c (h + wd))``
     (``c=None``: none).  Not in the paper: a stabiliser for IVON-PoCo with beta2 below
-    0.99999, where the one-sample outer estimate drives ``h + wd`` toward 0 (README,
-    'Stability of IVON-PoCo')."""
+    0.99999, where the one-sample outer estimate drives ``h + wd`` toward 0
+    (docs/logreg-study.md, 'Stability of IVON-PoCo')."""
     if c is None:
         return hhat
     return torch.maximum(hhat, -c * (h + weight_decay))

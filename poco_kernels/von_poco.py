@@ -8,7 +8,7 @@ gradients and Hessians, the outer loop and the bookkeeping.
 Closure convention (differs from the rest of the package!)
 ----------------------------------------------------------
 VON-PoCo needs the Hessian of every mini-batch loss, which the ``.grad``-based protocol of
-:class:`~poco_kernels._core.PosteriorOptimizer` (``sample()``/``accumulate()``) cannot
+:class:`~poco_kernels._optimizer.PosteriorOptimizer` (``sample()``/``accumulate()``) cannot
 give.  So a ``VONPoCo`` closure **returns the loss and does NOT call** ``backward()``::
 
     def closure():
@@ -40,8 +40,10 @@ import torch
 from torch import Tensor
 
 from . import reference as R
-from ._core import (KIND_INNER, KIND_OUTER, KIND_REFRESH, Bucket, PosteriorOptimizer,
-                    _check, check_range)
+from ._layout import Bucket
+from ._optimizer import BucketedOptimizer
+from ._protocol import KIND_INNER, KIND_OUTER, KIND_REFRESH
+from ._validation import check, check_range
 
 __all__ = ["VONPoCo"]
 
@@ -51,7 +53,7 @@ MAX_DIM = 8192
 PRECISION_UPDATES = ("paper", "blr")
 
 
-class VONPoCo(PosteriorOptimizer):
+class VONPoCo(BucketedOptimizer):
     """Variational Online Newton with Posterior Correction (Alg. 4, Thm. 3).
 
     **Closures return the loss WITHOUT calling backward()** (see the module docstring):
@@ -128,9 +130,12 @@ class VONPoCo(PosteriorOptimizer):
     computed and checked (finite losses, gradients, Hessians, results; ``S`` Cholesky-
     factorisable) before anything is committed; on an error the state and the parameters
     are as before.
+
+    Also (``backend`` can only be the torch backend here; ``check_finite`` is always on):
+    {common_arguments}
     """
 
-    _kernel_capable = False     # dense d x d matrices: the reference backend only
+    _kernel_capable = False     # dense d x d matrices: the torch backend only
 
     _divergence_hint = ("Huge gradients against a small precision: lower lr, raise min_eig, "
                         "or refresh more often.")
@@ -160,26 +165,26 @@ class VONPoCo(PosteriorOptimizer):
         check_range(group, "alpha", lo=0.0, hi=1.0)
         check_range(group, "prior_precision", lo=0.0, lo_open=True)
         check_range(group, "min_eig", lo=0.0, lo_open=True)
-        _check(group["min_eig"] <= group["prior_precision"],
+        check(group["min_eig"] <= group["prior_precision"],
                f"invalid min_eig: {group['min_eig']!r} exceeds prior_precision "
                f"{group['prior_precision']!r} (the initial S = ess * prior_precision * I must "
                "satisfy the floor ess * min_eig)")
         check_range(group, "noise_scale", lo=0.0)
         for k in ("rho1", "rho2"):
             check_range(group, k, lo=0.0, hi=1.0, hi_open=True)
-        _check(group["precision_update"] in PRECISION_UPDATES,
+        check(group["precision_update"] in PRECISION_UPDATES,
                f"invalid precision_update: {group['precision_update']!r} (expected one of "
                f"{PRECISION_UPDATES})")
 
     def _init_buffers(self, b: Bucket, group) -> Dict[str, Tensor]:
-        _check(b.param_dtype in (torch.float32, torch.float64),
+        check(b.param_dtype in (torch.float32, torch.float64),
                f"VONPoCo supports float32 and float64 parameters only, got {b.param_dtype} "
                "(Hessians in half precision are not meaningful)")
-        _check(b.numel <= MAX_DIM,
+        check(b.numel <= MAX_DIM,
                f"VONPoCo keeps a dense {b.numel} x {b.numel} precision per bucket; at most "
                f"{MAX_DIM} parameters per (group, device, dtype) are supported")
         for p in b.params:
-            _check(p.requires_grad, "VONPoCo: every parameter must require grad")
+            check(p.requires_grad, "VONPoCo: every parameter must require grad")
         d, kw = b.numel, dict(device=b.device, dtype=b.dtype)
         s0 = float(group["ess"]) * float(group["prior_precision"])
         return {"precision": s0 * torch.eye(d, **kw),
@@ -300,7 +305,8 @@ class VONPoCo(PosteriorOptimizer):
                 loss = closure()
                 gh = self._grad_hess(loss)
         finally:
-            self.restore()
+            self._backend.restore()
+            self._active = None
         return loss.detach(), gh
 
     def _begin(self):
@@ -311,16 +317,16 @@ class VONPoCo(PosteriorOptimizer):
             self._validate_group(g)
         for b in self._buckets:
             for p in b.params:
-                _check(p.requires_grad, "VONPoCo: every parameter must require grad")
+                check(p.requires_grad, "VONPoCo: every parameter must require grad")
         self._sync_mean()
 
     def _commit_checked(self, new: Dict[int, Dict[str, Tensor]]) -> None:
-        self._check_new(new)
-        for bi, bufs in new.items():
+        self._backend.check_new(new)
+        for bufs in new.values():
             if "precision" in bufs:
                 self._cholesky(bufs["precision"], "the updated precision S (step refused, "
                                "state unchanged)")
-        self._commit(new)
+        self._backend.commit(new)
 
     # ------------------------------------------------------------------ step
     def step(self, closure: Optional[Callable] = None):
@@ -415,9 +421,9 @@ class VONPoCo(PosteriorOptimizer):
             S = extra.get(f"{b.index}/precision")
             if isinstance(S, Tensor) and tuple(S.shape) == (b.numel, b.numel):
                 S = S.to(dtype=b.dtype)
-                _check(bool(torch.isfinite(S).all()) and
+                check(bool(torch.isfinite(S).all()) and
                        bool(torch.allclose(S, S.mT, rtol=1e-5, atol=0.0)),
                        f"state dict's precision of bucket {b.index} is not finite and symmetric")
-                _check(int(torch.linalg.cholesky_ex(S)[1]) == 0,
+                check(int(torch.linalg.cholesky_ex(S)[1]) == 0,
                        f"state dict's precision of bucket {b.index} is not positive definite")
         super().load_state_dict(state_dict)

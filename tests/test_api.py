@@ -85,7 +85,7 @@ def test_groups_differ_in_every_hyperparameter():
     for kind in ("inner", "outer"):
         with o.sampled(kind):
             prob.loss(m, b).backward()
-    est = {bk.index: (o._estimate(0, bk, None), o._estimate(1, bk, None)) for bk in o._buckets}
+    est = {bk.index: (o._backend.estimate(0, bk, None), o._backend.estimate(1, bk, None)) for bk in o._buckets}
     old = {bk.index: {k: v.clone() for k, v in bk.buffers.items()} for bk in o._buckets}
     o.step()
     for bk in o._buckets:

@@ -293,7 +293,7 @@ def test_torch_compile_of_a_training_step_keeps_the_kernels(fused):
     for compiled in (False, True):
         m, opt = _ivonpoco(fused, mc_samples=1)
         run(opt, m, prob, 3)
-        eng = opt._engine
+        eng = opt._backend
         ops = eng.ops
         b = opt._buckets[0]
         grads = torch.randn(b.numel)

@@ -15,7 +15,7 @@ import torch
 
 import poco_kernels as pk
 from helpers import Problem, mlp, run
-from poco_kernels.kernels import common as K
+from poco_kernels.kernels import interface as K
 from poco_kernels.kernels import cpp_status
 
 DISABLED = os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1"
@@ -93,16 +93,21 @@ def _kernel_run(n, ops, steps=5):
               h_out=r(), m_out=r(), sig=r().abs() + 0.1)
     p = torch.empty(n, dtype=torch.bfloat16)
     ctl = torch.tensor([steps, 2, 0, 0])
-    flags = K.step_flags(K.FAMILY_IVON, CORR=True, HESS_CORR=True, DEBIAS=True, CLIP=True,
-                         FLOOR=True)
-    hp = [1.0, 1.0, 1.0, 0.01, 0.9, 0.999, 1e-4, 50.0, 0.7, 0.01, 0.5, 0.4, 0, 0, 0, 0]
+    flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=True, floor=True, clip=True,
+                                                          debias=True),
+                           corr=True, ge_in=False, ge_o=False, shared_noise=False)
+    hp = K.StepHyper.of(K.StepHP.ivon(lr=0.01, beta1=0.9, beta2=0.999, wd=1e-4, ess=50.0,
+                                      alpha=0.7, hess_corr=0.01, floor=0.5, clip=0.4),
+                        sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0)
     for _ in range(3):
         ops.step(st["mean"], p, st["mom"], st["h"], st["g_in"], None, st["g_o"], None,
                  st["g_out"], st["h_out"], st["m_out"], st["sig"], ctl, None, None,
-                 [7, 5, 9], hp, flags)
+                 K.StepStreams(7, 5, 9), hp, flags)
     ops.refresh(st["mean"], st["h"], st["g_in"], None, st["g_out"], st["h_out"], st["m_out"],
-                st["sig"], ctl, None, None, 7, 13, [0.5, 50.0, 1e-4, 0.3, 0.1, 0.0],
-                K.FAMILY_IVON, False, True)
+                st["sig"], ctl, None, None, 7, 13,
+                K.RefreshHyper.of(K.RefreshHP.ivon(ess=50.0, wd=1e-4, rho1=0.3, rho2=0.1),
+                                  inv_n=0.5),
+                K.RefreshFlags(K.FAMILY_IVON, ge=False, noisy=True))
     ops.sample(p, st["mean"], st["mean"], st["h"], None, ctl, 7, 21, 0, 50.0, 1e-4, 0.0, -1.0,
                K.SIGMA_IVON, False)
     noise = ops.randn(torch.empty(n), 7, 3, 11, 2 ** 32 - 1000)
@@ -217,16 +222,17 @@ def test_instruction_set_selection():
     (dict(hp=[0.0] * 3), "16 hyperparameters"),
 ])
 def test_operators_check_their_inputs(bad, match):
-    """A wrong tensor is a clear error, raised before anything is written."""
-    from poco_kernels.kernels import cpp_ops as ops
+    """A wrong tensor (or float list) is a clear error from the operator itself, raised
+    before anything is written."""
+    import poco_kernels.kernels.cpp_ops  # noqa: F401  (loads the operators)
     n = 10
     a = dict(mean=torch.zeros(n), param=torch.zeros(n), s1=torch.zeros(n), s2=torch.ones(n),
              g_in=torch.zeros(n), ctl=torch.zeros(4, dtype=torch.int64), hp=[1.0] * 16)
     a.update(bad)
     before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
     with pytest.raises(RuntimeError, match=match):
-        ops.step(a["mean"], a["param"], a["s1"], a["s2"], a["g_in"], None, None, None, None,
-                 None, None, None, a["ctl"], None, None, [0, 0, 0], a["hp"],
-                 K.step_flags(K.FAMILY_IVON))
+        torch.ops.poco_kernels_cpp.step(
+            a["mean"], a["param"], a["s1"], a["s2"], a["g_in"], None, None, None, None, None,
+            None, None, a["ctl"], None, None, 0, 0, 0, a["hp"], K.FAMILY_IVON, 0)
     for k, v in before.items():
         assert torch.equal(a[k], v), k

@@ -15,7 +15,7 @@ from helpers import FUSED_BACKENDS
 from poco_kernels import noise
 from poco_kernels import reference as R
 from poco_kernels.ivon import ivon_inner_update, ivon_refresh_update
-from poco_kernels.kernels import common as K
+from poco_kernels.kernels import interface as K
 from poco_kernels.kernels import ops_for
 from tolerances import NOISE, PARAM, STATE, assert_close
 
@@ -164,22 +164,24 @@ def _run_ivon_step(ops, a, found_inf=None, bad=0):
     st, grp, outer = a["st"], a["group"], a["outer"]
     wd = grp["weight_decay"]
     corr = outer is not None
-    flags = K.step_flags(K.FAMILY_IVON, CORR=corr, GE_IN=a["ge_in"] is not None,
-                           GE_O=corr and outer["ge_o"] is not None,
-                           SHARED_NOISE=corr and not a["independent"] and a["mc"] == 1,
-                           HESS_CORR=grp["hess_corr_scale"] != 0,
-                           FLOOR=grp["hess_floor"] is not None,
-                           CLIP=math.isfinite(grp["clip_radius"]), DEBIAS=grp["debias"])
+    path = K.StepPath.ivon(hess_corr=grp["hess_corr_scale"] != 0,
+                           floor=grp["hess_floor"] is not None,
+                           clip=math.isfinite(grp["clip_radius"]), debias=grp["debias"])
+    flags = K.StepFlags.of(K.FAMILY_IVON, path, corr=corr, ge_in=a["ge_in"] is not None,
+                           ge_o=corr and outer["ge_o"] is not None,
+                           shared_noise=corr and not a["independent"] and a["mc"] == 1)
     ctl = _ctl(steps=a["steps"], refreshes=a["refreshes"], bad=bad)
     o = outer or {}
-    hp = [1.0, 1.0 / a["mc"], 1.0 / a["mc"],
-          R.ivon_lr(grp["lr"], grp["hess_init"], wd, grp["rescale_lr"]), grp["beta1"],
-          grp["beta2"], wd, grp["ess"], grp["alpha"], grp["hess_corr_scale"],
-          grp["hess_floor"] or 0.0,
-          grp["clip_radius"] if math.isfinite(grp["clip_radius"]) else 0.0, 0.0, 0.0, 0.0, 0.0]
+    hp = K.StepHP.ivon(lr=R.ivon_lr(grp["lr"], grp["hess_init"], wd, grp["rescale_lr"]),
+                       beta1=grp["beta1"], beta2=grp["beta2"], wd=wd, ess=grp["ess"],
+                       alpha=grp["alpha"], hess_corr=grp["hess_corr_scale"],
+                       floor=grp["hess_floor"] or 0.0,
+                       clip=grp["clip_radius"] if math.isfinite(grp["clip_radius"]) else 0.0)
+    hyper = K.StepHyper.of(hp, sign_o=1.0, inv_n_in=1.0 / a["mc"], inv_n_o=1.0 / a["mc"])
     ops.step(st["mean"], st["param"], st["momentum"], st["h"], a["g_in"], a["ge_in"],
              o.get("g_o"), o.get("ge_o"), o.get("g_out"), o.get("h_out"), o.get("m_out"),
-             o.get("sigma_out"), ctl, found_inf, None, [SEED, a["s_in"], a["s_o"]], hp, flags)
+             o.get("sigma_out"), ctl, found_inf, None, K.StepStreams(SEED, a["s_in"], a["s_o"]),
+             hyper, flags)
     return ctl
 
 
@@ -245,15 +247,18 @@ def test_step_kernel_grad_scale_divides_the_gradients(ops):
     st = {k: v.clone() for k, v in before.items()}
     o = scaled["outer"]
     grp = a["group"]
-    flags = K.step_flags(K.FAMILY_IVON, CORR=True, SHARED_NOISE=True, HESS_CORR=True,
-                           CLIP=True, DEBIAS=True)
-    hp = [1.0, 1.0, 1.0, R.ivon_lr(grp["lr"], grp["hess_init"], grp["weight_decay"], True),
-          grp["beta1"], grp["beta2"], grp["weight_decay"], grp["ess"], grp["alpha"],
-          grp["hess_corr_scale"], 0.0, grp["clip_radius"], 0.0, 0.0, 0.0, 0.0]
+    flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=True, floor=False, clip=True,
+                                                          debias=True),
+                           corr=True, ge_in=False, ge_o=False, shared_noise=True)
+    hp = K.StepHP.ivon(lr=R.ivon_lr(grp["lr"], grp["hess_init"], grp["weight_decay"], True),
+                       beta1=grp["beta1"], beta2=grp["beta2"], wd=grp["weight_decay"],
+                       ess=grp["ess"], alpha=grp["alpha"], hess_corr=grp["hess_corr_scale"],
+                       floor=0.0, clip=grp["clip_radius"])
     ops.step(st["mean"], st["param"], st["momentum"], st["h"], scaled["g_in"], None, o["g_o"],
              None, o["g_out"], o["h_out"], o["m_out"], o["sigma_out"],
-             _ctl(a["steps"], 3), None, torch.tensor([scale]), [SEED, a["s_in"], a["s_o"]],
-             hp, flags)
+             _ctl(a["steps"], 3), None, torch.tensor([scale]),
+             K.StepStreams(SEED, a["s_in"], a["s_o"]),
+             K.StepHyper.of(hp, sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0), flags)
     for k in ("mean", "h", "momentum"):
         assert_close(st[k], exp[k], STATE[torch.float32], k)
 
@@ -281,13 +286,15 @@ def test_step_kernel_sgd_family(n, pdtype, case, corr, ops):
     mean, buf, g_in, g_o, g_out = r(), r(), r(), r(), r()
     param = r().to(pdtype)
     m0, b0 = mean.clone(), buf.clone()
-    flags = K.step_flags(K.FAMILY_SGD, CORR=corr, MOMENTUM=c["momentum"] != 0,
-                           NESTEROV=c["nesterov"])
-    hp = [1.0, 1.0, 1.0, lr, 0.0, 0.0, c["weight_decay"], 1.0, alpha, 0.0, 0.0, 0.0,
-          c["momentum"], c["dampening"], 0.0, float(c["first"])]
+    flags = K.StepFlags.of(K.FAMILY_SGD, K.StepPath.sgd(momentum=c["momentum"] != 0,
+                                                        nesterov=c["nesterov"]),
+                           corr=corr, ge_in=False, ge_o=False, shared_noise=False)
+    hp = K.StepHP.sgd(lr=lr, wd=c["weight_decay"], alpha=alpha, momentum=c["momentum"],
+                      dampening=c["dampening"], mom_first=float(c["first"]))
     ops.step(mean, param, buf, None, g_in, None, g_o if corr else None, None,
-             g_out if corr else None, None, None, None, _ctl(4, 1), None, None, [SEED, 0, 0],
-             hp, flags)
+             g_out if corr else None, None, None, None, _ctl(4, 1), None, None,
+             K.StepStreams(SEED, 0, 0), K.StepHyper.of(hp, sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0),
+             flags)
     ghat = R.control_variate(g_in, g_o, g_out, alpha) if corr else g_in
     exp_m, exp_b = R.sgd_step(m0, ghat, None if c["first"] else b0, lr=lr,
                               momentum=c["momentum"], dampening=c["dampening"],
@@ -308,10 +315,13 @@ def test_step_kernel_adamw_family(n, pdtype, corr, ops):
     ea, eas = r(0.1), r(0.01).square()
     param = r().to(pdtype)
     m0, ea0, eas0 = mean.clone(), ea.clone(), eas.clone()
-    hp = [1.0, 1.0, 1.0, lr, b1, b2, wd, 1.0, alpha, 0.0, 0.0, 0.0, 0.0, 0.0, eps, 0.0]
+    hp = K.StepHP.adamw(lr=lr, beta1=b1, beta2=b2, wd=wd, eps=eps, alpha=alpha)
+    flags = K.StepFlags.of(K.FAMILY_ADAMW, K.StepPath.adamw(), corr=corr, ge_in=False,
+                           ge_o=False, shared_noise=False)
     ops.step(mean, param, ea, eas, g_in, None, g_o if corr else None, None,
              g_out if corr else None, None, None, None, _ctl(steps, 2), None, None,
-             [SEED, 0, 0], hp, K.step_flags(K.FAMILY_ADAMW, CORR=corr))
+             K.StepStreams(SEED, 0, 0), K.StepHyper.of(hp, sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0),
+             flags)
     ghat = R.control_variate(g_in, g_o, g_out, alpha) if corr else g_in
     exp = R.adamw_step(m0, ghat, ea0, eas0, step=steps + 1, lr=lr, beta1=b1, beta2=b2,
                        eps=eps, weight_decay=wd)
@@ -336,8 +346,10 @@ def test_refresh_kernel_ivon_family(n, refreshes, ge, ops):
     before = dict(g_out=g_out.clone(), h_out=h_out.clone())
     ops.refresh(mean, h, acc_g, acc_ge if ge else None, g_out, h_out, m_out, sigma_out,
                 _ctl(9, refreshes), None, None, SEED, stream,
-                [1.0 / k, grp["ess"], grp["weight_decay"], grp["rho1"], grp["rho2"], 0.0],
-                K.FAMILY_IVON, ge, True)
+                K.RefreshHyper.of(K.RefreshHP.ivon(ess=grp["ess"], wd=grp["weight_decay"],
+                                                   rho1=grp["rho1"], rho2=grp["rho2"]),
+                                  inv_n=1.0 / k),
+                K.RefreshFlags(K.FAMILY_IVON, ge=ge, noisy=True))
     gM = acc_g / k
     geM = acc_ge / k if ge else gM * _eps(n, refreshes, stream)
     exp = ivon_refresh_update(mean=mean, h=h, gM=gM, geM=geM, g_out=before["g_out"],
@@ -355,8 +367,8 @@ def test_refresh_kernel_sgd_family(noisy, ops):
     g_out, theta_out = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
     stream = noise.stream_id(0, 2, 0)
     ops.refresh(mean, None, acc_g, None, g_out, None, theta_out, None, _ctl(5, 2), None,
-                None, SEED, stream, [1.0 / k, 1.0, 0.0, 0.0, 0.0, sigma], K.FAMILY_SGD,
-                False, noisy)
+                None, SEED, stream, K.RefreshHyper.of(K.RefreshHP.sgd(sigma=sigma), inv_n=1.0 / k),
+                K.RefreshFlags(K.FAMILY_SGD, ge=False, noisy=noisy))
     assert_close(g_out, acc_g / k, STATE[torch.float32], "g_out")
     exp = R.perturb(mean, sigma, _eps(n, 2, stream)) if noisy else mean
     assert_close(theta_out, exp, STATE[torch.float32], "theta_out")
@@ -464,19 +476,28 @@ def test_operators_pass_opcheck(ops):
     g = torch.Generator().manual_seed(1)
     r = lambda: torch.randn(n, generator=g)  # noqa: E731
     ctl = _ctl(3, 1)
-    flags = K.step_flags(K.FAMILY_IVON, CORR=True, SHARED_NOISE=True, HESS_CORR=True,
-                         DEBIAS=True)
-    hp = [1.0, 1.0, 1.0, 0.01, 0.9, 0.999, 1e-4, 50.0, 0.7, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0,
-          0.0]
+    flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=True, floor=False,
+                                                          clip=False, debias=True),
+                           corr=True, ge_in=False, ge_o=False, shared_noise=True)
+    hp = K.StepHyper.of(K.StepHP.ivon(lr=0.01, beta1=0.9, beta2=0.999, wd=1e-4, ess=50.0,
+                                      alpha=0.7, hess_corr=0.01, floor=0.0, clip=0.0),
+                        sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0)
+    rflags = K.RefreshFlags(K.FAMILY_IVON, ge=False, noisy=True)
+    # the operators' own schemas: the C++ ones take the records' fields as numbers, the
+    # Triton custom ops the records as lists
+    cpp = ns is torch.ops.poco_kernels_cpp
+    streams = (SEED, 5, 5) if cpp else ([SEED, 5, 5],)
+    step_tail = (list(hp), flags.family, flags.bits()) if cpp else (list(hp), [int(v) for v in flags])
+    refresh_tail = ((rflags.family, rflags.bits()) if cpp else ([int(v) for v in rflags],))
     cases = {
         "sample": (r().bfloat16(), r(), r(), r().abs() + 0.1, None, ctl, SEED, 5, 0, 50.0,
                    1e-4, 0.0, 1.0, K.SIGMA_IVON, False),
         "accumulate": (r(), r(), r(), ctl.clone(), SEED, 5, 0, 1.0, False, True),
         "fold_ge": (r(), r(), ctl, SEED, 5, 0, 1.0),
         "step": (r(), r().bfloat16(), r(), r().abs() + 0.5, r(), None, r(), None, r(), r(),
-                 r(), r().abs() + 0.1, ctl, None, None, [SEED, 5, 5], hp, flags),
+                 r(), r().abs() + 0.1, ctl, None, None, *streams, *step_tail),
         "refresh": (r(), r().abs() + 0.5, r(), None, r(), r(), r(), r(), ctl, None, None, SEED,
-                    5, [1.0, 50.0, 1e-4, 0.5, 0.1, 0.0], K.FAMILY_IVON, False, True),
+                    5, [1.0, 50.0, 1e-4, 0.5, 0.1, 0.0], *refresh_tail),
         "finish": (ctl.clone(), None, 0),
     }
     for name, args in cases.items():

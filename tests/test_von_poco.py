@@ -12,7 +12,7 @@ import torch
 
 from poco_kernels import noise as N_
 from poco_kernels import reference as R
-from poco_kernels._core import KIND_INNER, KIND_REFRESH
+from poco_kernels._protocol import KIND_INNER, KIND_REFRESH
 from poco_kernels.von_poco import VONPoCo
 from poco_kernels.reference import blr_precision_term
 

@@ -141,7 +141,7 @@ def load_ivon_moments(opt, moments: Sequence[Dict[str, Tensor]], step: int) -> N
     params = [p for g in opt.param_groups for p in g["params"]]
     if len(moments) != len(params):
         raise ValueError(f"{len(moments)} saved parameters, the optimizer has {len(params)}")
-    from .._core import _shard_start, is_sharded
+    from .._layout import is_sharded, shard_start as _shard_start
     for i, (p, m) in enumerate(zip(params, moments)):
         st = dict(sd["state"][i])
         for k in ("h", "momentum"):

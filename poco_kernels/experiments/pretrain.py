@@ -610,7 +610,7 @@ class Trainer:
     def full_state(self) -> Dict[str, Any]:
         """Model and optimizer state as one process would hold them: sharded tensors are
         gathered (a collective: every rank calls it)."""
-        from .._core import is_sharded
+        from .._layout import is_sharded
         model = {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu()
                  for k, v in self.raw.state_dict().items()}
         sd = self.opt.state_dict()

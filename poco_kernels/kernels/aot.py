@@ -49,8 +49,8 @@ _PTR_TYPES = {"ctl_ptr": "*i64", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*f
 _I64 = {"n", "seed"}
 _I32 = {"stream", "stream_o", "counter_slot", "slot"}
 _FP32 = {"ess", "wd", "sigma_const", "sign", "sign_o", "inv_n_in", "inv_n_o", "inv_n", "lr",
-         "beta1", "beta2", "alpha", "hess_corr", "floor_c", "clip", "momentum", "dampening",
-         "eps_adam", "mom_first", "rho1", "rho2"}
+         "beta1", "beta2", "alpha", "hess_corr", "floor", "clip", "momentum", "dampening",
+         "eps", "mom_first", "rho1", "rho2", "sigma"}
 
 
 class Variant(NamedTuple):

@@ -2,24 +2,25 @@
 
 The operators ``torch.ops.poco_kernels_cpp.*`` are registered by the extension with the
 same arguments as the Triton wrappers in :mod:`poco_kernels.kernels.triton_ops`, so the
-host engine (``poco_kernels/_fused_backend.py``) calls either module the same way.  Here:
+host engine (``poco_kernels/backends/fused.py``) calls either module the same way.  Here:
 load the extension, register the fake (meta) kernels that ``torch.compile`` needs, and
 expose one function per operation.  Import this module only when
 :func:`poco_kernels.kernels.cpp_status` says the extension can be used.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 import poco_kernels._C  # noqa: F401  (registers torch.ops.poco_kernels_cpp)
 
-from .common import step_flags  # noqa: F401
+from .interface import (RefreshFlags, RefreshHyper, StepFlags, StepHyper, StepStreams,
+                        require)
 
-__all__ = ["sample", "accumulate", "fold_ge", "step", "refresh", "finish", "step_flags",
-           "randn", "isa", "set_isa"]
+__all__ = ["sample", "accumulate", "fold_ge", "step", "refresh", "finish", "randn", "isa",
+           "set_isa", "available_isas"]
 
 _ops = torch.ops.poco_kernels_cpp
 
@@ -54,20 +55,28 @@ def step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor]
          g_in: Tensor, ge_in: Optional[Tensor], g_o: Optional[Tensor], ge_o: Optional[Tensor],
          g_out: Optional[Tensor], h_out: Optional[Tensor], m_out: Optional[Tensor],
          sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
-         grad_scale: Optional[Tensor], ints: Sequence[int], hp: Sequence[float],
-         flags: int) -> None:
-    """One inner step of every optimizer of the diagonal family (``step_kernel``)."""
+         grad_scale: Optional[Tensor], streams: StepStreams, hp: StepHyper,
+         flags: StepFlags) -> None:
+    """One inner step of every optimizer of the diagonal family (``step_kernel``); the
+    records of :mod:`~poco_kernels.kernels.interface` are read by name in ``csrc/``."""
+    streams = require(streams, StepStreams, "streams")
+    hp = require(hp, StepHyper, "hp")
+    flags = require(flags, StepFlags, "flags")
     _ops.step(mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out, m_out, sigma_out, ctl,
-              found_inf, grad_scale, list(ints), [float(v) for v in hp], flags)
+              found_inf, grad_scale, int(streams.seed), int(streams.stream),
+              int(streams.stream_o), [float(v) for v in hp], int(flags.family), flags.bits())
 
 
 def refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
             g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor, sigma_out: Optional[Tensor],
             ctl: Tensor, found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
-            stream: int, hp: Sequence[float], family: int, ge: bool, noisy: bool) -> None:
+            stream: int, hp: RefreshHyper, flags: RefreshFlags) -> None:
     """The outer refresh (``refresh_kernel``)."""
+    hp = require(hp, RefreshHyper, "hp")
+    flags = require(flags, RefreshFlags, "flags")
     _ops.refresh(mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out, ctl, found_inf,
-                 grad_scale, seed, stream, [float(v) for v in hp], family, ge, noisy)
+                 grad_scale, seed, stream, [float(v) for v in hp], int(flags.family),
+                 flags.bits())
 
 
 def finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:

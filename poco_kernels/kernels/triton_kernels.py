@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 
 # the code-path constants and the control-tensor layout, shared with the C++ kernels
-from .common import (CTL_BAD, CTL_REFRESHES, CTL_SIZE, CTL_SKIPPED, CTL_STEPS,  # noqa: F401
-                     FAMILY_ADAMW, FAMILY_IVON, FAMILY_SGD, SIGMA_BUFFER, SIGMA_CONST,
-                     SIGMA_IVON, SIGMA_NONE)
+from .interface import (CTL_BAD, CTL_REFRESHES, CTL_SIZE, CTL_SKIPPED,  # noqa: F401
+                        CTL_STEPS, FAMILY_ADAMW, FAMILY_IVON, FAMILY_SGD, SIGMA_BUFFER,
+                        SIGMA_CONST, SIGMA_IVON, SIGMA_NONE)
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -169,16 +169,20 @@ def step_kernel(
         g_out_ptr, h_out_ptr, m_out_ptr, sigma_out_ptr,
         # control
         ctl_ptr, found_inf_ptr, grad_scale_ptr,
-        n, seed, stream, stream_o, sign_o, inv_n_in, inv_n_o,
-        # hyperparameters
-        lr, beta1, beta2, wd, ess, alpha, hess_corr, floor_c, clip, momentum, dampening, eps_adam,
+        n, seed, stream, stream_o,
+        # StepHyper (poco_kernels/kernels/interface.py)
+        sign_o, inv_n_in, inv_n_o,
+        lr, beta1, beta2, wd, ess, alpha, hess_corr, floor, clip, momentum, dampening, eps,
         mom_first,
+        # StepFlags
         FAMILY: tl.constexpr, CORR: tl.constexpr, GE_IN: tl.constexpr, GE_O: tl.constexpr,
         SHARED_NOISE: tl.constexpr, HESS_CORR: tl.constexpr, FLOOR: tl.constexpr,
         CLIP: tl.constexpr, DEBIAS: tl.constexpr, MOMENTUM: tl.constexpr,
         NESTEROV: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr,
         BLOCK: tl.constexpr):
-    """One inner step of every optimizer of the diagonal family, in one pass.
+    """One inner step of every optimizer of the diagonal family, in one pass.  The scalars
+    and switches are the fields of ``StepStreams``, ``StepHyper`` and ``StepFlags``
+    (:mod:`poco_kernels.kernels.interface`), by name.
 
     ``FAMILY_IVON`` (IVON, IVON-PoCo(Mo); ``s1`` = momentum ``g``, ``s2`` = Hessian ``h``):
     regenerate the inner (and outer) noise, form the Price Hessian estimates of both
@@ -244,7 +248,7 @@ def step_kernel(
             h_o = ge_o / sigma_out
             hhat = hhat - a * (h_o - h_out)
             if FLOOR:
-                hhat = tl.maximum(hhat, -floor_c * (h + wd))
+                hhat = tl.maximum(hhat, -floor * (h + wd))
             if HESS_CORR:
                 m_out = tl.load(m_out_ptr + idx, mask=mask, other=0.0)
                 extra = (hess_corr * a) * (h_out - h_o) * (m - m_out)
@@ -281,7 +285,7 @@ def step_kernel(
         eas = beta2 * eas + (1.0 - beta2) * ghat * ghat
         bc1 = 1.0 - tl.exp2(t * tl.log2(beta1))
         bc2 = 1.0 - tl.exp2(t * tl.log2(beta2))
-        denom = tl.sqrt(eas) / tl.sqrt(bc2) + eps_adam
+        denom = tl.sqrt(eas) / tl.sqrt(bc2) + eps
         m_new = m_dec - (lr / bc1) * ea / denom
         tl.store(s1_ptr + idx, ea, mask=wmask)
         tl.store(s2_ptr + idx, eas, mask=wmask)
@@ -294,7 +298,10 @@ def step_kernel(
 @triton.jit(do_not_specialize=_NO_SPEC)
 def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr, m_out_ptr,
                    sigma_out_ptr, ctl_ptr, found_inf_ptr, grad_scale_ptr,
-                   n, seed, stream, inv_n, ess, wd, rho1, rho2, sigma_const,
+                   n, seed, stream,
+                   # RefreshHyper (poco_kernels/kernels/interface.py)
+                   inv_n, ess, wd, rho1, rho2, sigma,
+                   # RefreshFlags
                    FAMILY: tl.constexpr, GE: tl.constexpr, NOISY: tl.constexpr,
                    HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     """The outer refresh, one pass.
@@ -305,7 +312,8 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
     ``m_out = m``, ``sigma_out = sigma``.  Reference: ivon_sigma, price_hessian, outer_fold.
 
     ``FAMILY_SGD``/``FAMILY_ADAMW``: ``g_out = gM`` and the refresh point
-    ``theta_out = m (+ sigma eps)`` (``m_out_ptr``).  Reference: perturb.
+    ``theta_out = m (+ sigma eps)`` (``m_out_ptr``; ``sigma`` the constant of VSGD-PoCo).
+    Reference: perturb.
     """
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
@@ -320,12 +328,12 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
     gM = _estimate(acc_g_ptr, idx, mask, inv_n * scale)
     if FAMILY == 0:
         h = tl.load(h_ptr + idx, mask=mask, other=1.0)
-        sigma = _ivon_sigma(h, ess, wd)
+        sigma_r = _ivon_sigma(h, ess, wd)
         if GE:
             geM = _estimate(acc_ge_ptr, idx, mask, inv_n * scale)
         else:
             geM = gM * _randn(seed, idx, refreshes, stream)
-        hM = geM / sigma
+        hM = geM / sigma_r
         first = refreshes == 0
         g_old = tl.load(g_out_ptr + idx, mask=mask, other=0.0)
         h_old = tl.load(h_out_ptr + idx, mask=mask, other=0.0)
@@ -334,11 +342,11 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
         tl.store(g_out_ptr + idx, g_new, mask=wmask)
         tl.store(h_out_ptr + idx, h_new, mask=wmask)
         tl.store(m_out_ptr + idx, m, mask=wmask)
-        tl.store(sigma_out_ptr + idx, sigma, mask=wmask)
+        tl.store(sigma_out_ptr + idx, sigma_r, mask=wmask)
     else:
         tl.store(g_out_ptr + idx, gM, mask=wmask)
         if NOISY:
-            theta = m + sigma_const * _randn(seed, idx, refreshes, stream)
+            theta = m + sigma * _randn(seed, idx, refreshes, stream)
         else:
             theta = m
         tl.store(m_out_ptr + idx, theta, mask=wmask)

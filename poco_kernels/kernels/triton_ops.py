@@ -16,9 +16,10 @@ import triton
 from torch import Tensor
 
 from . import triton_kernels as K
-from .common import step_flags, unpack_step_flags as _unpack  # noqa: F401
+from .interface import (RefreshFlags, RefreshHyper, StepFlags, StepHyper, StepStreams,
+                        require)
 
-__all__ = ["sample", "accumulate", "fold_ge", "step", "refresh", "finish", "step_flags"]
+__all__ = ["sample", "accumulate", "fold_ge", "step", "refresh", "finish"]
 
 def _grid(n: int):
     return (triton.cdiv(n, K.BLOCK),)
@@ -65,14 +66,11 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
           g_in: Tensor, ge_in: Optional[Tensor], g_o: Optional[Tensor], ge_o: Optional[Tensor],
           g_out: Optional[Tensor], h_out: Optional[Tensor], m_out: Optional[Tensor],
           sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
-          grad_scale: Optional[Tensor], ints: Sequence[int], hp: Sequence[float],
-          flags: int) -> None:
+          grad_scale: Optional[Tensor], streams: StepStreams, hp: StepHyper,
+          flags: StepFlags) -> None:
     n = mean.numel()
     if n == 0:
         return
-    seed, stream, stream_o = ints
-    (sign_o, inv_n_in, inv_n_o, lr, beta1, beta2, wd, ess, alpha, hess_corr, floor_c, clip,
-     momentum, dampening, eps_adam, mom_first) = hp
     d = mean
     K.step_kernel[_grid(n)](
         mean, param, s1 if s1 is not None else d, s2 if s2 is not None else d,
@@ -82,30 +80,27 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
         sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
         grad_scale if grad_scale is not None else ctl,
-        n, seed, stream, stream_o, sign_o, inv_n_in, inv_n_o,
-        lr, beta1, beta2, wd, ess, alpha, hess_corr, floor_c, clip, momentum, dampening,
-        eps_adam, mom_first,
-        **_unpack(flags), HAS_FOUND_INF=found_inf is not None,
-        HAS_SCALE=grad_scale is not None, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+        n, **streams._asdict(), **hp._asdict(), **flags.constexprs(),
+        HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
+        BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
 
 def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
              g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor, sigma_out: Optional[Tensor],
              ctl: Tensor, found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
-             stream: int, hp: Sequence[float], family: int, ge: bool, noisy: bool) -> None:
+             stream: int, hp: RefreshHyper, flags: RefreshFlags) -> None:
     n = mean.numel()
     if n == 0:
         return
-    inv_n, ess, wd, rho1, rho2, sigma_const = hp
     d = mean
     K.refresh_kernel[_grid(n)](
         mean, h if h is not None else d, acc_g, acc_ge if acc_ge is not None else d, g_out,
         h_out if h_out is not None else d, m_out, sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
         grad_scale if grad_scale is not None else ctl,
-        n, seed, stream, inv_n, ess, wd, rho1, rho2, sigma_const,
-        FAMILY=family, GE=ge, NOISY=noisy, HAS_FOUND_INF=found_inf is not None,
-        HAS_SCALE=grad_scale is not None, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+        n, seed, stream, **hp._asdict(), **flags.constexprs(),
+        HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
+        BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
 
 def _finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:
@@ -141,10 +136,11 @@ def _step_op(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Ten
              g_in: Tensor, ge_in: Optional[Tensor], g_o: Optional[Tensor],
              ge_o: Optional[Tensor], g_out: Optional[Tensor], h_out: Optional[Tensor],
              m_out: Optional[Tensor], sigma_out: Optional[Tensor], ctl: Tensor,
-             found_inf: Optional[Tensor], grad_scale: Optional[Tensor], ints: List[int],
-             hp: List[float], flags: int) -> None:
+             found_inf: Optional[Tensor], grad_scale: Optional[Tensor], streams: List[int],
+             hp: List[float], flags: List[int]) -> None:
     _step(mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out, m_out, sigma_out, ctl,
-          found_inf, grad_scale, ints, hp, flags)
+          found_inf, grad_scale, StepStreams(*streams), StepHyper(*hp),
+          StepFlags(flags[0], *(bool(v) for v in flags[1:])))
 
 
 @torch.library.custom_op("poco_kernels::refresh",
@@ -153,9 +149,10 @@ def _refresh_op(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Option
                 g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor,
                 sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
                 grad_scale: Optional[Tensor], seed: int, stream: int, hp: List[float],
-                family: int, ge: bool, noisy: bool) -> None:
+                flags: List[int]) -> None:
     _refresh(mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out, ctl, found_inf,
-             grad_scale, seed, stream, hp, family, ge, noisy)
+             grad_scale, seed, stream, RefreshHyper(*hp),
+             RefreshFlags(flags[0], *(bool(v) for v in flags[1:])))
 
 
 @torch.library.custom_op("poco_kernels::finish", mutates_args=("ctl",))
@@ -176,9 +173,30 @@ def _dispatch(direct, op):
     return call
 
 
+def _record_args(direct, op, records):
+    """Like :func:`_dispatch`, for a launch that takes typed records (checked here): under
+    torch.compile they travel through the custom op as lists of numbers."""
+    def call(*args):
+        args = list(args)
+        for i, (cls, what) in records.items():
+            require(args[i], cls, what)
+        if not _compiling():
+            return direct(*args)
+        for i in records:
+            args[i] = [int(v) if isinstance(v, bool) else v for v in args[i]]
+        return op(*args)
+    call.__name__ = direct.__name__.lstrip("_")
+    call.__doc__ = (f"Launch ``{call.__name__}`` (directly in eager mode, through the custom op "
+                    f"``{op._qualname}`` under torch.compile); records of "
+                    ":mod:`~poco_kernels.kernels.interface` by name.")
+    return call
+
+
 sample = _dispatch(_sample, _sample_op)
 accumulate = _dispatch(_accumulate, _accumulate_op)
 fold_ge = _dispatch(_fold_ge, _fold_ge_op)
-step = _dispatch(_step, _step_op)
-refresh = _dispatch(_refresh, _refresh_op)
+step = _record_args(_step, _step_op, {15: (StepStreams, "streams"), 16: (StepHyper, "hp"),
+                                      17: (StepFlags, "flags")})
+refresh = _record_args(_refresh, _refresh_op, {13: (RefreshHyper, "hp"),
+                                               14: (RefreshFlags, "flags")})
 finish = _dispatch(_finish, _finish_op)

@@ -1,10 +1,9 @@
-"""The fused backends of :class:`~poco_kernels._core.PosteriorOptimizer`: ``"triton"``
-(GPU) and ``"cpp"`` (CPU).
+"""The fused backends, ``"triton"`` (GPU) and ``"cpp"`` (CPU): one host engine for both.
 
-One host engine drives both: it owns the flat buffers and the control tensors and calls
-the kernels through a wrapper module with one function per operation, either
-:mod:`poco_kernels.kernels.triton_ops` or :mod:`poco_kernels.kernels.cpp_ops` (same
-signatures).  What changes against the reference backend:
+It owns the flat buffers and the control tensors and calls the kernels through a wrapper
+module with one function per operation, :mod:`poco_kernels.kernels.triton_ops` or
+:mod:`poco_kernels.kernels.cpp_ops` (same signatures, the typed records of
+:mod:`poco_kernels.kernels.interface`).  What changes against the torch backend:
 
 * **Flat parameters.**  The parameters of a bucket become views of one flat buffer of
   their dtype (``p.data`` is re-pointed once, at construction), so a sample, a restore
@@ -20,7 +19,7 @@ signatures).  What changes against the reference backend:
   accumulating) leaves it and the state as they were, without the host looking.  The
   host keeps counts of updates *attempted*, for its own bookkeeping only.
 * **No host synchronisation inside a step** on a GPU, unless ``check_finite=True`` asks
-  for the reference backend's error on non-finite gradients (one device-to-host read per
+  for the torch backend's error on non-finite gradients (one device-to-host read per
   update; free on the CPU, where it is the default).
 """
 from __future__ import annotations
@@ -30,22 +29,28 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import noise as _noise
-from .kernels import common as K
+from .. import noise as _noise
+from .._protocol import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER,
+                         KIND_REFRESH)
+from ..kernels import interface as K
+from .base import Backend
 
 
-class FusedEngine:
+class FusedBackend(Backend):
     """Owns the flat parameter/gradient buffers, the gradient sums and the control
-    tensors of one optimizer; the optimizer delegates sample/accumulate/restore/step/
-    refresh to it.  ``ops``: the kernels' wrapper module (``triton_ops`` or ``cpp_ops``)."""
+    tensors of one optimizer.  ``ops``: the kernels' wrapper module (``triton_ops`` or
+    ``cpp_ops``)."""
 
-    def __init__(self, opt, ops):
-        self.opt = opt
+    lazy_restore = True
+
+    def __init__(self, opt, name: str, ops):
+        super().__init__(opt)
+        self.name = name
         self.ops = ops
+        self.check_finite_default = name != "triton"   # a host read per update on a GPU
         self.ctl: Dict[torch.device, Tensor] = {}
         self.pool: Dict[Tuple[int, int], List[Optional[Tensor]]] = {}
         self.active_noise: Dict[int, Optional[Tuple[int, int, float]]] = {}
-        self.params_hold_mean = True
         self.flatten()
 
     # ------------------------------------------------------------------ layout
@@ -84,7 +89,7 @@ class FusedEngine:
                 raise RuntimeError(
                     "a parameter's storage was replaced since the optimizer was built "
                     "(e.g. by model.to(...) or `p.data = ...`): with "
-                    f"backend={self.opt.backend!r} the parameters are views of the "
+                    f"backend={self.name!r} the parameters are views of the "
                     "optimizer's flat buffers; build the optimizer after moving the model, "
                     "or copy into parameters in place")
 
@@ -111,6 +116,10 @@ class FusedEngine:
             if b.param_dtype == b.dtype:
                 b.buffers["mean"].copy_(b.flat_param)
 
+    def at_mean(self) -> None:
+        self.active_noise.clear()
+
+    @torch.no_grad()
     def sample(self, kind: int, draw: int) -> None:
         self.check_layout()
         opt = self.opt
@@ -147,6 +156,7 @@ class FusedEngine:
                             float(spec.ess), float(spec.wd), const, float(sign), mode, sync)
         self.params_hold_mean = False
 
+    @torch.no_grad()
     def restore(self) -> None:
         for b in self.opt._buckets:
             b.flat_param.copy_(b.buffers["mean"])
@@ -204,6 +214,7 @@ class FusedEngine:
         nk, nd, slot, sign = spec.noise
         return _noise.stream_id(b.index, nk, nd), slot, float(sign)
 
+    @torch.no_grad()
     def accumulate(self, kind: int, draw: int) -> None:
         opt = self.opt
         sums = opt._pending.sums
@@ -229,9 +240,10 @@ class FusedEngine:
                            first, acc_ge is not None)
             sums[(kind, b.index, "g")] = acc_g
 
-    def materialise_ge(self) -> None:
+    @torch.no_grad()
+    def prepare_state_dict(self) -> None:
         """Give every pending noisy sum its ``g * eps`` sum (for the state dict, which
-        has the reference backend's layout)."""
+        has the torch backend's layout)."""
         opt = self.opt
         if not opt.uses_hessian:
             return
@@ -276,16 +288,14 @@ class FusedEngine:
             fi = None if found_inf is None else found_inf.to(dev, non_blocking=True)
             self.ops.finish(c, fi, slot)
 
-    def step(self, corr: bool, grad_scale, found_inf) -> None:
-        from ._core import KIND_INNER, KIND_OUTER, COUNTER_STEPS
+    def step(self, corr: bool, grad_scale, found_inf) -> bool:
         opt = self.opt
         pend = opt._pending
         sums = pend.sums
         n_in = pend.count[KIND_INNER]
         n_o = pend.count[KIND_OUTER] if corr else 0
         for b in opt._buckets:
-            group = opt.param_groups[b.group_index]
-            t = opt._kernel_step(b, group)
+            t = opt._kernel_step(b, opt.param_groups[b.group_index])
             g_in = self._acc(KIND_INNER, b, "g")
             ge_in = self._acc(KIND_INNER, b, "ge") if (KIND_INNER, b.index, "ge") in sums else None
             noise_in = self.noise_of(KIND_INNER, b, 0) if opt.uses_hessian else None
@@ -297,52 +307,53 @@ class FusedEngine:
                 noise_o = self.noise_of(KIND_OUTER, b, 0) if opt.uses_hessian else None
             shared = (noise_in is not None and noise_o is not None and noise_in == noise_o
                       and ge_in is None and ge_o is None)
-            flags = K.step_flags(
-                t["family"], CORR=corr, GE_IN=ge_in is not None, GE_O=ge_o is not None,
-                SHARED_NOISE=shared, **t["flags"])
-            hp = t["hp"]
+            flags = K.StepFlags.of(t.family, t.path, corr=corr, ge_in=ge_in is not None,
+                                   ge_o=ge_o is not None, shared_noise=shared)
+            hyper = K.StepHyper.of(t.hp, sign_o=noise_o[2] if noise_o else 1.0,
+                                   inv_n_in=1.0 / n_in, inv_n_o=1.0 / n_o if n_o else 0.0)
+            streams = K.StepStreams(opt.seed, noise_in[0] if noise_in else 0,
+                                    noise_o[0] if noise_o else 0)
             fi, gs = self._amp(b, found_inf, grad_scale)
-            self.ops.step(b.buffers["mean"], b.flat_param, t.get("s1"), t.get("s2"), g_in, ge_in,
-                     g_o, ge_o, b.buffers.get("g_out") if corr else None,
-                     b.buffers.get("h_out") if corr else None,
-                     b.buffers.get("m_out") if corr else None,
-                     b.buffers.get("sigma_out") if corr else None,
-                     self._ctl(b), fi, gs,
-                     [opt.seed, noise_in[0] if noise_in else 0, noise_o[0] if noise_o else 0],
-                     [float(v) for v in (
-                         noise_o[2] if noise_o else 1.0, 1.0 / n_in, 1.0 / n_o if n_o else 0.0,
-                         hp.get("lr", 0.0), hp.get("beta1", 0.0), hp.get("beta2", 0.0),
-                         hp.get("wd", 0.0), hp.get("ess", 1.0), hp.get("alpha", 0.0),
-                         hp.get("hess_corr", 0.0), hp.get("floor", 0.0), hp.get("clip", 0.0),
-                         hp.get("momentum", 0.0), hp.get("dampening", 0.0), hp.get("eps", 0.0),
-                         hp.get("mom_first", 0.0))],
-                     flags)
+            self.ops.step(b.buffers["mean"], b.flat_param, t.s1, t.s2, g_in, ge_in,
+                          g_o, ge_o, b.buffers.get("g_out") if corr else None,
+                          b.buffers.get("h_out") if corr else None,
+                          b.buffers.get("m_out") if corr else None,
+                          b.buffers.get("sigma_out") if corr else None,
+                          self._ctl(b), fi, gs, streams, hyper, flags)
         self.params_hold_mean = True
         if opt.check_finite:
             self._raise_if_bad(COUNTER_STEPS, found_inf)
         self._finish(COUNTER_STEPS, found_inf)
+        return True
 
-    def refresh(self, grad_scale, found_inf) -> None:
-        from ._core import KIND_REFRESH, COUNTER_REFRESHES
+    def refresh(self, grad_scale, found_inf) -> bool:
         opt = self.opt
         pend = opt._pending
         n = pend.count[KIND_REFRESH]
         for b in opt._buckets:
-            group = opt.param_groups[b.group_index]
-            r = opt._kernel_refresh(b, group)
+            r = opt._kernel_refresh(b, opt.param_groups[b.group_index])
             acc_g = self._acc(KIND_REFRESH, b, "g")
             acc_ge = (self._acc(KIND_REFRESH, b, "ge")
                       if (KIND_REFRESH, b.index, "ge") in pend.sums else None)
             noise = self.noise_of(KIND_REFRESH, b, 0)
             fi, gs = self._amp(b, found_inf, grad_scale)
-            hp = r["hp"]
-            self.ops.refresh(b.buffers["mean"], r.get("h"), acc_g, acc_ge, r["g_out"], r.get("h_out"),
-                        r["m_out"], r.get("sigma_out"), self._ctl(b), fi, gs, opt.seed,
-                        noise[0] if noise else 0,
-                        [float(v) for v in (1.0 / n, hp.get("ess", 1.0), hp.get("wd", 0.0),
-                                             hp.get("rho1", 0.0), hp.get("rho2", 0.0),
-                                             hp.get("sigma", 0.0))],
-                        r["family"], acc_ge is not None, noise is not None)
+            self.ops.refresh(b.buffers["mean"], r.h, acc_g, acc_ge, r.g_out, r.h_out, r.m_out,
+                             r.sigma_out, self._ctl(b), fi, gs, opt.seed,
+                             noise[0] if noise else 0, K.RefreshHyper.of(r.hp, inv_n=1.0 / n),
+                             K.RefreshFlags(r.family, acc_ge is not None, noise is not None))
         if opt.check_finite:
             self._raise_if_bad(COUNTER_REFRESHES, found_inf)
         self._finish(COUNTER_REFRESHES, found_inf)
+        return True
+
+    # ------------------------------------------------------------------ bookkeeping
+    def loaded(self) -> None:
+        self.params_hold_mean = True
+        self.set_counters(self.opt._step, self.opt._refreshes)
+
+    def rebuilt(self, old_buckets) -> None:
+        for b_new, b_old in zip(self.opt._buckets, old_buckets):
+            for attr in ("flat_param", "grad_flat", "grad_views"):
+                if hasattr(b_old, attr):
+                    setattr(b_new, attr, getattr(b_old, attr))
+        self.flatten()

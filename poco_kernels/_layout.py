@@ -1,0 +1,154 @@
+"""Flat buckets: how an optimizer lays out its parameters and state.
+
+The parameters of each parameter group are split by (device, dtype) into buckets; every
+piece of optimizer state is one flat float32 (float64 for float64 parameters) buffer per
+bucket, and ``optimizer.state[p]`` holds views into those buffers (:func:`expose`), so
+``torch.optim`` tooling sees the usual per-parameter state while kernels see one
+contiguous buffer per bucket.
+
+Sharded parameters (FSDP2's ``DTensor``, sharded on dim 0): a bucket holds the local
+shards; each shard's noise is drawn at its elements' positions in the unsharded bucket
+(``Bucket.segments``), so a sharded run draws exactly the unsharded sample.  The maths is
+elementwise, so nothing else needs communication.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ._validation import check
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:                     # pragma: no cover - torch without distributed
+    _DTensor = ()
+
+
+def state_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """float64 state for float64 parameters, float32 otherwise."""
+    return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+
+def is_sharded(t) -> bool:
+    """True for a ``torch.distributed`` ``DTensor`` (FSDP2's sharded parameters)."""
+    return isinstance(t, _DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The local shard of a ``DTensor`` (an alias: in-place writes reach the parameter),
+    else the tensor itself."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def shard_start(p: Tensor) -> int:
+    """Index, in ``p``'s unsharded flattening, of the first element of its local shard.
+    Supported: a 1-D mesh with ``Shard(0)`` (FSDP2's default, ``torch.chunk`` rows) or
+    ``Replicate()``."""
+    from torch.distributed.tensor import Replicate, Shard
+    mesh, pl = p.device_mesh, tuple(p.placements)
+    if mesh.ndim != 1 or len(pl) != 1 or not isinstance(pl[0], (Shard, Replicate)) \
+            or (isinstance(pl[0], Shard) and pl[0].dim != 0):
+        raise ValueError(f"sharded parameters must be Shard(0) or Replicate() on a 1-D mesh "
+                         f"(FSDP2's default), got {pl} on a {mesh.ndim}-D mesh")
+    if isinstance(pl[0], Replicate) or p.dim() == 0:
+        return 0
+    rows, w, r = p.shape[0], mesh.size(), mesh.get_local_rank()
+    chunk = -(-rows // w)
+    start = min(r * chunk, rows)
+    local_rows = local(p).shape[0]
+    if local_rows != max(0, min(chunk, rows - start)):
+        raise ValueError(f"unexpected shard: {local_rows} of {rows} rows on rank {r} of {w}")
+    return start * (p.numel() // max(rows, 1))
+
+
+@dataclass
+class Bucket:
+    """Parameters of one group that share a device and a dtype, laid end to end."""
+    index: int
+    group_index: int
+    params: List[Tensor]
+    offsets: List[int]
+    numel: int
+    device: torch.device
+    param_dtype: torch.dtype
+    dtype: torch.dtype                     # state dtype
+    buffers: Dict[str, Tensor] = field(default_factory=dict)
+    #: sharded parameters: (local offset, length, index in the unsharded bucket) per
+    #: parameter, where the noise of those elements is drawn; None: not sharded
+    segments: Optional[List[Tuple[int, int, int]]] = None
+
+    def local(self, i: int) -> Tensor:
+        """Parameter ``i`` as this process holds it (its local shard when sharded)."""
+        return local(self.params[i])
+
+    def flat_params(self) -> Tensor:
+        return torch.cat([local(p.detach()).reshape(-1) for p in self.params]).to(self.dtype)
+
+    def flat_grads(self) -> Tensor:
+        """Gradients as one flat state-dtype vector; ``None`` gradients count as zero."""
+        parts = []
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                parts.append(torch.zeros(self.local(i).numel(), device=self.device,
+                                         dtype=self.dtype))
+            else:
+                if p.grad.is_sparse:
+                    raise RuntimeError("poco_kernels optimizers do not support sparse gradients")
+                parts.append(local(p.grad.detach()).reshape(-1).to(self.dtype))
+        return torch.cat(parts) if parts else torch.zeros(0, device=self.device, dtype=self.dtype)
+
+    def write_params(self, flat: Tensor) -> None:
+        with torch.no_grad():
+            for i, off in enumerate(self.offsets):
+                loc = self.local(i)
+                loc.copy_(flat[off:off + loc.numel()].view_as(loc))
+
+    def is_flat_buffer(self, buf: Tensor) -> bool:
+        """True for a per-parameter buffer (one element per parameter element)."""
+        return buf.dim() == 1 and buf.numel() == self.numel
+
+
+def build_buckets(param_groups: Sequence[dict], max_buckets: int) -> List[Bucket]:
+    """Validate the parameters and lay each group's out in (device, dtype) buckets."""
+    buckets: List[Bucket] = []
+    seen = set()
+    for gi, group in enumerate(param_groups):
+        by_key: Dict[Tuple[torch.device, torch.dtype], List[Tensor]] = {}
+        for p in group["params"]:
+            check(isinstance(p, Tensor), "parameters must be tensors")
+            check(id(p) not in seen, "a parameter appears in more than one place")
+            seen.add(id(p))
+            check(not p.is_sparse, "sparse parameters are not supported")
+            check(not p.is_complex(), "complex parameters are not supported")
+            check(p.dtype in FLOAT_DTYPES,
+                  f"parameters must be float16, bfloat16, float32 or float64, got {p.dtype}")
+            by_key.setdefault((p.device, p.dtype), []).append(p)
+        for (dev, dt), ps in by_key.items():
+            sharded = any(is_sharded(p) for p in ps)
+            offsets, n, segments, n_full = [], 0, [], 0
+            for p in ps:
+                offsets.append(n)
+                k = local(p).numel()
+                if sharded:
+                    start = shard_start(p) if is_sharded(p) else 0
+                    segments.append((n, k, n_full + start))
+                n += k
+                n_full += p.numel()
+            buckets.append(Bucket(len(buckets), gi, ps, offsets, n, dev, dt, state_dtype(dt),
+                                  segments=segments if sharded else None))
+    check(len(buckets) <= max_buckets,
+          f"at most {max_buckets} (group, device, dtype) buckets are supported")
+    return buckets
+
+
+def expose(state: dict, b: Bucket) -> None:
+    """Per-parameter views of the bucket's flat buffers, as ``optimizer.state[p]``."""
+    for i, (p, off) in enumerate(zip(b.params, b.offsets)):
+        loc = b.local(i)
+        state[p] = {name: buf[off:off + loc.numel()].view(loc.shape)
+                    for name, buf in b.buffers.items() if b.is_flat_buffer(buf)}

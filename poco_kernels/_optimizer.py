@@ -1,0 +1,522 @@
+"""The base classes of the family: what every optimizer shares, and the sampling protocol.
+
+* :class:`BucketedOptimizer`: flat buckets of parameters and state
+  (:mod:`poco_kernels._layout`), the backend that runs them
+  (:mod:`poco_kernels.backends`), the noise, the counters and the state dict.
+  :class:`~poco_kernels.von_poco.VONPoCo` stands on this alone.
+* :class:`PosteriorOptimizer`: the sampling protocol of the diagonal family --
+  ``sample(kind)`` writes ``theta = centre + sigma * eps`` into the parameters,
+  ``accumulate()`` folds ``.grad`` into the running estimate of that sample, ``restore()``
+  puts the posterior mean back; ``step(closure)`` and ``refresh(closures)`` drive it.  The
+  updates themselves are the backend's.
+
+``eps`` comes from the counter-based stream of :mod:`poco_kernels.noise`, keyed by
+``(seed, counter, bucket, kind, draw, element)``: nothing about noise is stored, and
+ranks that share the seed draw the same sample.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import backends as _backends
+from . import noise as _noise
+from ._layout import Bucket, build_buckets, expose
+from ._protocol import (COUNTER_STEPS, KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH,
+                        KernelRefresh, KernelStep, Pending, SampleSpec, mean_loss)
+from ._validation import check, strict_keywords
+
+
+#: the arguments every optimizer takes, documented once (``{common_arguments}`` in a class
+#: docstring is replaced by this)
+COMMON_ARGUMENTS = """\
+    * ``seed``: key of the counter-based noise stream (an int in ``[0, 2**63)``, default 0).
+      The noise does not depend on ``torch.manual_seed``: set ``seed`` to vary it; ranks
+      that share it draw the same posterior sample without communicating.
+    * ``backend``: ``"auto"`` (default: Triton for CUDA parameters, C++ for CPU ones, the
+      torch backend otherwise), ``"torch"`` (the reference maths op for op, any device and
+      dtype), ``"triton"`` or ``"cpp"`` (fused kernels; a clear error where they cannot
+      run).  See docs/design.md, 'Backends'.
+    * ``check_finite``: raise ``ValueError`` on a non-finite gradient, state unchanged
+      (``True``), or skip such an update on the device and count it in
+      ``skipped_updates`` (``False``).  Default ``None``: True on the torch and C++
+      backends, False on Triton, where the check costs a device-to-host read per update.
+"""
+
+
+class BucketedOptimizer(torch.optim.Optimizer):
+    """Buckets, backend, noise, counters and state dict.
+
+    Subclasses define the hyperparameters (``_validate_group``) and the per-bucket buffers
+    (``_init_buffers``); every constructor refuses unknown keywords, naming the closest
+    valid one.
+    """
+
+    #: the optimizer has an outer loop (refresh) and a correction
+    _has_correction: bool = True
+    #: appended to the error raised when an update would produce non-finite state
+    _divergence_hint: str = "Lower the learning rate."
+    #: per-parameter buffers created at their first use (not present before)
+    _lazy_buffers: Tuple[str, ...] = ()
+    #: the optimizer has fused kernels, Triton and C++ (``_kernel_step``/``_kernel_refresh``)
+    _kernel_capable: bool = True
+    #: the update needs Price Hessian estimates (accumulate grad * eps)
+    uses_hessian: bool = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        strict_keywords(cls)
+        if cls.__doc__ and "{common_arguments}" in cls.__doc__:
+            cls.__doc__ = cls.__doc__.replace("{common_arguments}", COMMON_ARGUMENTS.strip())
+
+    def __init__(self, params, defaults: Dict[str, Any], *, seed: int = 0, backend: str = "auto",
+                 check_finite: Optional[bool] = None):
+        check(isinstance(seed, int) and 0 <= seed < 2 ** 63,
+              f"seed must be an int in [0, 2**63), got {seed!r}")
+        check(backend in _backends.NAMES, f"backend must be one of {_backends.NAMES}, got "
+              f"{backend!r}")
+        check(check_finite is None or isinstance(check_finite, bool),
+              f"check_finite must be None or a bool, got {check_finite!r}")
+        self.seed = seed
+        super().__init__(params, defaults)
+        for g in self.param_groups:
+            self._validate_group(g)
+        self._build_buckets()
+        #: the name of the backend that runs (``backend="auto"`` resolved)
+        self.backend = _backends.resolve(backend, self)
+        # global counters (in the state dict); with a fused backend: updates attempted,
+        # the device's control tensor holds the updates taken
+        self._step = 0            # completed inner steps
+        self._refreshes = 0       # completed refreshes
+        self._pending = Pending()
+        self._active: Optional[Tuple[int, int]] = None   # (kind, draw) of the sample in params
+        self._eps_cache: Dict[int, Tuple[Tuple[int, ...], Tensor]] = {}
+        self._backend = _backends.create(self.backend, self)
+        #: raise on non-finite gradients (the triton backend then reads one flag from the
+        #: device per update; without it a bad update is skipped on the device and counted
+        #: in ``skipped_updates``).  Default: True for 'torch' and 'cpp' (where reading the
+        #: flag is free), False for 'triton'.
+        self.check_finite = (self._backend.check_finite_default if check_finite is None
+                             else check_finite)
+
+    # ------------------------------------------------------------------ construction
+    def _validate_group(self, group: Dict[str, Any]) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _init_buffers(self, bucket: Bucket, group: Dict[str, Any]) -> Dict[str, Tensor]:
+        raise NotImplementedError
+
+    def _build_buckets(self) -> None:
+        self._buckets: List[Bucket] = build_buckets(self.param_groups, _noise.MAX_BUCKETS)
+        for b in self._buckets:
+            group = self.param_groups[b.group_index]
+            b.buffers = {"mean": b.flat_params(), **self._init_buffers(b, group)}
+            self._expose(b)
+
+    def _expose(self, b: Bucket) -> None:
+        """Per-parameter views of the flat buffers, as ``optimizer.state[p]``."""
+        expose(self.state, b)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_buckets"):     # after construction: rebuild with the new group
+            self._validate_group(self.param_groups[-1])
+            old = self._buckets
+            self._build_buckets()
+            for b_new, b_old in zip(self._buckets, old):
+                b_new.buffers = b_old.buffers
+                self._expose(b_new)
+            self._backend.rebuilt(old)
+
+    # ------------------------------------------------------------------ noise
+    def _eps(self, b: Bucket, kind: int, draw: int, counter: int) -> Tensor:
+        """The standard normal of (bucket, kind, draw, counter).  The last one drawn per
+        bucket is kept: the outer sample with shared noise, and VSGD-PoCo's refresh fold,
+        ask again for the draw just made (regenerating costs ~100 integer ops/element)."""
+        key = (self.seed, kind, draw, counter)
+        hit = self._eps_cache.get(b.index)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        stream = _noise.stream_id(b.index, kind, draw)
+        if b.segments is None:
+            eps = _noise.randn(b.numel, self.seed, counter, stream, device=b.device,
+                               dtype=b.dtype)
+        else:           # local shards: the noise of their places in the unsharded bucket
+            eps = torch.empty(b.numel, device=b.device, dtype=b.dtype)
+            for off, n, start in b.segments:
+                _noise.randn(n, self.seed, counter, stream, offset=start, out=eps[off:off + n])
+        self._eps_cache[b.index] = (key, eps)
+        return eps
+
+    def _counter(self, slot: int) -> int:
+        """The noise counter of a slot: steps taken (``COUNTER_STEPS``) or refreshes
+        taken (``COUNTER_REFRESHES``)."""
+        return self._step if slot == COUNTER_STEPS else self._refreshes
+
+    def correction_active(self) -> bool:
+        """True when a step needs the gradient at the outer sample too: after the first
+        refresh, with a nonzero ``alpha`` in some group."""
+        return (self._has_correction and self._refreshes > 0
+                and any(g.get("alpha", 0.0) != 0.0 for g in self.param_groups))
+
+    def _sync_mean(self) -> None:
+        """Parameters of the state dtype are the source of truth for the mean (as in
+        ``torch.optim``); low-precision ones keep a float32 master copy in the state."""
+        if self._active is None:
+            self._backend.sync_mean()
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict(self) -> Dict[str, Any]:
+        if self._active is not None:
+            raise RuntimeError("state_dict() while a sample is in the parameters: call restore() first")
+        self._backend.prepare_state_dict()
+        self._step, self._refreshes, _ = self._backend.counters()
+        sd = super().state_dict()
+        extra = {}
+        for b in self._buckets:       # buffers that are not per-parameter (VON-PoCo's S)
+            for name, buf in b.buffers.items():
+                if not b.is_flat_buffer(buf):
+                    extra[f"{b.index}/{name}"] = buf
+        sd["poco"] = {"step": self._step, "refreshes": self._refreshes, "seed": self.seed,
+                      "optimizer": type(self).__name__, "pending": self._pending.to_dict(),
+                      "bucket_buffers": extra}
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict of the same optimizer class over the same parameters.
+        Everything is validated before anything changes."""
+        if self._active is not None:
+            raise RuntimeError("load_state_dict() while a sample is in the parameters")
+        check(isinstance(state_dict, dict) and {"state", "param_groups", "poco"} <= set(state_dict),
+              "not a poco_kernels optimizer state dict (missing 'state', 'param_groups' or 'poco')")
+        poco = state_dict["poco"]
+        check(poco.get("optimizer") == type(self).__name__,
+              f"state dict is for {poco.get('optimizer')!r}, not {type(self).__name__!r}")
+        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        check(len(groups) == len(saved_groups),
+              f"state dict has {len(saved_groups)} parameter groups, the optimizer {len(groups)}")
+        saved_index = {}
+        for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
+            check(len(g["params"]) == len(sg["params"]),
+                  f"group {gi}: state dict has {len(sg['params'])} parameters, the optimizer "
+                  f"{len(g['params'])}")
+            saved_index.update({id(p): i for i, p in zip(sg["params"], g["params"])})
+            merged = {**sg, "params": g["params"]}
+            self._validate_group(dict(merged))
+        # per-parameter buffers: names, shapes
+        copies, lazy, drop = [], {}, set()
+        for b in self._buckets:
+            for p in b.params:
+                idx = saved_index[id(p)]
+                saved = state_dict["state"].get(idx)
+                check(saved is not None, f"state dict has no state for parameter {idx}")
+                check(isinstance(saved, dict), f"parameter {idx}: state is not a dict")
+                for name in saved:
+                    if name not in b.buffers:     # created at first use (momentum buffers)
+                        check(name in self._lazy_buffers,
+                              f"parameter {idx}: unexpected state {name!r} in the state dict")
+                        lazy.setdefault(b.index, set()).add(name)
+                for name, view in self.state[p].items():
+                    if name not in saved and name in self._lazy_buffers:
+                        drop.add((b.index, name))     # saved before its first use
+                        continue
+                    check(name in saved, f"parameter {idx}: state dict lacks {name!r}")
+                    t = saved[name]
+                    check(isinstance(t, Tensor) and tuple(t.shape) == tuple(view.shape),
+                          f"parameter {idx}: {name!r} has shape "
+                          f"{tuple(getattr(t, 'shape', ()))}, expected {tuple(view.shape)}")
+                    copies.append((view, t))
+        extra = poco.get("bucket_buffers", {})
+        for b in self._buckets:
+            for name, buf in b.buffers.items():
+                if not b.is_flat_buffer(buf):
+                    key = f"{b.index}/{name}"
+                    check(key in extra and tuple(extra[key].shape) == tuple(buf.shape),
+                          f"state dict lacks bucket buffer {key!r} of shape {tuple(buf.shape)}")
+                    copies.append((buf, extra[key]))
+        pend = Pending()
+        pend.load(poco["pending"], self._buckets)
+        for (k, bi, n), t in pend.sums.items():
+            check(bi < len(self._buckets) and t.numel() == self._buckets[bi].numel,
+                  "state dict's pending gradients do not match the parameters")
+        # ---- commit
+        for bi, name in drop:
+            self._buckets[bi].buffers.pop(name, None)
+            self._expose(self._buckets[bi])
+        for bi, names in lazy.items():
+            b = self._buckets[bi]
+            for name in names:
+                b.buffers[name] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
+            self._expose(b)
+            for p in b.params:
+                idx = saved_index[id(p)]
+                for name in names:
+                    copies.append((self.state[p][name], state_dict["state"][idx][name]))
+        with torch.no_grad():
+            for dst, src in copies:
+                dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+        for g, sg in zip(groups, saved_groups):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = v
+        self._step = int(poco["step"])
+        self._refreshes = int(poco["refreshes"])
+        self.seed = int(poco["seed"])
+        self._pending = pend
+        for b in self._buckets:
+            b.write_params(b.buffers["mean"])
+        self._backend.loaded()
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def step_count(self) -> int:
+        """Number of inner steps taken (fused backends: read from the device)."""
+        return self._backend.counters()[0]
+
+    @property
+    def refresh_count(self) -> int:
+        """Number of refreshes of the outer estimate (fused backends: read from the device)."""
+        return self._backend.counters()[1]
+
+    @property
+    def skipped_updates(self) -> int:
+        """Updates skipped on the device (AMP overflow, or non-finite gradients without
+        ``check_finite``) since the optimizer was built or loaded; fused backends only
+        (the torch backend skips AMP overflows and raises on non-finite gradients)."""
+        return self._backend.counters()[2]
+
+    def flat_state(self, name: str) -> List[Tensor]:
+        """The flat buffer ``name`` of every bucket (read-only use, for tests and tools)."""
+        return [b.buffers[name] for b in self._buckets]
+
+
+class PosteriorOptimizer(BucketedOptimizer):
+    """The sampling protocol (``sample``/``accumulate``/``restore``, ``sampled``) and the
+    closure-driven ``step``/``refresh`` of the diagonal family.
+
+    Subclasses define, besides the hyperparameters and buffers: where samples are centred
+    and how wide they are (``_sample_spec``), whether Hessian estimates are needed
+    (``uses_hessian``), the two updates in the reference maths (``_inner_update``,
+    ``_refresh_update``: the torch backend) and as kernel records (``_kernel_step``,
+    ``_kernel_refresh``: the fused backends).
+    """
+
+    #: the optimizer perturbs parameters (needs a sample before each gradient)
+    noisy: bool = True
+
+    # ------------------------------------------------------------------ the family's rules
+    def _sample_spec(self, b: Bucket, group: Dict[str, Any], kind: int, draw: int) -> SampleSpec:
+        """Where a sample of ``kind`` (draw ``draw``) is centred, how wide it is, and which
+        noise it uses: the one statement that every backend follows."""
+        raise NotImplementedError
+
+    def _inner_update(self, b: Bucket, group: Dict[str, Any], g_in: Tensor,
+                      ge_in: Optional[Tensor], outer, t: int) -> Dict[str, Tensor]:
+        """The new buffers of an inner step (reference maths, out of place)."""
+        raise NotImplementedError
+
+    def _refresh_update(self, b: Bucket, group: Dict[str, Any], gM: Tensor,
+                        geM: Optional[Tensor], first: bool) -> Dict[str, Tensor]:
+        """The new buffers of a refresh (reference maths, out of place)."""
+        raise NotImplementedError
+
+    def _kernel_step(self, b: Bucket, group: Dict[str, Any]) -> KernelStep:
+        """The step kernel's buffers and records for a bucket (the same maths as
+        ``_inner_update``)."""
+        raise NotImplementedError
+
+    def _kernel_refresh(self, b: Bucket, group: Dict[str, Any]) -> KernelRefresh:
+        """The refresh kernel's buffers and record for a bucket (``_refresh_update``)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ low-level API
+    def sample(self, kind: str = "inner") -> None:
+        """Write a posterior sample into the parameters.
+
+        ``kind``: ``"inner"`` (the current posterior, once per Monte-Carlo sample of a
+        step), ``"outer"`` (the outer posterior of the correction, same mini-batch) or
+        ``"refresh"`` (the current posterior, ONE sample for the whole mega-batch).
+        Follow with any number of backward passes, then :meth:`accumulate` (once per
+        chunk) and :meth:`restore`.
+        """
+        check(kind in KIND_NAMES, f"kind must be one of {tuple(KIND_NAMES)}, got {kind!r}")
+        if self._active is not None:
+            raise RuntimeError("a sample is already in the parameters: call restore() first")
+        k = KIND_NAMES[kind]
+        if k == KIND_OUTER and not self.correction_active():
+            raise RuntimeError("no outer sample: the correction is not active "
+                               "(no refresh yet, or alpha == 0 in every group)")
+        draw = self._pending.draws[k]
+        check(draw < _noise.MAX_DRAWS, f"at most {_noise.MAX_DRAWS} samples of one kind per step")
+        self._backend.sample(k, draw)
+        self._active = (k, draw)
+        self._pending.draws[k] = draw + 1
+
+    def accumulate(self, clear_grads: bool = True) -> None:
+        """Fold the parameters' ``.grad`` into the estimate of the active sample and clear
+        ``.grad`` (so the next sample starts from zero).  Call once per sample (Monte Carlo)
+        or once per chunk of a mega-batch."""
+        if self._active is None:
+            raise RuntimeError("accumulate() needs an active sample: call sample() first")
+        k, draw = self._active
+        self._backend.accumulate(k, draw)
+        self._pending.count[k] += 1
+        if clear_grads:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def restore(self) -> None:
+        """Put the posterior mean back into the parameters (ends the active sample)."""
+        self._backend.restore()
+        self._active = None
+
+    @contextlib.contextmanager
+    def sampled(self, kind: str = "inner", accumulate: bool = True):
+        """``with opt.sampled(kind): loss.backward()`` = sample, (backward), accumulate,
+        restore.  On an exception the mean is restored and nothing is accumulated."""
+        self.sample(kind)
+        try:
+            yield self
+            if accumulate:
+                self.accumulate()
+        finally:
+            self.restore()
+
+    def _closure_samples(self, group_key: str = "mc_samples") -> int:
+        return max(int(g.get(group_key, 1)) for g in self.param_groups)
+
+    def _run_closure(self, closure: Callable, kind: str) -> Tensor:
+        """One evaluation at a ``kind`` sample.  A backend whose update rewrites the
+        parameters leaves the sample there (the next sample or the update overwrites it)."""
+        self.sample(kind)
+        ok = False
+        try:
+            with torch.enable_grad():
+                loss = closure()
+            self.accumulate()
+            ok = True
+        finally:
+            if ok and self._backend.lazy_restore:
+                self._active = None
+            else:
+                self.restore()
+        return loss
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None, *, grad_scale: Optional[Tensor] = None,
+             found_inf: Optional[Tensor] = None):
+        """One inner step.
+
+        With a ``closure`` (zeroes grads, forward, backward, returns the loss): evaluate it
+        at ``mc_samples`` inner samples and, once the correction is active, at as many
+        outer samples on the same mini-batch; returns the mean loss at the inner samples.
+
+        Without: use what :meth:`sample`/:meth:`accumulate` collected.  AMP: gradients are
+        divided by ``grad_scale``; a nonzero ``found_inf`` skips the step, leaving the
+        state as it was (the collected gradients are dropped).
+        """
+        if self._active is not None:
+            raise RuntimeError("step() while a sample is in the parameters: call restore() first")
+        for g in self.param_groups:
+            self._validate_group(g)
+        loss = None
+        pend = self._pending
+        if closure is not None:
+            if pend.count[KIND_INNER] or pend.count[KIND_OUTER]:
+                raise RuntimeError("step(closure) with gradients already accumulated by "
+                                   "sample()/accumulate(): use one protocol per step")
+            try:
+                losses = [self._run_closure(closure, "inner")
+                          for _ in range(self._closure_samples())]
+                if self.correction_active():
+                    for _ in range(self._closure_samples()):
+                        self._run_closure(closure, "outer")
+            except BaseException:
+                pend.clear((KIND_INNER, KIND_OUTER))
+                if not self._backend.params_hold_mean:
+                    self.restore()
+                raise
+            loss = mean_loss(losses)
+        elif pend.count[KIND_INNER] == 0:
+            if self.noisy:
+                pend.clear((KIND_INNER, KIND_OUTER))
+                raise RuntimeError(
+                    f"{type(self).__name__}.step() needs gradients at a posterior sample: pass a "
+                    "closure, or run the backward pass inside `with optimizer.sampled():` "
+                    "(see the README, 'Training loops without closures')")
+            # noiseless optimizer, torch-style use: the gradients in .grad are at the mean
+            self._sync_mean()
+            self._active = (KIND_INNER, 0)
+            self._backend.at_mean()
+            self.accumulate(clear_grads=False)
+            self._active = None
+        try:
+            corr = self.correction_active()
+            if (corr and pend.count[KIND_OUTER] == 0
+                    and not self._backend.skipped_on_host(found_inf)):
+                if not self._backend.params_hold_mean:
+                    self.restore()
+                raise RuntimeError(
+                    "the posterior correction is active but no gradient at the outer sample "
+                    "was given: pass a closure to step(), or also run `with "
+                    "optimizer.sampled('outer'):` on the same mini-batch")
+            if self._backend.step(corr, grad_scale, found_inf):
+                self._step += 1
+        finally:
+            pend.clear((KIND_INNER, KIND_OUTER))
+            self._eps_cache.clear()
+        return loss
+
+    # ------------------------------------------------------------------ refresh
+    @torch.no_grad()
+    def refresh(self, closures: Optional[Iterable[Callable]] = None, *,
+                grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
+        """Form the outer estimate from a mega-batch (or the full batch).
+
+        ``closures``: one closure per chunk of the mega-batch (each zeroes grads, runs
+        forward and backward on its chunk, returns its mean loss); the outer gradient is
+        the mean over the chunks, at ONE posterior sample for the whole mega-batch (or at
+        each of ``refresh_samples`` samples, where the optimizer has that option).  Chunks
+        should be of equal size (or their losses weighted accordingly).  Without closures,
+        use what ``sample("refresh")`` / ``accumulate()`` collected.  Returns the mean loss.
+        """
+        if not self._has_correction:
+            raise RuntimeError(f"{type(self).__name__} has no outer loop to refresh")
+        if self._active is not None:
+            raise RuntimeError("refresh() while a sample is in the parameters: call restore() first")
+        for g in self.param_groups:
+            self._validate_group(g)
+        pend = self._pending
+        losses = []
+        if closures is not None:
+            if pend.count[KIND_REFRESH]:
+                raise RuntimeError("refresh(closures) with refresh gradients already accumulated")
+            closures = list(closures)
+            try:
+                for _ in range(self._closure_samples("refresh_samples")):
+                    self.sample("refresh")
+                    try:
+                        for c in closures:
+                            with torch.enable_grad():
+                                losses.append(c())
+                            self.accumulate()
+                    finally:
+                        self.restore()
+            except BaseException:
+                pend.clear((KIND_REFRESH,))
+                raise
+        try:
+            if pend.count[KIND_REFRESH] == 0:
+                raise ValueError("refresh() needs at least one chunk of the mega-batch")
+            if not self._backend.refresh(grad_scale, found_inf):
+                return None            # skipped (AMP overflow)
+            self._refreshes += 1
+        finally:
+            pend.clear((KIND_REFRESH,))
+            self._eps_cache.clear()
+        return mean_loss(losses)

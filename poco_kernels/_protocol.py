@@ -1,0 +1,108 @@
+"""The sampling protocol's vocabulary, shared by the optimizers and the backends.
+
+* **Sample kinds**: ``inner`` (the current posterior, per step), ``outer`` (the outer
+  posterior of the correction, same mini-batch) and ``refresh`` (the current posterior,
+  ONE sample for the whole mega-batch).
+* **Noise counters**: a sample's noise is keyed by the steps taken (``COUNTER_STEPS``) or
+  the refreshes taken (``COUNTER_REFRESHES``).
+* :class:`SampleSpec`: where a sample is centred, how wide it is and which noise it
+  uses -- the one statement that every backend follows.
+* :class:`Pending`: the gradient sums collected since the last step or refresh.
+* :class:`KernelStep` / :class:`KernelRefresh`: what an optimizer hands the fused
+  backends for one bucket (its buffers and the typed records of
+  :mod:`poco_kernels.kernels.interface`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .kernels.interface import RefreshHP, StepHP, StepPath
+from .reference import ivon_sigma
+
+KIND_INNER, KIND_OUTER, KIND_REFRESH = 0, 1, 2
+KIND_NAMES = {"inner": KIND_INNER, "outer": KIND_OUTER, "refresh": KIND_REFRESH}
+COUNTER_STEPS, COUNTER_REFRESHES = 0, 1
+
+
+@dataclass
+class SampleSpec:
+    """A posterior sample ``centre + sigma * sign * eps``.
+
+    ``sigma``: a constant or a per-element buffer; or ``h`` (with ``ess``, ``wd``):
+    IVON's ``sigma = 1/sqrt(ess (h + wd))``.  ``noise``: ``(noise kind, draw, counter
+    slot, sign)`` of the standard normal, or None for no noise (the sample is ``centre``).
+    """
+    centre: Tensor
+    noise: Optional[Tuple[int, int, int, float]] = None
+    sigma: Any = None
+    h: Optional[Tensor] = None
+    ess: float = 0.0
+    wd: float = 0.0
+
+    def sigma_tensor(self):
+        if self.h is not None:
+            return ivon_sigma(self.h, self.ess, self.wd)
+        return self.sigma
+
+
+class KernelStep(NamedTuple):
+    """An optimizer's step for one bucket on the fused backends: the kernel family, its
+    two state buffers (``s1``, ``s2``; None where the family has none) and the records."""
+    family: int
+    s1: Optional[Tensor]
+    s2: Optional[Tensor]
+    hp: StepHP
+    path: StepPath
+
+
+class KernelRefresh(NamedTuple):
+    """An optimizer's refresh for one bucket on the fused backends: the family, the buffers
+    it reads (``h``) and writes, and the record."""
+    family: int
+    h: Optional[Tensor]
+    g_out: Tensor
+    h_out: Optional[Tensor]
+    m_out: Tensor
+    sigma_out: Optional[Tensor]
+    hp: RefreshHP
+
+
+class Pending:
+    """Gradient sums collected since the last step/refresh, per sample kind."""
+
+    def __init__(self):
+        self.count = {KIND_INNER: 0, KIND_OUTER: 0, KIND_REFRESH: 0}
+        self.draws = {KIND_INNER: 0, KIND_OUTER: 0, KIND_REFRESH: 0}
+        self.sums: Dict[Tuple[int, int, str], Tensor] = {}   # (kind, bucket, "g"|"ge")
+
+    def clear(self, kinds: Iterable[int]) -> None:
+        for k in kinds:
+            self.count[k] = 0
+            self.draws[k] = 0
+        self.sums = {key: v for key, v in self.sums.items() if key[0] not in kinds}
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"count": dict(self.count), "draws": dict(self.draws),
+                "sums": {f"{k}/{b}/{n}": v.clone() for (k, b, n), v in self.sums.items()}}
+
+    def load(self, d: Dict[str, Any], buckets: Sequence) -> None:
+        self.count = {int(k): int(v) for k, v in d["count"].items()}
+        self.draws = {int(k): int(v) for k, v in d["draws"].items()}
+        self.sums = {}
+        for key, v in d["sums"].items():
+            k, b, n = key.split("/")
+            bk = buckets[int(b)]
+            self.sums[(int(k), int(b), n)] = v.to(device=bk.device, dtype=bk.dtype).clone()
+
+
+def mean_loss(losses: List[Any]):
+    """The closure's loss for one evaluation; the (detached) mean for several."""
+    if not losses or losses[0] is None:
+        return None
+    if len(losses) == 1:
+        return losses[0]
+    return torch.stack([torch.as_tensor(l).detach().float() for l in losses]).mean()

@@ -1,0 +1,60 @@
+"""Argument checks shared by the optimizers: ranges of hyperparameters, and constructors
+that refuse unknown keywords with the closest valid one named."""
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import math
+
+
+def check(cond: bool, msg: str) -> None:
+    """Raise ``ValueError(msg)`` unless ``cond``."""
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_range(group, key, lo=None, hi=None, lo_open=False, hi_open=False, kind=float,
+                allow_inf=False):
+    """Raise a ValueError naming ``key`` unless ``group[key]`` is a number in the range."""
+    v = group[key]
+    if kind is float:
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool)
+              and (math.isfinite(v) or (allow_inf and v == math.inf)))
+    else:
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    if ok and lo is not None:
+        ok = v > lo if lo_open else v >= lo
+    if ok and hi is not None:
+        ok = v < hi if hi_open else v <= hi
+    if not ok:
+        lb = "" if lo is None else ("(" if lo_open else "[") + str(lo)
+        ub = "" if hi is None else str(hi) + (")" if hi_open else "]")
+        raise ValueError(f"invalid {key}: {v!r} (expected a {kind.__name__} in "
+                         f"{lb or '(-inf'}, {ub or 'inf)'})")
+
+
+def strict_keywords(cls) -> None:
+    """Make ``cls.__init__`` refuse an unknown keyword argument with a ``TypeError`` that
+    names the closest valid one (Python's own message names none)."""
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, "_strict", False):
+        return
+    params = inspect.signature(init).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if n != "self" and p.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for k in kwargs:
+            if k not in names:
+                close = difflib.get_close_matches(k, names, n=1, cutoff=0.5)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {k!r}"
+                                f"{hint} (valid: {', '.join(names[1:])})")
+        init(self, *args, **kwargs)
+
+    __init__._strict = True
+    cls.__init__ = __init__

@@ -1,0 +1,79 @@
+"""Backends: one protocol (:class:`~poco_kernels.backends.base.Backend`), one registry.
+
+=========  =================================================  ==========================
+name       what runs                                          module
+=========  =================================================  ==========================
+``torch``  the reference maths (:mod:`poco_kernels.reference`)  :mod:`.torch_backend`
+           op for op, on any device and float dtype
+``triton`` fused Triton kernels over flat buffers (CUDA; the   :mod:`.fused` +
+           CPU under ``TRITON_INTERPRET=1``)                   :mod:`..kernels.triton_ops`
+``cpp``    the same fused operations in C++ (CPU)              :mod:`.fused` +
+                                                               :mod:`..kernels.cpp_ops`
+=========  =================================================  ==========================
+
+``auto`` picks Triton when every parameter is on a CUDA device, C++ when every parameter
+is on the CPU (and the extension is built), the torch backend otherwise.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from ..kernels import cpp_status, ops_for, triton_status
+from .base import HOST, Backend
+
+__all__ = ["NAMES", "Backend", "HOST", "resolve", "create", "fused_reasons"]
+
+NAMES = ("auto", "torch", "triton", "cpp")
+_FUSED_LABEL = {"triton": "Triton", "cpp": "C++"}
+
+
+def fused_reasons(opt, backend: str) -> List[str]:
+    """Why the fused ``backend`` ('triton' or 'cpp') cannot run ``opt``'s parameters
+    (empty: it can)."""
+    label = _FUSED_LABEL[backend]
+    reasons = []
+    if not opt._kernel_capable:
+        reasons.append(f"{type(opt).__name__} has no {label} kernels")
+    for b in opt._buckets:
+        if b.segments is not None:
+            reasons.append(f"sharded (DTensor, e.g. FSDP2) parameters run on the torch "
+                           f"backend only, not the {label} kernels")
+        if b.param_dtype == torch.float64:
+            reasons.append(f"float64 parameters are not supported by the {label} kernels "
+                           "(float32, bfloat16, float16)")
+        why = triton_status(b.device) if backend == "triton" else cpp_status(b.device)
+        if why is not None:
+            reasons.append(why)
+    return list(dict.fromkeys(reasons))
+
+
+def resolve(name: str, opt) -> str:
+    """The backend that runs ``opt``: ``name``, or for 'auto' the best that can; a fused
+    backend that cannot run is a RuntimeError saying why."""
+    if name == "torch":
+        return "torch"
+    if name in _FUSED_LABEL:
+        reasons = fused_reasons(opt, name)
+        if reasons:
+            raise RuntimeError(f"backend={name!r} cannot run here: " + "; ".join(reasons)
+                               + ". Use backend='torch' (the reference maths) or 'auto'.")
+        return name
+    devices = {b.device.type for b in opt._buckets}
+    if devices == {"cuda"} and not fused_reasons(opt, "triton"):
+        return "triton"
+    if devices == {"cpu"} and not fused_reasons(opt, "cpp"):
+        return "cpp"
+    return "torch"
+
+
+def create(name: str, opt) -> Backend:
+    """The backend object of a resolved ``name`` for ``opt``."""
+    if name == "torch":
+        from .torch_backend import TorchBackend
+        return TorchBackend(opt)
+    if name in _FUSED_LABEL:
+        from .fused import FusedBackend
+        return FusedBackend(opt, name, ops_for(name))
+    raise ValueError(f"unknown backend {name!r} (expected one of {NAMES})")

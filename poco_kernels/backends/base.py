@@ -1,0 +1,102 @@
+"""The protocol every backend implements, and what a backend may use of its optimizer.
+
+A backend owns how the optimizer's buckets are sampled, how gradients are collected and
+how the two updates run; the optimizer owns the protocol (which sample, when, what is
+pending, validation, the state dict).  Dependencies point one way: optimizers ->
+backends -> kernels.  A backend reaches its optimizer only through :data:`HOST`, the
+members listed below (``tests/test_architecture.py`` checks the backends' source for any
+other access).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional, Tuple
+
+from torch import Tensor
+
+#: what a backend may read or call on its optimizer (``self.opt``)
+HOST = frozenset({
+    # layout and protocol state
+    "_buckets", "_pending", "param_groups", "seed", "backend", "check_finite", "_step",
+    "_kernel_capable",
+    "_refreshes", "uses_hessian", "_divergence_hint",
+    # the optimizer's family: its samples, its reference update, its kernel records
+    "_sample_spec", "_inner_update", "_refresh_update", "_kernel_step", "_kernel_refresh",
+    # noise and state views
+    "_eps", "_counter", "_expose",
+})
+
+
+class Backend(ABC):
+    """One way of running an optimizer: ``torch`` (the reference maths, op for op),
+    ``triton`` or ``cpp`` (fused kernels over flat buffers).
+
+    ``kind`` is a sample kind and ``draw`` the index of the draw of that kind since the
+    last update (:mod:`poco_kernels._protocol`).
+    """
+
+    #: registry name
+    name: str = ""
+    #: the update rewrites the parameters, so a closure's sample need not be restored
+    lazy_restore: bool = False
+    #: ``check_finite`` when the user leaves it None: True where reading the non-finite
+    #: flag costs nothing (torch, C++), False where it is a device-to-host read (Triton)
+    check_finite_default: bool = True
+
+    def __init__(self, opt):
+        self.opt = opt
+        #: the parameters hold the posterior mean (no sample in them)
+        self.params_hold_mean = True
+
+    @abstractmethod
+    def sample(self, kind: int, draw: int) -> None:
+        """Write draw ``draw`` of a ``kind`` sample into the parameters."""
+
+    @abstractmethod
+    def accumulate(self, kind: int, draw: int) -> None:
+        """Fold the parameters' ``.grad`` into the pending sums of the active sample."""
+
+    @abstractmethod
+    def at_mean(self) -> None:
+        """The next :meth:`accumulate` folds gradients taken at the mean, not at a sample
+        (a noiseless optimizer driven like torch.optim: ``backward(); step()``)."""
+
+    @abstractmethod
+    def restore(self) -> None:
+        """Put the posterior mean back into the parameters."""
+
+    @abstractmethod
+    def sync_mean(self) -> None:
+        """Parameters of the state dtype are the truth for the mean while they hold it:
+        copy them to the mean buffer."""
+
+    @abstractmethod
+    def step(self, corr: bool, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]
+             ) -> bool:
+        """The inner update from the pending inner (and, with ``corr``, outer) sums.
+        Returns whether the host counts it (the fused backends count updates attempted;
+        the device skips and counts what it must)."""
+
+    @abstractmethod
+    def refresh(self, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> bool:
+        """The outer refresh from the pending refresh sums; returns as :meth:`step`."""
+
+    def skipped_on_host(self, found_inf: Optional[Tensor]) -> bool:
+        """True when the host reads an AMP ``found_inf`` as set (the update will be
+        skipped before any other check).  The fused backends never read it on the host."""
+        return False
+
+    def counters(self) -> Tuple[int, int, int]:
+        """(steps taken, refreshes taken, updates skipped on the device)."""
+        return self.opt._step, self.opt._refreshes, 0
+
+    def prepare_state_dict(self) -> None:
+        """Bring the pending sums into the state dict's layout (the torch backend's)."""
+
+    def loaded(self) -> None:
+        """A state dict was loaded: the parameters hold the mean, the counters are the
+        optimizer's."""
+
+    def rebuilt(self, old_buckets) -> None:
+        """A parameter group was added: the optimizer's buckets were rebuilt, the old
+        ones first and with the same buffers."""

@@ -1,0 +1,154 @@
+"""The torch backend: the reference maths of :mod:`poco_kernels.reference`, op for op, on
+any device and float dtype.
+
+A step or a refresh computes every new buffer out of place through the optimizer's
+functional form (``_inner_update`` / ``_refresh_update``), checks the gradients and the
+results for non-finite values, and only then commits: bad input raises and leaves the
+optimizer as it was.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._protocol import KIND_INNER, KIND_OUTER, KIND_REFRESH
+from ..reference import perturb
+from .base import Backend
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    lazy_restore = False
+
+    def __init__(self, opt):
+        super().__init__(opt)
+        #: the standard normal of the sample in the parameters, per bucket (None: none)
+        self.active_eps: Dict[int, Optional[Tensor]] = {}
+
+    # ------------------------------------------------------------------ sampling
+    def sync_mean(self) -> None:
+        with torch.no_grad():
+            for b in self.opt._buckets:
+                if b.param_dtype == b.dtype:
+                    b.buffers["mean"].copy_(b.flat_params())
+
+    def sample(self, kind: int, draw: int) -> None:
+        opt = self.opt
+        self.sync_mean()
+        self.active_eps = {}
+        with torch.no_grad():
+            for b in opt._buckets:
+                spec = opt._sample_spec(b, opt.param_groups[b.group_index], kind, draw)
+                sigma, eps = None, None
+                if spec.noise is not None:
+                    nk, nd, slot, sign = spec.noise
+                    sigma = spec.sigma_tensor()
+                    eps = opt._eps(b, nk, nd, opt._counter(slot))
+                    if sign < 0:
+                        eps = -eps             # antithetic draw: the mirror image
+                self.active_eps[b.index] = eps
+                b.write_params(perturb(spec.centre, sigma, eps))
+
+    def at_mean(self) -> None:
+        self.active_eps = {}
+
+    def accumulate(self, kind: int, draw: int) -> None:
+        opt = self.opt
+        sums = opt._pending.sums
+        with torch.no_grad():
+            for b in opt._buckets:
+                g = b.flat_grads()
+                key = (kind, b.index, "g")
+                sums[key] = sums[key] + g if key in sums else g
+                eps = self.active_eps.get(b.index)
+                if opt.uses_hessian and eps is not None:
+                    key = (kind, b.index, "ge")
+                    ge = g * eps
+                    sums[key] = sums[key] + ge if key in sums else ge
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b in self.opt._buckets:
+                b.write_params(b.buffers["mean"])
+        self.active_eps = {}
+
+    # ------------------------------------------------------------------ updates
+    def estimate(self, kind: int, b, grad_scale: Optional[Tensor]
+                 ) -> Tuple[Tensor, Optional[Tensor]]:
+        """(mean gradient, mean gradient * eps) over the collected samples of ``kind``."""
+        pend = self.opt._pending
+        n = pend.count[kind]
+        g = pend.sums[(kind, b.index, "g")] / n
+        ge = pend.sums.get((kind, b.index, "ge"))
+        ge = None if ge is None else ge / n
+        if grad_scale is not None:
+            inv = 1.0 / grad_scale.to(device=b.device, dtype=b.dtype)
+            g = g * inv
+            ge = None if ge is None else ge * inv
+        return g, ge
+
+    @staticmethod
+    def check_gradients(*ts) -> None:
+        for t in ts:
+            if t is not None and not bool(torch.isfinite(t).all()):
+                raise ValueError("non-finite gradient (inf or nan): the step was not taken and the "
+                                 "optimizer state is unchanged (with AMP, pass found_inf to skip)")
+
+    def check_new(self, new: Dict[int, Dict[str, Tensor]]) -> None:
+        """Refuse an update that produced non-finite state (nothing committed)."""
+        for bufs in new.values():
+            for name, t in bufs.items():
+                if not bool(torch.isfinite(t).all()):
+                    raise FloatingPointError(
+                        f"the update produced non-finite values in {name!r}: the step was not "
+                        f"taken and the optimizer state is unchanged. "
+                        f"{self.opt._divergence_hint}")
+
+    def commit(self, new: Dict[int, Dict[str, Tensor]]) -> None:
+        """Copy the new buffers in (creating those made at their first use) and write the
+        mean into the parameters."""
+        for b in self.opt._buckets:
+            added = False
+            for name, t in new.get(b.index, {}).items():
+                if name in b.buffers:
+                    b.buffers[name].copy_(t)
+                else:
+                    b.buffers[name] = t.clone()
+                    added = True
+            if added:
+                self.opt._expose(b)
+            b.write_params(b.buffers["mean"])
+
+    def skipped_on_host(self, found_inf: Optional[Tensor]) -> bool:
+        return found_inf is not None and bool(found_inf.detach().float().sum() != 0)
+
+    def step(self, corr, grad_scale, found_inf) -> bool:
+        if self.skipped_on_host(found_inf):
+            return False               # AMP overflow: skip, state untouched
+        opt = self.opt
+        new = {}
+        for b in opt._buckets:
+            group = opt.param_groups[b.group_index]
+            g_in, ge_in = self.estimate(KIND_INNER, b, grad_scale)
+            outer = self.estimate(KIND_OUTER, b, grad_scale) if corr else None
+            self.check_gradients(g_in, ge_in, *(outer or ()))
+            new[b.index] = opt._inner_update(b, group, g_in, ge_in, outer, opt._step + 1)
+        self.check_new(new)
+        self.commit(new)
+        return True
+
+    def refresh(self, grad_scale, found_inf) -> bool:
+        if self.skipped_on_host(found_inf):
+            return False
+        opt = self.opt
+        new = {}
+        for b in opt._buckets:
+            group = opt.param_groups[b.group_index]
+            gM, geM = self.estimate(KIND_REFRESH, b, grad_scale)
+            self.check_gradients(gM, geM)
+            new[b.index] = opt._refresh_update(b, group, gM, geM, first=opt._refreshes == 0)
+        self.check_new(new)
+        self.commit(new)
+        return True

@@ -1,0 +1,206 @@
+"""The typed interface of the fused kernels, stated once.
+
+Each record below names, in order, the scalars or switches that one kernel family takes.
+The Triton kernels (:mod:`~poco_kernels.kernels.triton_kernels`) have parameters of the
+same names in the same order; the C++ operators read them through the X-macros of
+``csrc/poco_kernels.h`` (``POCO_STEP_HYPER``, ``POCO_STEP_FLAGS``, ``POCO_REFRESH_HYPER``,
+``POCO_REFRESH_FLAGS``); ``tests/test_kernel_interface.py`` fails if the three disagree in
+names, order or count.
+
+Every field is required: a record built without one raises ``TypeError`` (never a silent
+default).  The optimizers fill the hyperparameter part of a step through the per-family
+constructors :meth:`StepHP.ivon`, :meth:`StepHP.sgd` and :meth:`StepHP.adamw`, which
+name exactly the fields that family reads and set the others to zero.
+
+No triton and no extension import here: both kernel wrappers and the host engine use it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["SIGMA_NONE", "SIGMA_IVON", "SIGMA_BUFFER", "SIGMA_CONST", "FAMILY_IVON",
+           "FAMILY_SGD", "FAMILY_ADAMW", "FAMILIES", "CTL_STEPS", "CTL_REFRESHES", "CTL_BAD",
+           "CTL_SKIPPED", "CTL_SIZE", "StepHP", "StepHyper", "StepPath", "StepFlags",
+           "StepStreams", "RefreshHP", "RefreshHyper", "RefreshFlags", "require"]
+
+# ``sigma`` of a sample (``sample``)
+SIGMA_NONE, SIGMA_IVON, SIGMA_BUFFER, SIGMA_CONST = 0, 1, 2, 3
+# update family of ``step`` / ``refresh``
+FAMILY_IVON, FAMILY_SGD, FAMILY_ADAMW = 0, 1, 2
+FAMILIES = {"ivon": FAMILY_IVON, "sgd": FAMILY_SGD, "adamw": FAMILY_ADAMW}
+# slots of the control tensor (int64, one per device): steps taken, refreshes taken,
+# bad-gradient flag, skipped updates
+CTL_STEPS, CTL_REFRESHES, CTL_BAD, CTL_SKIPPED = 0, 1, 2, 3
+CTL_SIZE = 4
+
+
+class StepHP(NamedTuple):
+    """The optimizer's hyperparameters of one step (the tail of :class:`StepHyper`)."""
+    lr: float            # IVON: already ivon_lr (rescaled)
+    beta1: float         # IVON momentum / AdamW beta1
+    beta2: float         # IVON Hessian / AdamW beta2
+    wd: float            # weight decay
+    ess: float           # IVON: effective sample size
+    alpha: float         # correction weight
+    hess_corr: float     # IVON-PoCo: scale c of the Hessian-correction term
+    floor: float         # IVON-PoCo: hess_floor c (hhat >= -c (h + wd))
+    clip: float          # IVON: clip radius
+    momentum: float      # SGD momentum
+    dampening: float     # SGD dampening
+    eps: float           # AdamW eps
+    mom_first: float     # SGD: 1 when the momentum buffer is created by this step
+
+    @classmethod
+    def ivon(cls, *, lr, beta1, beta2, wd, ess, alpha, hess_corr, floor, clip) -> "StepHP":
+        return cls(lr=lr, beta1=beta1, beta2=beta2, wd=wd, ess=ess, alpha=alpha,
+                   hess_corr=hess_corr, floor=floor, clip=clip, momentum=0.0, dampening=0.0,
+                   eps=0.0, mom_first=0.0)
+
+    @classmethod
+    def sgd(cls, *, lr, wd, alpha, momentum, dampening, mom_first) -> "StepHP":
+        return cls(lr=lr, beta1=0.0, beta2=0.0, wd=wd, ess=1.0, alpha=alpha, hess_corr=0.0,
+                   floor=0.0, clip=0.0, momentum=momentum, dampening=dampening, eps=0.0,
+                   mom_first=mom_first)
+
+    @classmethod
+    def adamw(cls, *, lr, beta1, beta2, wd, eps, alpha) -> "StepHP":
+        return cls(lr=lr, beta1=beta1, beta2=beta2, wd=wd, ess=1.0, alpha=alpha,
+                   hess_corr=0.0, floor=0.0, clip=0.0, momentum=0.0, dampening=0.0, eps=eps,
+                   mom_first=0.0)
+
+
+class StepHyper(NamedTuple):
+    """Every float the step kernel takes: three set by the host engine per call, then
+    :class:`StepHP`."""
+    sign_o: float        # sign of the outer draw (antithetic: -1)
+    inv_n_in: float      # 1 / number of inner gradients summed
+    inv_n_o: float       # 1 / number of outer gradients summed (0 without correction)
+    lr: float
+    beta1: float
+    beta2: float
+    wd: float
+    ess: float
+    alpha: float
+    hess_corr: float
+    floor: float
+    clip: float
+    momentum: float
+    dampening: float
+    eps: float
+    mom_first: float
+
+    @classmethod
+    def of(cls, hp: StepHP, *, sign_o: float, inv_n_in: float, inv_n_o: float) -> "StepHyper":
+        return cls(float(sign_o), float(inv_n_in), float(inv_n_o), *(float(v) for v in hp))
+
+
+class StepPath(NamedTuple):
+    """The optimizer's code-path switches of a step (the tail of :class:`StepFlags`)."""
+    hess_corr: bool      # IVON-PoCo: the Hessian-correction term of the mean update
+    floor: bool          # IVON-PoCo: hess_floor
+    clip: bool           # IVON: finite clip radius
+    debias: bool         # IVON: momentum debiasing
+    momentum: bool       # SGD: momentum buffer
+    nesterov: bool       # SGD: Nesterov
+
+    @classmethod
+    def ivon(cls, *, hess_corr, floor, clip, debias) -> "StepPath":
+        return cls(bool(hess_corr), bool(floor), bool(clip), bool(debias), False, False)
+
+    @classmethod
+    def sgd(cls, *, momentum, nesterov) -> "StepPath":
+        return cls(False, False, False, False, bool(momentum), bool(nesterov))
+
+    @classmethod
+    def adamw(cls) -> "StepPath":
+        return cls(False, False, False, False, False, False)
+
+
+class StepFlags(NamedTuple):
+    """The step kernel's code path: the family, three switches set by the host engine per
+    call, then :class:`StepPath`.  Triton takes each as a ``constexpr`` of the upper-case
+    name; the C++ operator takes ``family`` and the rest packed by :meth:`bits`."""
+    family: int
+    corr: bool           # the correction is applied (the outer gradient was collected)
+    ge_in: bool          # the inner gradient * eps was summed (several draws)
+    ge_o: bool           # the outer gradient * eps was summed
+    shared_noise: bool   # the outer draw reuses the inner draw's eps
+    hess_corr: bool
+    floor: bool
+    clip: bool
+    debias: bool
+    momentum: bool
+    nesterov: bool
+
+    @classmethod
+    def of(cls, family: int, path: StepPath, *, corr, ge_in, ge_o, shared_noise) -> "StepFlags":
+        return cls(int(family), bool(corr), bool(ge_in), bool(ge_o), bool(shared_noise), *path)
+
+    def bits(self) -> int:
+        """The switches (all fields but ``family``) as bits 0, 1, ... in field order."""
+        return sum(1 << i for i, v in enumerate(self[1:]) if v)
+
+    def constexprs(self) -> dict:
+        """Triton's ``constexpr`` arguments: the upper-case field names."""
+        return {k.upper(): v for k, v in self._asdict().items()}
+
+
+class StepStreams(NamedTuple):
+    """The step's noise words: the key and the inner and outer stream ids."""
+    seed: int
+    stream: int
+    stream_o: int
+
+
+class RefreshHP(NamedTuple):
+    """The optimizer's hyperparameters of one refresh (the tail of :class:`RefreshHyper`)."""
+    ess: float
+    wd: float
+    rho1: float          # outer momentum of g_out (weights the OLD estimate)
+    rho2: float          # outer momentum of h_out
+    sigma: float         # VSGD-PoCo: the constant sigma of the refresh sample
+
+    @classmethod
+    def ivon(cls, *, ess, wd, rho1, rho2) -> "RefreshHP":
+        return cls(ess=ess, wd=wd, rho1=rho1, rho2=rho2, sigma=0.0)
+
+    @classmethod
+    def sgd(cls, *, sigma) -> "RefreshHP":
+        return cls(ess=1.0, wd=0.0, rho1=0.0, rho2=0.0, sigma=sigma)
+
+
+class RefreshHyper(NamedTuple):
+    """Every float the refresh kernel takes: one set by the host engine, then
+    :class:`RefreshHP`."""
+    inv_n: float         # 1 / number of mega-batch chunks (and draws) summed
+    ess: float
+    wd: float
+    rho1: float
+    rho2: float
+    sigma: float
+
+    @classmethod
+    def of(cls, hp: RefreshHP, *, inv_n: float) -> "RefreshHyper":
+        return cls(float(inv_n), *(float(v) for v in hp))
+
+
+class RefreshFlags(NamedTuple):
+    """The refresh kernel's code path (Triton ``constexpr`` of the upper-case names)."""
+    family: int
+    ge: bool             # the gradient * eps was summed (several draws)
+    noisy: bool          # the refresh sample has noise
+
+    def bits(self) -> int:
+        return sum(1 << i for i, v in enumerate(self[1:]) if v)
+
+    def constexprs(self) -> dict:
+        return {k.upper(): v for k, v in self._asdict().items()}
+
+
+def require(record, cls, what: str):
+    """``record`` if it is a ``cls``; else a TypeError (the kernels take records by name,
+    never positional lists)."""
+    if not isinstance(record, cls):
+        raise TypeError(f"{what} must be a poco_kernels.kernels.interface.{cls.__name__}, "
+                        f"got {type(record).__name__}")
+    return record

@@ -1,0 +1,223 @@
+"""The package's structure holds: one typed kernel interface that Python, C++ and Triton
+agree on; dependencies that point one way (optimizers -> backends -> kernels) with no
+import cycle; backends that reach their optimizer only through the declared members;
+optimizer classes without backend branches; constructors that refuse unknown keywords
+and document every argument."""
+import ast
+import inspect
+import os
+import re
+
+import pytest
+import torch
+
+import poco_kernels as pk
+from poco_kernels.backends import HOST
+from poco_kernels.kernels import interface as I
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "poco_kernels")
+
+
+# --------------------------------------------------------------------------- kernel interface
+def _xmacro(name):
+    text = open(os.path.join(ROOT, "csrc", "poco_kernels.h")).read()
+    m = re.search(r"#define " + name + r"\(X\)((?:[^\n]*\\\n)*[^\n]*)", text)
+    assert m, f"{name} is not in csrc/poco_kernels.h"
+    return re.findall(r"X\((\w+)\)", m.group(1))
+
+
+def _triton_params(kernel):
+    from poco_kernels.kernels import triton_kernels as T
+    return list(inspect.signature(getattr(getattr(T, kernel), "fn", getattr(T, kernel)))
+                .parameters)
+
+
+def _contiguous(seq, sub):
+    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+@pytest.mark.parametrize("record, macro", [
+    (I.StepHyper, "POCO_STEP_HYPER"), (I.RefreshHyper, "POCO_REFRESH_HYPER")])
+def test_cpp_struct_mirrors_the_python_record(record, macro):
+    assert _xmacro(macro) == list(record._fields)
+
+
+@pytest.mark.parametrize("record, macro", [
+    (I.StepFlags, "POCO_STEP_FLAGS"), (I.RefreshFlags, "POCO_REFRESH_FLAGS")])
+def test_cpp_flag_bits_mirror_the_python_record(record, macro):
+    assert record._fields[0] == "family"
+    assert _xmacro(macro) == list(record._fields[1:])
+
+
+def test_triton_kernels_take_the_records_by_name_in_order():
+    step = _triton_params("step_kernel")
+    assert _contiguous(step, list(I.StepStreams._fields) + list(I.StepHyper._fields)), step
+    assert _contiguous(step, [f.upper() for f in I.StepFlags._fields]), step
+    refresh = _triton_params("refresh_kernel")
+    assert _contiguous(refresh, ["seed", "stream"] + list(I.RefreshHyper._fields)), refresh
+    assert _contiguous(refresh, [f.upper() for f in I.RefreshFlags._fields]), refresh
+
+
+def test_optimizer_records_are_the_tails_of_the_kernel_records():
+    assert I.StepHyper._fields[3:] == I.StepHP._fields
+    assert I.StepFlags._fields[5:] == I.StepPath._fields
+    assert I.RefreshHyper._fields[1:] == I.RefreshHP._fields
+
+
+def test_a_missing_hyperparameter_is_an_error_not_a_default():
+    with pytest.raises(TypeError, match="clip"):
+        I.StepHP.ivon(lr=0.1, beta1=0.9, beta2=0.99, wd=0.0, ess=1.0, alpha=0.0,
+                      hess_corr=0.0, floor=0.0)
+    with pytest.raises(TypeError):
+        I.StepHyper(*([1.0] * 15))
+    from poco_kernels.kernels import cpp_status
+    if cpp_status() is None:
+        from poco_kernels.kernels import cpp_ops
+        z = torch.zeros(4)
+        with pytest.raises(TypeError, match="StepHyper"):
+            cpp_ops.step(z, z, z, z, z, None, None, None, None, None, None, None,
+                         torch.zeros(4, dtype=torch.int64), None, None,
+                         I.StepStreams(0, 0, 0), [1.0] * 16,
+                         I.StepFlags.of(0, I.StepPath.adamw(), corr=False, ge_in=False,
+                                        ge_o=False, shared_noise=False))
+
+
+def test_flag_bits_follow_field_order():
+    f = I.StepFlags.of(I.FAMILY_SGD, I.StepPath.sgd(momentum=True, nesterov=True), corr=True,
+                       ge_in=False, ge_o=False, shared_noise=False)
+    assert f.bits() == (1 << 0) | (1 << 8) | (1 << 9)
+    assert f.constexprs()["FAMILY"] == I.FAMILY_SGD and f.constexprs()["NESTEROV"] is True
+
+
+# --------------------------------------------------------------------------- import graph
+def _modules():
+    out = {}
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return out
+
+
+def _imports(mod, path, modules):
+    """Package-internal modules ``mod`` imports (anywhere in the file, functions too)."""
+    is_pkg = path.endswith("__init__.py")
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base[:len(base) - node.level + 1] + (node.module.split(".")
+                                                              if node.module else [])
+            elif node.module and node.module.split(".")[0] == "poco_kernels":
+                parts = node.module.split(".")
+            else:
+                continue
+            target = ".".join(parts)
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.add(sub if sub in modules else target)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "poco_kernels":
+                    out.add(alias.name)
+    return {m for m in out if m in modules and m != mod}
+
+
+def _graph():
+    modules = _modules()
+    return {m: _imports(m, p, modules) for m, p in modules.items()}
+
+
+def test_the_package_has_no_import_cycle():
+    graph = _graph()
+    state, stack, cycles = {}, [], []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_a_cycle_would_be_found():
+    """The graph is real: the optimizers import the backends, which import the kernels."""
+    graph = _graph()
+    assert "poco_kernels.backends" in graph["poco_kernels._optimizer"]
+    assert "poco_kernels.kernels.interface" in graph["poco_kernels.backends.fused"]
+
+
+def test_dependencies_point_one_way():
+    graph = _graph()
+    optimizers = {"poco_kernels._optimizer", "poco_kernels.ivon", "poco_kernels.svrg",
+                  "poco_kernels.von_poco", "poco_kernels"}
+    for m, deps in graph.items():
+        if m.startswith("poco_kernels.backends") or m.startswith("poco_kernels.kernels"):
+            assert not deps & optimizers, (m, deps & optimizers)
+        if m.startswith("poco_kernels.kernels"):
+            assert not any(d.startswith("poco_kernels.backends") for d in deps), (m, deps)
+
+
+def test_backends_use_only_the_declared_members_of_their_optimizer():
+    used = set()
+    for f in os.listdir(os.path.join(PKG, "backends")):
+        if f.endswith(".py"):
+            tree = ast.parse(open(os.path.join(PKG, "backends", f)).read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute):
+                    v = node.value
+                    if (isinstance(v, ast.Attribute) and v.attr == "opt"
+                            and isinstance(v.value, ast.Name) and v.value.id == "self") or \
+                            (isinstance(v, ast.Name) and v.id == "opt"):
+                        used.add(node.attr)
+    assert used, "no optimizer access found: the scan is broken"
+    assert used <= HOST, sorted(used - HOST)
+
+
+@pytest.mark.parametrize("module", ["_optimizer", "ivon", "svrg", "von_poco"])
+def test_optimizer_modules_hold_no_backend_branches(module):
+    src = open(os.path.join(PKG, module + ".py")).read()
+    tree = ast.parse(src)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            names = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+            consts = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant)}
+            assert not ("backend" in names or consts & {"torch", "triton", "cpp"}), \
+                f"{module}.py:{node.lineno} branches on the backend"
+    assert "_engine" not in src
+
+
+# --------------------------------------------------------------------------- constructors
+CLASSES = [getattr(pk, n) for n in pk.__all__]
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_unknown_keyword_names_the_closest_valid_one(cls):
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    kw = {"ess": 10.0} if "ess" in inspect.signature(cls.__init__).parameters else {}
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'lrr'; did you mean 'lr'"):
+        cls(p, lr=0.1, lrr=0.1, **kw)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        cls(p, lr=0.1, bogus=1, **kw)
+    cls(p, lr=0.1, **kw)          # the valid call still works
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_every_constructor_argument_is_documented(cls):
+    doc = inspect.getdoc(cls) or ""
+    for name in inspect.signature(cls.__init__).parameters:
+        if name not in ("self", "params"):
+            assert f"``{name}``" in doc, f"{cls.__name__}: argument {name!r} undocumented"
