@@ -94,9 +94,12 @@ def _load_tolerances():
 
 _load_tolerances()
 
-# timing, device description, CUDA-graph helpers: benchmarks/common.py (shared with run.py)
-from common import (capture, device_info, dtype_name, dump, graph_seq, log,  # noqa: E402
-                    release, reset_host, sync as _sync, _json_default)
+# device description, CUDA-graph helpers, report files: device.py, cuda_graph.py, report.py
+# (shared with run.py); the optimizers' private attributes: internals.py
+from cuda_graph import capture, graph_seq  # noqa: E402
+from device import device_info, release, sync as _sync  # noqa: E402
+from internals import bucket_buffer_names, bucket_dtypes, bucket_numels, reset_host  # noqa: E402
+from report import dtype_name, dump, json_default, log  # noqa: E402
 
 
 def rel_err(a, b):
@@ -252,12 +255,12 @@ def parity(dev, smoke):
             prob = Quadratic(sizes, dev)
             _trajectory(opt, params, prob)
             _sync(dev)
-            names = [n for n in ("mean", "h", "momentum", "g_out", "h_out", "m_out",
-                                 "sigma_out") if n in opt._buckets[0].buffers]
+            names = bucket_buffer_names(opt, ("mean", "h", "momentum", "g_out", "h_out",
+                                              "m_out", "sigma_out"))
             runs[backend] = dict(
                 bufs={n: [t.detach().clone() for t in opt.flat_state(n)] for n in names},
-                dtypes=[b.param_dtype for b in opt._buckets],
-                numel=[b.numel for b in opt._buckets],
+                dtypes=bucket_dtypes(opt),
+                numel=bucket_numels(opt),
                 counts=(opt.step_count, opt.refresh_count, opt.skipped_updates))
             del params, opt
             release(dev)
@@ -317,7 +320,7 @@ def _steady_setup(dev, smoke, seed=21):
     """A triton IVON-PoCo with a float32 and a bf16 group, warmed up past its first
     refresh, with fixed gradients (separate tensors, assigned to .grad like autograd
     leaves them).  ess = 1 keeps the state finite over many steps on one fixed gradient
-    (see ``_poco_opt``)."""
+    (see ``setups.poco_opt``)."""
     n = 1003 if smoke else 1 << 20
     g = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(n, generator=g).to(dev)),
@@ -638,7 +641,7 @@ def main(argv=None):
                 res, fails = f"RAISED: {exc}", [f"{name} raised {type(exc).__name__}: {exc}"]
             report[name] = res
             failures["checks"] += fails
-            log(f"    {name}: {json.dumps(res, default=_json_default)[:1500]}")
+            log(f"    {name}: {json.dumps(res, default=json_default)[:1500]}")
         try:
             report["bf16_store"] = check_bf16_store(dev)
             if report["bf16_store"]["mismatches"]:
@@ -659,7 +662,7 @@ def main(argv=None):
             res, fails = f"RAISED: {exc}", []
         report["graph"] = res
         failures["checks"] += fails
-        log(f"    graph: {json.dumps(res, default=_json_default)[:1500]}")
+        log(f"    graph: {json.dumps(res, default=json_default)[:1500]}")
         dump(report_path, report)
 
     # 3. the benchmarks: benchmarks/run.py's suite, on this device

@@ -21,8 +21,9 @@ from __future__ import annotations
 import os
 import tempfile
 
-
-from common import _quantiles, log, release
+from device import release
+from report import log
+from timing import quantiles
 
 
 def defaults(dev):
@@ -62,7 +63,7 @@ def run(dev, ivon_mod, preset=None, batch=None, micro=None, steps=None, poco_sta
                 if name == "ivon-pocomo":       # the corrected phase (before it: IVON)
                     steady = [r for r in hist if r["step"] > poco_start]
                 dts = [r["step_ms"] / 1e3 for r in steady]
-                med, p20, p80 = _quantiles(dts)
+                med, p20, p80 = quantiles(dts)
                 wall = sum(dts)
                 share = sum(r["opt_share"] * dt for r, dt in zip(steady, dts)) / wall
                 all_tok = sum(r["all_tok_s"] * dt for r, dt in zip(steady, dts))

@@ -55,8 +55,11 @@ import memory  # noqa: E402
 import micro  # noqa: E402
 import pretrain_bench  # noqa: E402
 import train_gpt  # noqa: E402
-from common import (BYTE_MODELS, Bench, Timer, copy_bandwidth, copy_row, device_info,  # noqa: E402
-                    dump, import_ivon, inplace_bandwidth, inplace_row, log, write_csv)
+from byte_models import BYTE_MODELS  # noqa: E402
+from device import device_info  # noqa: E402
+from report import Bench, copy_row, dump, inplace_row, log, write_csv  # noqa: E402
+from setups import import_ivon  # noqa: E402
+from timing import Timer, copy_bandwidth, inplace_bandwidth  # noqa: E402
 
 PLAIN_SIZES = {2 ** k: f"2^{k}" for k in range(10, 40)}
 
@@ -311,7 +314,7 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
     B = Bench(dev, timer, copies[0]["bandwidth_Bps"])
     dtypes = [getattr(torch, d) for d in args.dtypes]
     sizes = args.sizes or micro.default_sizes(dev)
-    ref_max = args.ref_max_size or max(sizes)
+    torch_max = args.ref_max_size or max(sizes)
     backends = args.backends or micro.kernel_backends(dev) + ["torch"]
     budget = args.budget_s if args.budget_s is not None else (float("inf") if cpu else 360.0)
     mem_rows, train_rows, pre_rows = [], [], []
@@ -350,7 +353,7 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
             if cpu and len(B.rows) and B.rows[-1]["dtype"] == args.dtypes[-1]:
                 measure_copy(f"after size {B.rows[-1]['size']}")
             write()
-        micro.run(B, timer, dev, sizes, dtypes, ivon_mod, ref_max, args.rotate_mib * 2 ** 20,
+        micro.run(B, timer, dev, sizes, dtypes, ivon_mod, torch_max, args.rotate_mib * 2 ** 20,
                   backends=backends, deadline=t_start + budget, flush=between_sizes)
         if cpu:
             report["targets"] = cpp_targets(all_rows(), max(sizes), inplace)
