@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from common import dtype_name, log, release
+from device import release
+from report import dtype_name, log
 
 # one model-like set of parameters: odd sizes, 2**20 - 1 elements in all (scaled down by
 # ``run(..., numel=...)``)

@@ -4,13 +4,13 @@ Providers (the ``provider`` column):
 
 * ``poco_kernels.<backend>``: this package through its public API, for every backend that
   runs on the device (``cpp`` on the CPU when the extension is built, ``triton`` on CUDA,
-  and ``torch``, the reference, up to ``ref_max_size``);
+  and ``torch``, which calls the reference maths directly, up to ``torch_max_size``);
   ``poco_kernels.<backend>(direct)``: the fused step operator alone, on prepared buffers;
 * ``ivon-opt-0.1.3``: ivon-opt's ``IVON``, the published implementation;
 * ``torch.AdamW(foreach)``, ``torch.AdamW(fused)``: what most LLM runs use.
 
 Kernels (the ``kernel`` column).  A *phase* row times one phase of a cycle; the phases
-before it run untimed first (the ``setup`` of ``common.Timer``) and those after it untimed
+before it run untimed first (the ``setup`` of ``timing.Timer``) and those after it untimed
 afterwards, so every timed call starts from the state a training loop would give it:
 
 =======================  ==================================================================
@@ -33,7 +33,7 @@ afterwards, so every timed call starts from the state a training loop would give
 =======================  ==================================================================
 
 There is no model: the gradient is a fixed tensor assigned to ``.grad``, as autograd
-would leave it.  Every row carries its bytes-per-parameter model (``common.b_*``).  On
+would leave it.  Every row carries its bytes-per-parameter model (``byte_models.b_*``).  On
 the CPU, rows rotate through copies of their inputs (at least ``rot_bytes`` per round) so
 the last-level cache does not flatter small sizes; on CUDA the L2 cache is flushed
 before each timed call.
@@ -45,14 +45,19 @@ import time
 
 import torch
 
-from common import (b_accumulate_restore, b_adamw, b_ivon_cycle, b_ivonopt_cycle,
-                    b_ivonopt_restore, b_ivonopt_sample, b_ivonopt_step, b_poco_cycle,
-                    b_gather, b_refresh, b_refresh_kernel, b_sample_inner, b_step_ivon,
-                    b_step_poco, capture, dtype_name, free_bytes, graph_seq, log, poco_opt,
-                    reset_host, rotation, round_robin, step_buffers, step_launcher)
+from byte_models import (b_accumulate_restore, b_adamw, b_gather, b_ivon_cycle,
+                         b_ivonopt_cycle, b_ivonopt_restore, b_ivonopt_sample, b_ivonopt_step,
+                         b_poco_cycle, b_refresh, b_refresh_kernel, b_sample_inner, b_step_ivon,
+                         b_step_poco)
+from cuda_graph import capture, graph_seq
+from device import free_bytes
+from internals import flat_grad_view, lazy_restore, reset_host
+from report import dtype_name, log
+from setups import poco_opt, step_buffers, step_launcher
+from timing import rotation, round_robin
 
 IVONOPT = "ivon-opt-0.1.3"
-# bytes per parameter the largest set of one row holds (the reference backend's IVON-PoCo
+# bytes per parameter the largest set of one row holds (the torch backend's IVON-PoCo
 # with its transactional copies), with headroom: sizes beyond free memory / this are skipped
 BYTES_PER_PARAM_NEEDED = 200
 
@@ -144,17 +149,17 @@ def ours_refresh(opt, p, grad):
     return [collect, lambda: opt.refresh()]
 
 
-def ivonopt_phases(ref, p, grad):
+def ivonopt_phases(opt, p, grad):
     cm = {}
 
     def sample():
-        cm["cm"] = ref.sampled_params(train=True)
+        cm["cm"] = opt.sampled_params(train=True)
         cm["cm"].__enter__()
 
     def restore():
         p.grad = grad
         cm.pop("cm").__exit__(None, None, None)
-    return [sample, restore, lambda: ref.step()]
+    return [sample, restore, lambda: opt.step()]
 
 
 def _instances(k, make, phases_of):
@@ -182,7 +187,7 @@ def _ivon_rows(B, timer, ph, prov, dt, size, bpps):
     B.add("ivon_cycle", prov, dt, size, timer(ph.cycle()), bpps[3])
 
 
-def bench_size(B, timer, dev, size, dt, backends, ivon_mod, rot_bytes, with_ref):
+def bench_size(B, timer, dev, size, dt, backends, ivon_mod, rot_bytes, with_torch):
     """All rows at one (size, dtype)."""
     P = torch.tensor([], dtype=dt).element_size()
     cpu = dev.type == "cpu"
@@ -201,7 +206,7 @@ def bench_size(B, timer, dev, size, dt, backends, ivon_mod, rot_bytes, with_ref)
                 del sets, fn
         B.run(f"{backend} direct step kernels {tag}", direct)
 
-    for backend in backends + (["torch"] if with_ref and "torch" not in backends else []):
+    for backend in backends + (["torch"] if with_torch and "torch" not in backends else []):
         prov = f"poco_kernels.{backend}"
 
         def ivon_rows(backend=backend, prov=prov):
@@ -269,28 +274,26 @@ def triton_extras(B, timer, dev, size, dt, opt, p, grad):
     """CUDA only: what the Triton backend costs without host overhead and without the
     gather copy (``.grad`` as views of the engine's flat gradient buffer), through a
     CUDA graph, and host-inclusive (``*_wall``)."""
-    from common import b_poco_cycle as bpc
     P = torch.tensor([], dtype=dt).element_size()
     prov = "poco_kernels.triton"
-    bk = opt._buckets[0]
-    bk.grad_flat.copy_(grad)
-    view = list(bk.grad_views)[0]
+    view = flat_grad_view(opt, grad)
 
     def flat():
         opt.sample("inner")
         p.grad = view
         opt.accumulate(clear_grads=False)
-        opt.restore(_lazy=True)
+        lazy_restore(opt)
         opt.sample("outer")
         opt.accumulate(clear_grads=False)
-        opt.restore(_lazy=True)
+        lazy_restore(opt)
         opt.step()
-    B.add("ivon_poco_cycle", prov + "(flat-grads)", dt, size, timer(flat), bpc(P, "flat"))
+    B.add("ivon_poco_cycle", prov + "(flat-grads)", dt, size, timer(flat),
+          b_poco_cycle(P, "flat"))
     B.add("ivon_poco_cycle_wall", prov + "(flat-grads)", dt, size, timer.wall(flat),
-          bpc(P, "flat"), wall=True)
+          b_poco_cycle(P, "flat"), wall=True)
     closure = lambda: opt.step(lambda: setattr(p, "grad", grad))  # noqa: E731
     B.add("ivon_poco_cycle_wall", prov + "(closure)", dt, size, timer.wall(closure),
-          bpc(P, "closure"), wall=True)
+          b_poco_cycle(P, "closure"), wall=True)
     p.grad = view
     replay, err = capture(dev, graph_seq(opt, [p]))
     if err is not None:
@@ -298,18 +301,18 @@ def triton_extras(B, timer, dev, size, dt, opt, p, grad):
         B.errors.append(f"graph capture {size}/{dtype_name(dt)}: {err}")
         return
     B.add("ivon_poco_cycle", prov + "(flat-grads,cuda-graph)", dt, size, timer(replay),
-          bpc(P, "flat"))
+          b_poco_cycle(P, "flat"))
 
 
-def run(B, timer, dev, sizes, dtypes, ivon_mod, ref_max_size, rot_bytes, backends=None,
+def run(B, timer, dev, sizes, dtypes, ivon_mod, torch_max_size, rot_bytes, backends=None,
         deadline=math.inf, flush=lambda rows: None):
     """Every row at every (size, dtype) for ``backends`` (default: the fused ones that run
-    on ``dev``, and ``torch``, the reference, up to ``ref_max_size``); past ``deadline``
+    on ``dev``, and ``torch`` up to ``torch_max_size``); past ``deadline``
     (perf_counter seconds) the remaining blocks are skipped with a note in ``B.errors``."""
     backends = kernel_backends(dev) + ["torch"] if backends is None else list(backends)
-    with_ref = "torch" in backends
+    with_torch = "torch" in backends
     backends = [b for b in backends if b != "torch"]
-    log(f"  backends: {backends + (['torch (reference, up to %d)' % ref_max_size] if with_ref else [])}; "
+    log(f"  backends: {backends + (['torch (up to %d)' % torch_max_size] if with_torch else [])}; "
         f"ivon-opt {'yes' if ivon_mod else 'no'}")
     for size in sizes:
         need = BYTES_PER_PARAM_NEEDED * size
@@ -325,6 +328,6 @@ def run(B, timer, dev, sizes, dtypes, ivon_mod, ref_max_size, rot_bytes, backend
                 continue
             log(f"  -- size {size}, {dtype_name(dt)}")
             bench_size(B, timer, dev, size, dt, backends, ivon_mod, rot_bytes,
-                       with_ref=with_ref and size <= ref_max_size)
+                       with_torch=with_torch and size <= torch_max_size)
             flush(B.rows)
     return B

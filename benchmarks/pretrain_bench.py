@@ -21,8 +21,9 @@ from __future__ import annotations
 import os
 import tempfile
 
-
-from common import _quantiles, log, release
+from device import release
+from report import log
+from timing import quantiles
 
 
 def defaults(dev):
@@ -62,7 +63,7 @@ def run(dev, ivon_mod, preset=None, batch=None, micro=None, steps=None, poco_sta
                 if name == "ivon-pocomo":       # the corrected phase (before it: IVON)
                     steady = [r for r in hist if r["step"] > poco_start]
                 dts = [r["step_ms"] / 1e3 for r in steady]
-                med, p20, p80 = _quantiles(dts)
+                med, p20, p80 = quantiles(dts)
                 wall = sum(dts)
                 share = sum(r["opt_share"] * dt for r, dt in zip(steady, dts)) / wall
                 all_tok = sum(r["all_tok_s"] * dt for r, dt in zip(steady, dts))
@@ -93,25 +94,3 @@ def _provider(opt, name):
         return "ivon-opt-0.1.3"
     return f"poco_kernels.{opt.backend}"
 
-
-def table(rows):
-    out = ["| optimizer | provider | tokens/s | all tokens/s | step ms (p20-p80) | "
-           "outside fwd/bwd | val loss start -> end |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['optimizer']} | | error: {r['error'][:80]} | | | | |")
-            continue
-        out.append(f"| {r['optimizer']} | {r['provider']} | {r['tok_s']:,.0f} | "
-                   f"{r['all_tok_s']:,.0f} | {r['step_s'] * 1e3:.1f} "
-                   f"({r['step_p20_s'] * 1e3:.1f}-{r['step_p80_s'] * 1e3:.1f}) | "
-                   f"{100 * r['outside_share']:.1f}% | {r['val_first']:.3f} -> "
-                   f"{r['val_last']:.3f} |")
-    return out
-
-
-def csv_rows(rows):
-    return [dict(kernel=f"pretrain_{r['optimizer'].replace('-', '_')}_step",
-                 provider=r["provider"], dtype=r["dtype"], size=r["numel"], median=r["step_s"],
-                 p20=r["step_p20_s"], p80=r["step_p80_s"], bytes_per_param=None,
-                 bandwidth_Bps=None, frac_copy=None, timing="perf_counter+sync")
-            for r in rows if "error" not in r]

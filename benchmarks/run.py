@@ -55,12 +55,15 @@ import memory  # noqa: E402
 import micro  # noqa: E402
 import pretrain_bench  # noqa: E402
 import train_gpt  # noqa: E402
-from common import (BYTE_MODELS, Bench, Timer, copy_bandwidth, copy_row, device_info,  # noqa: E402
-                    dump, import_ivon, inplace_bandwidth, inplace_row, log, write_csv)
+from byte_models import BYTE_MODELS  # noqa: E402
+from device import device_info  # noqa: E402
+from report import (Bench, copy_row, cpp_targets, dump, inplace_row, log, markdown,  # noqa: E402
+                    pretrain_csv_rows, train_csv_rows, write_csv)
+from setups import import_ivon  # noqa: E402
+from timing import Timer, copy_bandwidth, inplace_bandwidth  # noqa: E402
 
-PLAIN_SIZES = {2 ** k: f"2^{k}" for k in range(10, 40)}
 
-
+# --------------------------------------------------------------------------- configuration
 def build_parser():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,168 +123,9 @@ def pick_device(name):
     return dev
 
 
-# --------------------------------------------------------------------------- tables
-def _size_label(n):
-    return PLAIN_SIZES.get(n, str(n))
-
-
-def micro_tables(rows, ceiling):
-    """Per dtype: one line per (kernel, provider), one column per size: median ms and
-    % of the copy bandwidth."""
-    out = []
-    bench = [r for r in rows if r["kernel"] not in ("copy", "inplace_add")
-             and not r["kernel"].startswith("gpt_")]
-    for dt in dict.fromkeys(r["dtype"] for r in bench):
-        sel = [r for r in bench if r["dtype"] == dt]
-        sizes = sorted({r["size"] for r in sel})
-        keys = list(dict.fromkeys((r["kernel"], r["provider"]) for r in sel))
-        out += [f"### {dt} parameters: median ms (% of copy bandwidth)", "",
-                "| kernel | provider | B/param | " + " | ".join(_size_label(s) for s in sizes)
-                + " |", "|---|---|---|" + "---|" * len(sizes)]
-        for k, prov in keys:
-            cells, bpp = [], ""
-            for s in sizes:
-                r = next((r for r in sel if (r["kernel"], r["provider"], r["size"])
-                          == (k, prov, s)), None)
-                if r is None:
-                    cells.append("")
-                    continue
-                bpp = r["bytes_per_param"] or ""
-                pct = f" ({100 * r['frac_copy']:.0f}%)" if r.get("frac_copy") else ""
-                cells.append(f"{r['median'] * 1e3:.3g}{pct}")
-            out.append(f"| `{k}` | {prov.replace('poco_kernels.', 'pk.')} | {bpp} | "
-                       + " | ".join(cells) + " |")
-        out.append("")
-    return out
-
-
-def memory_table(rows):
-    out = ["| optimizer | provider | dtype | state B/param (in `opt.state` + elsewhere) | "
-           "allocations / step (bytes) | allocations / refresh (bytes) |",
-           "|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['optimizer']} | {r['provider']} | {r['dtype']} | error: "
-                       f"{r['error'][:80]} | | |")
-            continue
-
-        def al(a, b):
-            return "n/a" if a is None else f"{a:g} ({b:,.0f})"
-        ref = (al(r["allocs_per_refresh"], r["alloc_bytes_per_refresh"])
-               if "allocs_per_refresh" in r else "")
-        cuda = (f"; allocator {r['allocator_bytes_per_param']:g}, peak +"
-                f"{r['peak_extra_bytes_per_param']:g}" if "allocator_bytes_per_param" in r
-                else "")
-        out.append(f"| {r['optimizer']} | {r['provider'].replace('poco_kernels.', 'pk.')} | "
-                   f"{r['dtype']} | {r['state_bytes_per_param']:g} "
-                   f"({r['opt_state_bytes_per_param']:g} + {r['other_bytes_per_param']:g}{cuda})"
-                   f" | {al(r['allocs_per_step'], r['alloc_bytes_per_step'])} | {ref} |")
-    return out
-
-
-def train_table(rows):
-    out = ["| optimizer | provider | gradient evaluations / iteration | iteration ms | "
-           "forward + backward ms | outside ms | share outside |",
-           "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['optimizer']} | | error: {r['error'][:80]} | | | | |")
-            continue
-        out.append(f"| {r['optimizer']} | {r['provider'].replace('poco_kernels.', 'pk.')} | "
-                   f"{r['evals_per_iter']:g} | {r['iter_s'] * 1e3:.2f} | "
-                   f"{r['fwd_bwd_s'] * 1e3:.2f} | {r['outside_s'] * 1e3:.2f} | "
-                   f"{100 * r['outside_share']:.1f}% |")
-    return out
-
-
-def headline(rows, dev):
-    """The comparison a user asks for first, at the largest float32 size."""
-    def find(kernel, provider):
-        c = [r for r in rows if r["kernel"] == kernel and r["provider"] == provider
-             and r["dtype"] == "float32"]
-        return max(c, key=lambda r: r["size"]) if c else None
-    ours = "poco_kernels.triton" if dev.type == "cuda" else "poco_kernels.cpp"
-    step = find("ivon_poco_step", ours)
-    if step is None:
-        return []
-    n = step["size"]
-    lines = [f"At {_size_label(n)} float32 parameters, IVON-PoCoMo's inner step "
-             f"({ours.replace('poco_kernels.', 'pk.')}) takes {step['median'] * 1e3:.3g} ms, "
-             f"{step['bytes_per_param']} B/param: "
-             + (f"{100 * step['frac_copy']:.0f}% of the copy bandwidth" if step.get("frac_copy")
-                else "no copy bandwidth measured") + "."]
-    for kernel, prov, what in (("adamw_step", "torch.AdamW(fused)", "fused AdamW's step"),
-                               ("adamw_step", "torch.AdamW(foreach)", "foreach AdamW's step"),
-                               ("ivon_step", "ivon-opt-0.1.3", "ivon-opt's IVON step"),
-                               ("ivon_cycle", "ivon-opt-0.1.3", "ivon-opt's IVON cycle"),
-                               ("ivon_poco_step", "poco_kernels.torch",
-                                "the reference backend's inner step")):
-        r = next((r for r in rows if r["kernel"] == kernel and r["provider"] == prov
-                  and r["dtype"] == "float32" and r["size"] == n), None)
-        if r is not None:
-            lines.append(f"- {what}: {r['median'] * 1e3:.3g} ms "
-                         f"({r['median'] / step['median']:.2f}x the inner step's time)")
-    return lines
-
-
-def markdown(info, ceiling, inplace_bw, rows, mem_rows, train_rows, notes, pre_rows=()):
-    out = [f"# poco_kernels benchmarks: {info['device']}", "",
-           f"{info['date']}; torch {info['torch']}; triton {info.get('triton')}; "
-           f"{info['threads']} threads; git {str(info.get('git_head'))[:10]}."]
-    if "caches" in info:
-        out.append(f"Caches: {info['caches']}.")
-    out.append("")
-    if ceiling:
-        out.append(f"Copy bandwidth (the ceiling): {ceiling / 1e9:.1f} GB/s"
-                   + (f"; in-place add {inplace_bw / 1e9:.1f} GB/s" if inplace_bw else "")
-                   + ".")
-        out.append("")
-    out += headline(rows, torch.device("cuda" if "gpu_" in info["slug"] else "cpu"))
-    if rows:
-        out += ["", "## Optimizer-step microbenchmarks", ""] + micro_tables(rows, ceiling)
-    if mem_rows:
-        out += ["## Memory", ""] + memory_table(mem_rows) + [""]
-    if train_rows:
-        r0 = train_rows[0]
-        out += ["## Training step on a small GPT", "",
-                f"Preset `{r0['preset']}`, {r0['numel'] / 1e6:.2f}M parameters; medians "
-                "per iteration.", ""] + train_table(train_rows) + [""]
-    good = [r for r in pre_rows if "error" not in r]
-    if pre_rows:
-        r0 = good[0] if good else {}
-        out += ["## Pretraining throughput", "",
-                (f"`poco_kernels.experiments.pretrain`, preset `{r0['preset']}` "
-                 f"({r0['numel'] / 1e6:.2f}M parameters), {r0['batch']} x {r0['seq']} tokens "
-                 f"per step, {r0['dtype']}, {r0['steps']} steps, IVON-PoCoMo corrected from "
-                 f"step {r0['poco_start']}. Over the steps after the first tenth (IVON-PoCoMo: its "
-                 "corrected steps, refreshes included); tokens/s: mini-batch tokens per "
-                 "second of wall time."
-                 if r0 else ""), ""] + pretrain_bench.table(pre_rows) + [""]
-    if notes:
-        out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    return out
-
-
-def train_csv_rows(train_rows):
-    out = []
-    for r in train_rows:
-        if "error" in r or r["optimizer"].startswith("("):
-            continue
-        name = r["optimizer"].lower().replace("-", "_")
-        out.append(dict(kernel=f"gpt_{name}_iteration", provider=r["provider"], dtype="float32",
-                        size=r["numel"], median=r["iter_s"], p20=r["iter_p20_s"],
-                        p80=r["iter_p80_s"], bytes_per_param=None, bandwidth_Bps=None,
-                        frac_copy=None, timing="perf_counter+sync"))
-        out.append(dict(kernel=f"gpt_{name}_outside_fwd_bwd", provider=r["provider"],
-                        dtype="float32", size=r["numel"], median=r["outside_s"],
-                        p20=r["outside_p20_s"], p80=r["outside_p80_s"], bytes_per_param=None,
-                        bandwidth_Bps=None, frac_copy=None, timing="perf_counter+sync"))
-    return out
-
-
 # --------------------------------------------------------------------------- main
 def suite(args, dev, info, report=None, report_name="bench_report.json"):
-    """All three sections on ``dev``; returns (exit code, report)."""
+    """All four sections on ``dev``; returns (exit code, report)."""
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     report = {} if report is None else report
@@ -311,7 +155,7 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
     B = Bench(dev, timer, copies[0]["bandwidth_Bps"])
     dtypes = [getattr(torch, d) for d in args.dtypes]
     sizes = args.sizes or micro.default_sizes(dev)
-    ref_max = args.ref_max_size or max(sizes)
+    torch_max = args.ref_max_size or max(sizes)
     backends = args.backends or micro.kernel_backends(dev) + ["torch"]
     budget = args.budget_s if args.budget_s is not None else (float("inf") if cpu else 360.0)
     mem_rows, train_rows, pre_rows = [], [], []
@@ -323,7 +167,7 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
     def all_rows():
         c = ceiling()
         rows = ([copy_row(x, timing) for x in copies] + [inplace_row(x, timing) for x in inplace]
-                + B.rows + train_csv_rows(train_rows) + pretrain_bench.csv_rows(pre_rows))
+                + B.rows + train_csv_rows(train_rows) + pretrain_csv_rows(pre_rows))
         for r in rows:
             r["frac_copy"] = r["bandwidth_Bps"] / c if r.get("bandwidth_Bps") else None
         return rows
@@ -350,7 +194,7 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
             if cpu and len(B.rows) and B.rows[-1]["dtype"] == args.dtypes[-1]:
                 measure_copy(f"after size {B.rows[-1]['size']}")
             write()
-        micro.run(B, timer, dev, sizes, dtypes, ivon_mod, ref_max, args.rotate_mib * 2 ** 20,
+        micro.run(B, timer, dev, sizes, dtypes, ivon_mod, torch_max, args.rotate_mib * 2 ** 20,
                   backends=backends, deadline=t_start + budget, flush=between_sizes)
         if cpu:
             report["targets"] = cpp_targets(all_rows(), max(sizes), inplace)
@@ -387,29 +231,6 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
     log(f"{'PASS' if code == 0 else 'FAIL'} (exit {code}) in "
         f"{time.perf_counter() - t_start:.0f} s; outputs in {args.out}")
     return code, report
-
-
-def cpp_targets(rows, size, inplace):
-    """Issue 4's targets for the C++ backend at ``size``, float32 (reported, not gating)."""
-    def get(kernel, provider):
-        return next((r for r in rows if (r["kernel"], r["provider"], r["dtype"], r["size"])
-                     == (kernel, provider, "float32", size)), None)
-    k = get("step_kernel_poco", "poco_kernels.cpp(direct)")
-    if k is None:
-        return []
-    out = [f"C++ target, IVON-PoCoMo step at >= 70% of copy bandwidth: "
-           f"{100 * k['frac_copy']:.0f}% ({_size_label(size)}, float32)"]
-    for kernel, prov, what in (("ivon_poco_step", "poco_kernels.torch", "the reference's step"),
-                               ("ivon_cycle", "ivon-opt-0.1.3", "ivon-opt's IVON cycle")):
-        r = get(kernel, prov)
-        if r is not None:
-            out.append(f"C++ target, >= 4x faster than {what}: "
-                       f"{r['median'] / k['median']:.1f}x")
-    if inplace:
-        bw = statistics.median(x["bandwidth_Bps"] for x in inplace)
-        out.append(f"the same step at {k['bandwidth_Bps'] / bw:.0%} of the in-place add "
-                   f"bandwidth ({bw / 1e9:.1f} GB/s)")
-    return out
 
 
 def main(argv=None):

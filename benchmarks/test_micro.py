@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import micro
-from common import import_ivon, poco_opt, release, sync
+from device import release, sync
+from setups import import_ivon, poco_opt
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SIZE = int(os.environ.get("POCO_BENCH_SIZE", 2 ** 20))

@@ -32,7 +32,9 @@ import time
 
 import torch
 
-from common import _quantiles, log, release, sync
+from device import release, sync
+from report import log
+from timing import quantiles
 
 PAPER_IVON = dict(lr=0.3, ess=1e10, hess_init=1e-3, beta1=0.9, beta2=0.99999,
                   weight_decay=1e-4, clip_radius=1e-3)
@@ -164,8 +166,8 @@ def run(dev, ivon_mod, preset=None, batch=None, seq=None, warmup=2, iters=5,
     del model
     rows = [dict(optimizer="(forward + backward alone)", provider="torch", numel=numel,
                  preset=preset, evals_per_iter=1, iter_s=fb_alone, fwd_bwd_s=fb_alone,
-                 outside_s=0.0, outside_share=0.0, iter_p20_s=_quantiles([t for t, _, _ in base])[1],
-                 iter_p80_s=_quantiles([t for t, _, _ in base])[2])]
+                 outside_s=0.0, outside_share=0.0, iter_p20_s=quantiles([t for t, _, _ in base])[1],
+                 iter_p80_s=quantiles([t for t, _, _ in base])[2])]
     for name, make in loops(R, ivon_mod, refresh_every, mega):
         try:
             model = R.model()
@@ -176,11 +178,11 @@ def run(dev, ivon_mod, preset=None, batch=None, seq=None, warmup=2, iters=5,
             totals = [t / per for t, _, _ in m]
             fbs = [f / per for _, f, _ in m]
             outs = [t - f for t, f in zip(totals, fbs)]
-            med, p20, p80 = _quantiles(totals)
+            med, p20, p80 = quantiles(totals)
             row = dict(optimizer=name, provider=provider, numel=numel, preset=preset,
                        evals_per_iter=m[0][2] / per, iter_s=med, iter_p20_s=p20, iter_p80_s=p80,
                        fwd_bwd_s=statistics.median(fbs), outside_s=statistics.median(outs),
-                       outside_p20_s=_quantiles(outs)[1], outside_p80_s=_quantiles(outs)[2])
+                       outside_p20_s=quantiles(outs)[1], outside_p80_s=quantiles(outs)[2])
             row["outside_share"] = row["outside_s"] / med
             rows.append(row)
             log(f"  {name:12s} {provider:26s} {row['evals_per_iter']:.1f} evals/iter: iteration "

@@ -16,9 +16,9 @@ BENCH = os.path.join(ROOT, "benchmarks")
 @pytest.fixture
 def bench_modules(monkeypatch):
     monkeypatch.syspath_prepend(BENCH)
-    for m in ("common", "micro", "memory", "train_gpt", "run"):
+    for m in ("report", "micro", "memory", "train_gpt", "run"):
         sys.modules.pop(m, None)
-    import common
+    import report as common
     import memory
     import run
     return common, memory, run
