@@ -1,4 +1,4 @@
-"""IVON-PoCo stability (README, 'Stability of IVON-PoCo').
+"""IVON-PoCo stability (docs/logreg-study.md, 'Stability of IVON-PoCo').
 
 With beta2 = 0.999, batch 5 and full-batch refreshes on breast cancer, Alg. 3 as written
 (one refresh sample) blows up: the one-sample Price estimate hM is very negative for many
