@@ -7,8 +7,9 @@ so that a change of the package's internals is followed in one file:
   ``grad_views`` (the fused engine's flat layout);
 * ``opt._active`` and ``opt._pending`` (the host's record of the open sample and of the
   collected gradient sums);
-* ``opt.restore(_lazy=True)`` (leave the sample in the parameters: the next sample or
-  the step overwrites them).
+* ending a sample without restoring the mean (``opt._active = None``: what
+  ``step(closure)`` does between its samples on the fused backends, whose next sample or
+  step overwrites the parameters).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def flat_grad_view(opt, grad):
 def lazy_restore(opt):
     """``restore`` that leaves the sample in the parameters (what ``step(closure)`` does
     between its samples)."""
-    opt.restore(_lazy=True)
+    opt._active = None
 
 
 def reset_host(opt):

@@ -49,18 +49,19 @@ def step_buffers(n, dt, dev, ess=1.0, wd=1e-4, seed=None):
 def step_launcher(ops, b, corr, ess=1.0, wd=1e-4):
     """The step operator of a kernel set (``triton_ops`` or ``cpp_ops``) on ``b``:
     IVON-PoCoMo (correction, shared noise, Hessian correction, debiasing) or plain IVON."""
-    from poco_kernels.kernels import common as K
-    flags = K.step_flags(K.FAMILY_IVON, CORR=corr, SHARED_NOISE=corr, HESS_CORR=corr,
-                         DEBIAS=True)
-    # sign_o, inv_n_in, inv_n_o, lr, beta1, beta2, wd, ess, alpha, hess_corr, floor, clip,
-    # momentum, dampening, eps, mom_first
-    hp = [1.0, 1.0, 1.0 if corr else 0.0, 1e-3, 0.9, 0.99999, wd, ess, 1.0 if corr else 0.0,
-          0.01 if corr else 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    from poco_kernels.kernels import interface as K
+    flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=corr, floor=False,
+                                                          clip=False, debias=True),
+                           corr=corr, ge_in=False, ge_o=False, shared_noise=corr)
+    hp = K.StepHyper.of(K.StepHP.ivon(lr=1e-3, beta1=0.9, beta2=0.99999, wd=wd, ess=ess,
+                                      alpha=1.0 if corr else 0.0,
+                                      hess_corr=0.01 if corr else 0.0, floor=0.0, clip=0.0),
+                        sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0 if corr else 0.0)
     args = (b["mean"], b["param"], b["s1"], b["s2"], b["g_in"], None,
             b["g_o"] if corr else None, None,
             b["g_out"] if corr else None, b["h_out"] if corr else None,
             b["m_out"] if corr else None, b["sigma_out"] if corr else None,
-            b["ctl"], None, None, [7, 0, 0], hp, flags)
+            b["ctl"], None, None, K.StepStreams(7, 0, 0), hp, flags)
     return lambda: ops.step(*args)
 
 
