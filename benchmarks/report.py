@@ -240,7 +240,7 @@ def headline(rows, dev):
                                ("ivon_step", "ivon-opt-0.1.3", "ivon-opt's IVON step"),
                                ("ivon_cycle", "ivon-opt-0.1.3", "ivon-opt's IVON cycle"),
                                ("ivon_poco_step", "poco_kernels.torch",
-                                "the reference backend's inner step")):
+                                "the torch backend's inner step")):
         r = next((r for r in rows if r["kernel"] == kernel and r["provider"] == prov
                   and r["dtype"] == "float32" and r["size"] == n), None)
         if r is not None:
@@ -312,7 +312,7 @@ def cpp_targets(rows, size, inplace):
         return []
     out = [f"C++ target, IVON-PoCoMo step at >= 70% of copy bandwidth: "
            f"{100 * k['frac_copy']:.0f}% ({_size_label(size)}, float32)"]
-    for kernel, prov, what in (("ivon_poco_step", "poco_kernels.torch", "the reference's step"),
+    for kernel, prov, what in (("ivon_poco_step", "poco_kernels.torch", "the torch backend's step"),
                                ("ivon_cycle", "ivon-opt-0.1.3", "ivon-opt's IVON cycle")):
         r = get(kernel, prov)
         if r is not None:

@@ -10,7 +10,7 @@ sections, each written to ``--out`` as soon as it is done:
    fits in memory (2**26 on a machine with ~23 GB available), float32 and bf16: this
    package's IVON step, IVON-PoCoMo inner step, refresh fold, sample and whole cycles on
    every backend that runs on the device (``cpp`` or ``triton``, and ``torch``, the
-   reference), ivon-opt's IVON (sample, backward-free restore, step, cycle) and
+   torch backend), ivon-opt's IVON (sample, backward-free restore, step, cycle) and
    ``torch.optim.AdamW`` with ``foreach=True`` and ``fused=True``.  Each row has the bytes
    per parameter its operation must move, the achieved GB/s and that as a percentage of
    the device's copy bandwidth, measured in the same run (the ceiling).
@@ -75,9 +75,9 @@ def build_parser():
                     choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--backends", nargs="+", default=None, choices=["cpp", "triton", "torch"],
                     help="this package's backends to measure (default: every one that runs "
-                         "on the device; torch is the reference)")
+                         "on the device; torch runs the reference maths op for op)")
     ap.add_argument("--ref-max-size", type=int, default=None,
-                    help="largest size for the reference backend (default: every size)")
+                    help="largest size for the torch backend (default: every size)")
     ap.add_argument("--reps", type=int, default=10, help="CPU: timed calls per row")
     ap.add_argument("--max-s", type=float, default=20.0,
                     help="CPU: seconds per row after which it stops (at least 3 calls)")

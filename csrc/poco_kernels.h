@@ -33,7 +33,7 @@ enum Family : int { kFamilyIvon = 0, kFamilySgd = 1, kFamilyAdamw = 2 };
 // ------------------------------------------------------------------ the typed interface
 // The scalars and switches each operator takes, in order: the mirror of the records of
 // poco_kernels/kernels/interface.py (StepHyper, StepFlags, RefreshHyper, RefreshFlags),
-// which the Triton kernels also take by these names; tests/test_kernel_interface.py
+// which the Triton kernels also take by these names; tests/test_architecture.py
 // parses these lists and fails if Python, C++ and Triton disagree.  ops.cpp reads the
 // operator's float list into the structs below (count checked) and unpacks the flag bits
 // (bit i = the i-th name after `family`).

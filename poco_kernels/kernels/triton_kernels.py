@@ -1,7 +1,7 @@
 """Triton kernels of the family, over flat per-bucket buffers.
 
 Each kernel is the fused form of reference functions; the ``Reference:`` line of each
-names them (:mod:`poco_kernels.reference`), and ``tests/test_triton_kernels.py`` checks
+names them (:mod:`poco_kernels.reference`), and ``tests/test_kernels.py`` checks
 each against them.  Host wrappers (launch, torch custom-op registration) are in
 :mod:`poco_kernels.kernels.triton_ops`.
 
