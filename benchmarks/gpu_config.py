@@ -52,7 +52,7 @@ def parity_layout(smoke):
 
 PARITY_CONFIGS = {
     # Alg. 3 defaults except beta2: 0.99999 barely moves h in 30 steps; 0.999 without the
-    # stabilisers drives h + wd toward 0 (README, 'Stability of IVON-PoCo'), which amplifies
+    # stabilisers drives h + wd toward 0 (docs/logreg-study.md, 'Stability of IVON-PoCo'), which amplifies
     # float rounding ~16x (measured on the smoke sizes) so the comparison would measure the
     # trajectory's conditioning instead of the kernels.  Per-group lr / weight decay /
     # outer momentum / clip.

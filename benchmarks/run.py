@@ -147,7 +147,7 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
         copies.append(cb)
         msg = (f"    copy {args.copy_mib} MiB each way ({when}): "
                f"{cb['bandwidth_Bps'] / 1e9:.1f} GB/s")
-        if cpu:      # on a CPU, in-place updates pass the copy model's 100% (README)
+        if cpu:      # on a CPU, in-place updates pass the copy model's 100% (benchmarks/README.md)
             inplace.append(inplace_bandwidth(dev, copy_timer, args.copy_mib * 2 ** 20))
             msg += f"; in-place add {inplace[-1]['bandwidth_Bps'] / 1e9:.1f} GB/s"
         log(msg)

@@ -69,7 +69,8 @@ def poco_opt(n, dt, dev, backend, cls="IVONPoCo", seed=3):
     """One parameter of ``n`` elements, its optimizer and a gradient.  ess = 1: the timed
     loops repeat thousands of steps on ONE fixed gradient, and with ess 1e6 (1/sigma =
     1000) IVON-PoCo at Alg. 3 defaults runs to non-finite state in ~100 such steps (the
-    README's instability; the torch backend then raises).  With ess = 1 both IVON and
+    instability of docs/logreg-study.md, 'Stability of IVON-PoCo'; the torch backend then
+    raises).  With ess = 1 both IVON and
     IVON-PoCo stay finite and h stays within [0.69, 1.24] over 6000 steps (checked on the
     torch backend, 2**14 elements).  The values do not change the work done."""
     import poco_kernels as pk

@@ -221,3 +221,33 @@ def test_every_constructor_argument_is_documented(cls):
     for name in inspect.signature(cls.__init__).parameters:
         if name not in ("self", "params"):
             assert f"``{name}``" in doc, f"{cls.__name__}: argument {name!r} undocumented"
+
+
+# --------------------------------------------------------------------------- citations
+_CITE = re.compile(r"(README|docs/[a-z-]+\.md)[,:]?\s+(?:#\s*)?'([^']+)'")
+
+
+def _headings(path):
+    text = open(os.path.join(ROOT, path)).read()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return {h.strip() for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_citations_of_the_documentation_name_sections_that_exist():
+    """An error message or docstring that says "see the README, 'X'" or "docs/f.md, 'X'"
+    points at a heading X of that file."""
+    found, bad = 0, []
+    for top in ("poco_kernels", "benchmarks", "tests"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                src = open(os.path.join(dirpath, f)).read()
+                for doc, section in _CITE.findall(src):
+                    found += 1
+                    path = "README.md" if doc == "README" else doc
+                    if not os.path.exists(os.path.join(ROOT, path)) or \
+                            section not in _headings(path):
+                        bad.append(f"{f}: {doc}, '{section}'")
+    assert found >= 5, "no citations found: the scan is broken"
+    assert not bad, bad
