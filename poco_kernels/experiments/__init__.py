@@ -10,5 +10,7 @@
   appendix, GPT pretraining with AdamW, IVON or IVON-PoCoMo, single process, DDP or FSDP2
   (``python -m poco_kernels.experiments.pretrain --help``); the model in
   :mod:`~poco_kernels.experiments.gpt`, the data in :mod:`~poco_kernels.experiments.lm_data`,
-  starting from saved IVON states in :mod:`~poco_kernels.experiments.continual`.
+  starting from saved IVON states in :mod:`~poco_kernels.experiments.continual`; the code
+  by role in ``pretrain_config``, ``pretrain_setup``, ``pretrain_loop``,
+  ``pretrain_checkpoint`` and ``pretrain_report``.
 """
