@@ -234,8 +234,9 @@ def _headings(path):
 
 
 def test_citations_of_the_documentation_name_sections_that_exist():
-    """An error message or docstring that says "see the README, 'X'" or "docs/f.md, 'X'"
-    points at a heading X of that file."""
+    """An error message or docstring that cites a section of the README or of a file in
+    docs/ (the README or the file, a comma, the heading in single quotes) points at a
+    heading that exists in that file."""
     found, bad = 0, []
     for top in ("poco_kernels", "benchmarks", "tests"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):

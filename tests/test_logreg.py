@@ -10,6 +10,7 @@ pytest.importorskip("scipy")
 
 import poco_kernels as pk  # noqa: E402
 from poco_kernels.experiments import logreg as L  # noqa: E402
+from poco_kernels.experiments import logreg_loop  # noqa: E402
 
 # breast cancer, lr 0.1, batch 5, 2,000 steps: SGD is at its noise floor, SVRG (refresh
 # every 250 steps on the full training set) far below it
@@ -22,7 +23,7 @@ SHORT = ["--dataset", "breast_cancer", "--lr", "0.1", "--batch", "5", "--steps",
 def problem():
     cfg = L.Config(dataset="breast_cancer", l2=0.01)
     prob = L.load_problem(cfg)
-    return cfg, prob, L.lbfgs_reference(prob)
+    return cfg, prob, L.lbfgs_oracle(prob)
 
 
 def test_cli_prints_table_and_svrg_beats_sgd(tmp_path, capsys):
@@ -50,20 +51,20 @@ def test_cli_prints_table_and_svrg_beats_sgd(tmp_path, capsys):
         (250 * 5 + 1750 * 10 + 7 * n) / n)
 
 
-def test_lbfgs_reference_is_the_minimiser(problem):
-    cfg, prob, ref = problem
-    assert ref.grad_norm < 1e-8
-    g = L.gradient(ref.w, prob.Xtr, prob.ytr, prob.l2)
-    assert float(g.abs().max()) == pytest.approx(ref.grad_norm)
+def test_lbfgs_oracle_is_the_minimiser(problem):
+    cfg, prob, oracle = problem
+    assert oracle.grad_norm < 1e-8
+    g = L.gradient(oracle.w, prob.Xtr, prob.ytr, prob.l2)
+    assert float(g.abs().max()) == pytest.approx(oracle.grad_norm)
     gen = torch.Generator().manual_seed(0)
     for _ in range(5):                              # strictly convex: any move goes up
         d = 1e-3 * torch.randn(prob.d, generator=gen, dtype=torch.float64)
-        assert L.objective(ref.w + d, prob.Xtr, prob.ytr, prob.l2) > ref.f
-    assert 0.9 < ref.test_acc <= 1.0
+        assert L.objective(oracle.w + d, prob.Xtr, prob.ytr, prob.l2) > oracle.f
+    assert 0.9 < oracle.test_acc <= 1.0
 
 
 def test_objective_and_closed_form_gradient_match_autograd(problem):
-    cfg, prob, ref = problem
+    cfg, prob, oracle = problem
     w = torch.randn(prob.d, dtype=torch.float64, requires_grad=True)
     z = prob.Xtr @ w
     f = torch.nn.functional.binary_cross_entropy_with_logits(z, prob.ytr) \
@@ -72,7 +73,7 @@ def test_objective_and_closed_form_gradient_match_autograd(problem):
     assert L.objective(w, prob.Xtr, prob.ytr, prob.l2) == pytest.approx(f.detach().item(), rel=1e-12)
     assert torch.allclose(L.gradient(w, prob.Xtr, prob.ytr, prob.l2), w.grad, atol=1e-12)
     # the per-step closure writes the data-loss gradient (without the regulariser)
-    c = L._BatchGrad(w)
+    c = logreg_loop._BatchGrad(w)
     c.set(prob.Xtr[:5], prob.ytr[:5])
     c()
     w2 = w.detach().clone().requires_grad_(True)
@@ -81,15 +82,15 @@ def test_objective_and_closed_form_gradient_match_autograd(problem):
 
 
 def test_all_methods_see_the_same_batches_and_svrg_is_sgd_before_refresh(problem):
-    cfg, prob, ref = problem
+    cfg, prob, oracle = problem
     short = L.Config(steps=150, warmup=1000, refresh_every=1000, lr=0.05)
-    sgd = L.run_method("sgd", prob, ref, short)
-    svrg = L.run_method("svrg", prob, ref, short)
+    sgd = L.run_method("sgd", prob, oracle, short)
+    svrg = L.run_method("svrg", prob, oracle, short)
     assert svrg.refresh_steps == [] and svrg.objective == pytest.approx(sgd.objective, rel=1e-12)
 
 
 def test_divergence_is_reported_not_raised(problem):
-    cfg, prob, ref = problem
+    cfg, prob, oracle = problem
 
     class Exploding(pk.SVRG):
         def step(self, closure=None, **kw):
@@ -98,11 +99,11 @@ def test_divergence_is_reported_not_raised(problem):
             return super().step(closure, **kw)
 
     short = L.Config(steps=50, warmup=10, refresh_every=10, lr=0.05)
-    r = L.run_method("svrg", prob, ref, short,
+    r = L.run_method("svrg", prob, oracle, short,
                      optimizer_factory=lambda w, c, n: Exploding([w], lr=c.lr, weight_decay=c.l2))
     assert r.status == "diverged@8" and r.steps == 7
     assert math.isfinite(r.objective)               # the state before the refused update
-    table = L.format_table(ref, [r])
+    table = L.format_table(oracle, [r])
     assert "diverged@8" in table
 
 
@@ -110,12 +111,12 @@ def test_divergence_is_reported_not_raised(problem):
 def test_refresh_samples_average_the_outer_estimates(problem, antithetic):
     """refresh_samples=K averages g and the Price estimate over K draws; antithetic draws
     come in mirrored pairs +eps_j, -eps_j (checked against a hand computation)."""
-    cfg, prob, ref = problem
+    cfg, prob, oracle = problem
     K = 4
-    w = ref.w.clone().requires_grad_(True)
+    w = oracle.w.clone().requires_grad_(True)
     opt = pk.IVONPoCo([w], lr=0.01, ess=float(prob.n), weight_decay=prob.l2, seed=5,
                       refresh_samples=K, refresh_antithetic=antithetic)
-    c = L._BatchGrad(w)
+    c = logreg_loop._BatchGrad(w)
     c.set(prob.Xtr, prob.ytr)
     opt.refresh([c])
     b = opt._buckets[0]
@@ -126,7 +127,7 @@ def test_refresh_samples_average_the_outer_estimates(problem, antithetic):
             eps = opt._eps(b, 2, k // 2, 0) * (-1 if k % 2 else 1)
         else:
             eps = opt._eps(b, 2, k, 0)                   # refresh draws 0..K-1 of refresh 0
-        g = L.gradient(ref.w + sigma * eps, prob.Xtr, prob.ytr, 0.0)
+        g = L.gradient(oracle.w + sigma * eps, prob.Xtr, prob.ytr, 0.0)
         gs.append(g)
         hs.append(g * eps / sigma)
     assert torch.allclose(opt.flat_state("g_out")[0], torch.stack(gs).mean(0), atol=1e-14)
@@ -140,9 +141,9 @@ def test_cli_rejects_unknown_method():
 
 
 def test_finite_blow_up_is_reported(problem):
-    cfg, prob, ref = problem
+    cfg, prob, oracle = problem
     short = L.Config(steps=400, warmup=1000, refresh_every=1000, lr=1e4, eval_every=50)
-    r = L.run_method("sgd", prob, ref, short)       # lr 1e4: F explodes but stays finite
+    r = L.run_method("sgd", prob, oracle, short)    # lr 1e4: F explodes but stays finite
     assert r.status.startswith("blow-up@") and r.steps < 400
     assert r.error.startswith("blow-up") and math.isfinite(r.objective)
 
@@ -177,11 +178,11 @@ def test_the_study_writes_its_plot_report_and_traces(tmp_path, capsys):
 def digits():
     cfg = L.Config(dataset="digits", max_train=400)
     prob = L.load_problem(cfg)
-    return cfg, prob, L.lbfgs_reference(prob)
+    return cfg, prob, L.lbfgs_oracle(prob)
 
 
 def test_multiclass_objective_gradient_and_minimiser(digits):
-    cfg, prob, ref = digits
+    cfg, prob, oracle = digits
     assert prob.classes == 10 and prob.d == 65 * 10 and prob.ytr.dtype == torch.int64
     w = (0.1 * torch.randn(prob.d, dtype=torch.float64)).requires_grad_(True)
     f = torch.nn.functional.cross_entropy(prob.Xtr @ w.view(65, 10), prob.ytr) \
@@ -190,31 +191,31 @@ def test_multiclass_objective_gradient_and_minimiser(digits):
     assert L.objective(w, prob.Xtr, prob.ytr, prob.l2) == pytest.approx(float(f.detach()),
                                                                         rel=1e-12)
     assert torch.allclose(L.gradient(w, prob.Xtr, prob.ytr, prob.l2), w.grad, atol=1e-12)
-    c = L._BatchGrad(w)
+    c = logreg_loop._BatchGrad(w)
     c.set(prob.Xtr[:5], prob.ytr[:5])
     c()
     w2 = w.detach().clone().requires_grad_(True)
     torch.nn.functional.cross_entropy(prob.Xtr[:5] @ w2.view(65, 10), prob.ytr[:5]).backward()
     assert torch.allclose(w.grad, w2.grad, atol=1e-14)
-    assert ref.grad_norm < 1e-8 and 0.85 < ref.test_acc <= 1.0
+    assert oracle.grad_norm < 1e-8 and 0.85 < oracle.test_acc <= 1.0
 
 
 def test_multiclass_svrg_beats_sgd_and_von_poco_respects_its_limit(digits):
-    cfg, prob, ref = digits
+    cfg, prob, oracle = digits
     short = L.Config(dataset="digits", steps=3000, warmup=500, refresh_every=500, lr=0.05,
                      von_max_dim=100)
-    sgd = L.run_method("sgd", prob, ref, short)
-    svrg = L.run_method("svrg", prob, ref, short)
+    sgd = L.run_method("sgd", prob, oracle, short)
+    svrg = L.run_method("svrg", prob, oracle, short)
     assert svrg.rel_gap < sgd.rel_gap / 10 and svrg.status == sgd.status == "ok"
-    von = L.run_method("von-poco", prob, ref, short)
+    von = L.run_method("von-poco", prob, oracle, short)
     assert von.status == "skipped" and "650 > --von-max-dim 100" in von.skipped
-    assert "skipped" in L.format_table(ref, [sgd, von])
+    assert "skipped" in L.format_table(oracle, [sgd, von])
 
 
 # --------------------------------------------------------------------------- the claims
-def _result(method, gaps, ref, step=100, refresh_steps=(), accs=None):
+def _result(method, gaps, oracle, step=100, refresh_steps=(), accs=None):
     """A MethodResult whose recorded relative gaps are ``gaps`` (one point per ``step``)."""
-    trace = [(i * step, i * 1.0, ref.f * (1 + g), (accs or [0.9] * len(gaps))[i])
+    trace = [(i * step, i * 1.0, oracle.f * (1 + g), (accs or [0.9] * len(gaps))[i])
              for i, g in enumerate(gaps)]
     r = L.MethodResult(method, trace[-1][2], gaps[-1], trace[-1][3], 0.9, trace[-1][1], 0.0,
                        trace[-1][0])
@@ -224,45 +225,46 @@ def _result(method, gaps, ref, step=100, refresh_steps=(), accs=None):
 
 def test_claim_criteria_on_constructed_runs():
     from poco_kernels.experiments import claims as C
-    ref = L.Reference(torch.zeros(2), 0.1, 0.0, 0.9, 0.9, 1, 0.0)
+    oracle = L.Oracle(torch.zeros(2), 0.1, 0.0, 0.9, 0.9, 1, 0.0)
     cfg = L.Config(refresh_every=1000, reach_tol=1e-6)
     flat = [1e-3] * 21                                    # a plateau
     falling = [10.0 ** (-k / 2 - 0.1) for k in range(21)]  # 0.8 .. 8e-11, steadily
     slow = [1e-2 * 0.8 ** k for k in range(21)]           # still falling at the end, > tol
-    assert C.classify(_result("sgd", flat, ref), ref, 1e-6) == "stalls"
-    assert C.classify(_result("svrg", falling, ref), ref, 1e-6) == "reaches"
-    assert C.classify(_result("svrg", slow, ref), ref, 1e-6) == "still descending"
+    assert C.classify(_result("sgd", flat, oracle), oracle, 1e-6) == "stalls"
+    assert C.classify(_result("svrg", falling, oracle), oracle, 1e-6) == "reaches"
+    assert C.classify(_result("svrg", slow, oracle), oracle, 1e-6) == "still descending"
     # a jump: a plateau, then a 100x drop right after the refresh at step 1000
     jump = [1e-3] * 11 + [1e-5] * 10
-    r = _result("svrg", jump, ref, refresh_steps=[1000])
-    (step, after, before, dacc), = C.refresh_jumps(r, ref, 1000)
+    r = _result("svrg", jump, oracle, refresh_steps=[1000])
+    (step, after, before, dacc), = C.refresh_jumps(r, oracle, 1000)
     assert step == 1000 and after == pytest.approx(100) and before == pytest.approx(1)
     # a noisy plateau (x3 up and down) is still a plateau: medians, not single points
     noisy = [1e-3 * (3.0 if k % 2 else 1 / 3) for k in range(21)]
-    assert C.classify(_result("sgd", noisy, ref), ref, 1e-6) == "stalls"
+    assert C.classify(_result("sgd", noisy, oracle), oracle, 1e-6) == "stalls"
     # a steady linear rate through the refresh (five points per window, as real runs have)
-    steady = _result("svrg", [10.0 ** (-k / 10 - 0.1) for k in range(101)], ref, step=20,
+    steady = _result("svrg", [10.0 ** (-k / 10 - 0.1) for k in range(101)], oracle, step=20,
                      refresh_steps=[1000])
-    (_, after, before, _), = C.refresh_jumps(steady, ref, 1000)
+    (_, after, before, _), = C.refresh_jumps(steady, oracle, 1000)
     assert after == pytest.approx(before, rel=0.05)       # no acceleration: not a jump
     assert after < 2 * before
-    assert C.evals_to_reach(_result("x", falling, ref), ref, 1e-3) == 6.0
-    assert C.evals_to_reach(_result("x", flat, ref), ref, 1e-4) is None
+    assert C.evals_to_reach(_result("x", falling, oracle), oracle, 1e-3) == 6.0
+    assert C.evals_to_reach(_result("x", flat, oracle), oracle, 1e-4) is None
     # whole verdicts
-    results = [_result("sgd", flat, ref), _result("vsgd", flat, ref), _result("ivon", flat, ref),
-               _result("svrg", jump, ref, refresh_steps=[1000]),
-               _result("vsgd-poco", falling, ref, refresh_steps=[1000]),
-               _result("ivon-poco", falling, ref, refresh_steps=[1000])]
+    results = [_result("sgd", flat, oracle), _result("vsgd", flat, oracle),
+               _result("ivon", flat, oracle),
+               _result("svrg", jump, oracle, refresh_steps=[1000]),
+               _result("vsgd-poco", falling, oracle, refresh_steps=[1000]),
+               _result("ivon-poco", falling, oracle, refresh_steps=[1000])]
     prob = L.Problem("x", torch.zeros(4, 2), torch.zeros(4), torch.zeros(10, 2), torch.zeros(10),
                      0.01)
-    verdicts = {c.claim.split()[0]: c.verdict for c in C.evaluate(results, ref, cfg, prob)}
+    verdicts = {c.claim.split()[0]: c.verdict for c in C.evaluate(results, oracle, cfg, prob)}
     # IVON ties with SGD and IVON-PoCo ("falling") reaches 1e-2 after SVRG ("jump"): not faster
     assert verdicts == {"SGD,": "holds", "SVRG,": "partly", "a": "partly",
                         "IVON-type": "does not hold"}
     slower = [1e-1 * 0.8 ** k for k in range(21)]         # 1e-2 at point 11, 1e-3 never
-    faster = [_result("sgd", slower, ref), _result("ivon", falling, ref),
-              _result("svrg", slower, ref), _result("ivon-poco", falling, ref)]
-    claims = {c.claim.split()[0]: c for c in C.evaluate(faster, ref, cfg, prob)}
+    faster = [_result("sgd", slower, oracle), _result("ivon", falling, oracle),
+              _result("svrg", slower, oracle), _result("ivon-poco", falling, oracle)]
+    claims = {c.claim.split()[0]: c for c in C.evaluate(faster, oracle, cfg, prob)}
     assert claims["IVON-type"].verdict == "holds"
     assert claims["IVON-type"].evidence[0] == (
         "ivon vs sgd (evals/example): g<=0.01: 4.0 vs 11.0, g<=0.001: 6.0 vs never")

@@ -54,7 +54,11 @@ def _max_rel(a, b):
 
 
 def _torchrun(args, tmp_path, nproc=2):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # the ranks import the package of the tree under test, whatever is installed
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get(
+                   "PYTHONPATH", "").split(os.pathsep) if p]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", "-m", "poco_kernels.experiments.pretrain", *args]
     r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -175,15 +179,17 @@ def test_resume_mid_inner_loop_reproduces_the_run(tmp_path, opt):
 
 def test_every_backend_runs_the_loop(tmp_path, backend):
     """The PoCoMo loop (micro-batches, refreshes, outer samples) on each backend
-    (Triton through its interpreter) follows the reference backend's trajectory."""
+    (Triton through its interpreter) follows the trajectory of a baseline run on the
+    torch backend."""
     args = SMALL[:] + ["--optimizer", "ivon-pocomo", "--max-steps", "8", "--poco-start", "2",
                        "--refresh-every", "3", "--mega-batches", "2", "--eval-every", "8",
                        "--save-rank-states"] + SMOOTH
     P.main(args + ["--backend", backend, "--out-dir", str(tmp_path / backend)])
-    P.main(args + ["--backend", "torch", "--out-dir", str(tmp_path / "ref")])
+    P.main(args + ["--backend", "torch", "--out-dir", str(tmp_path / "baseline")])
     ck = torch.load(tmp_path / backend / "ckpt.pt", weights_only=False)
     assert ck["optimizer"]["poco"]["refreshes"] == 2            # at steps 2 and 5
-    rel, key = _max_rel(_load(tmp_path / backend / "rank0.pt"), _load(tmp_path / "ref" / "rank0.pt"))
+    rel, key = _max_rel(_load(tmp_path / backend / "rank0.pt"),
+                        _load(tmp_path / "baseline" / "rank0.pt"))
     assert rel < 1e-4, (rel, key)
 
 
@@ -249,7 +255,7 @@ def test_ddp_two_ranks(tmp_path, stdlib):
 
 
 def test_fsdp2_two_ranks_and_resume(tmp_path):
-    """FSDP2 (fully_shard) over 2 gloo processes on the reference backend: each rank
+    """FSDP2 (fully_shard) over 2 gloo processes on the torch backend: each rank
     samples its shards at their places in the unsharded noise stream, so the run equals
     the single-process run to float rounding; a sharded checkpoint taken mid inner loop
     resumes to the same final state."""

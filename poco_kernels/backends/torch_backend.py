@@ -50,6 +50,7 @@ class TorchBackend(Backend):
                         eps = -eps             # antithetic draw: the mirror image
                 self.active_eps[b.index] = eps
                 b.write_params(perturb(spec.centre, sigma, eps))
+        self.params_hold_mean = False
 
     def at_mean(self) -> None:
         self.active_eps = {}
@@ -73,6 +74,7 @@ class TorchBackend(Backend):
             for b in self.opt._buckets:
                 b.write_params(b.buffers["mean"])
         self.active_eps = {}
+        self.params_hold_mean = True
 
     # ------------------------------------------------------------------ updates
     def estimate(self, kind: int, b, grad_scale: Optional[Tensor]
@@ -120,6 +122,7 @@ class TorchBackend(Backend):
             if added:
                 self.opt._expose(b)
             b.write_params(b.buffers["mean"])
+        self.params_hold_mean = True
 
     def skipped_on_host(self, found_inf: Optional[Tensor]) -> bool:
         return found_inf is not None and bool(found_inf.detach().float().sum() != 0)

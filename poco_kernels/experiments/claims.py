@@ -40,8 +40,8 @@ class Claim:
     evidence: List[str]          # one entry per method (or pair of methods)
 
 
-def _gap(f: float, ref) -> float:
-    return (f - ref.f) / abs(ref.f)
+def _gap(f: float, oracle) -> float:
+    return (f - oracle.f) / abs(oracle.f)
 
 
 def _by_name(results):
@@ -52,43 +52,43 @@ def _ran(r) -> bool:
     return r is not None and not r.skipped and len(r.trace) > 1
 
 
-def _acc_note(r, ref, n_test: int) -> str:
+def _acc_note(r, oracle, n_test: int) -> str:
     tol = 1.0 / max(n_test, 1) - 1e-12
-    diff = r.test_acc - ref.test_acc
+    diff = r.test_acc - oracle.test_acc
     rel = "= L-BFGS" if abs(diff) <= tol else ("below L-BFGS" if diff < 0 else "above L-BFGS")
     return f"test acc {r.test_acc:.4f} ({rel})"
 
 
-def _median_gap(r, ref, lo: float, hi: float) -> Optional[float]:
+def _median_gap(r, oracle, lo: float, hi: float) -> Optional[float]:
     """Median relative gap over the recorded points with step in [lo, hi]."""
-    gs = [_gap(p[2], ref) for p in r.trace if lo <= p[0] <= hi]
+    gs = [_gap(p[2], oracle) for p in r.trace if lo <= p[0] <= hi]
     return _median(gs) if gs else None
 
 
-def classify(r, ref, reach_tol: float) -> str:
+def classify(r, oracle, reach_tol: float) -> str:
     """'reaches' (final g <= reach_tol), 'stalls' (the median g over the last quarter of the
     run is less than 2x below that over the third quarter), 'still descending', or the
     run's failure status."""
     if r.status != "ok":
         return r.status
-    if _gap(r.trace[-1][2], ref) <= reach_tol:
+    if _gap(r.trace[-1][2], oracle) <= reach_tol:
         return "reaches"
     T = r.trace[-1][0]
-    q3, q4 = _median_gap(r, ref, 0.5 * T, 0.75 * T), _median_gap(r, ref, 0.75 * T, T)
+    q3, q4 = _median_gap(r, oracle, 0.5 * T, 0.75 * T), _median_gap(r, oracle, 0.75 * T, T)
     if q3 is None or q4 is None:
         return "still descending"
     return "stalls" if q3 < JUMP_FACTOR * q4 else "still descending"
 
 
-def evals_to_reach(r, ref, target: float) -> Optional[float]:
+def evals_to_reach(r, oracle, target: float) -> Optional[float]:
     """Gradient evaluations per example at the first recorded point with g <= target."""
     for _, e, f, _ in r.trace:
-        if _gap(f, ref) <= target:
+        if _gap(f, oracle) <= target:
             return e
     return None
 
 
-def refresh_jumps(r, ref, refresh_every: int):
+def refresh_jumps(r, oracle, refresh_every: int):
     """Per refresh at step s, with w a tenth of the inner loop: the median gaps m0 over
     [s - 2w, s - w), m1 over [s - w, s] and m2 over (s, s + w]; returns (s, m1 / m2 = the
     fall after, m0 / m1 = the fall before, the test-accuracy change over (s, s + w]).
@@ -101,7 +101,7 @@ def refresh_jumps(r, ref, refresh_every: int):
         pts2 = [p for p in r.trace if s < p[0] <= s + w]
         if not (pts0 and pts1 and pts2):
             continue
-        m0, m1, m2 = (_median([_gap(p[2], ref) for p in pts]) for pts in (pts0, pts1, pts2))
+        m0, m1, m2 = (_median([_gap(p[2], oracle) for p in pts]) for pts in (pts0, pts1, pts2))
         if m1 <= FLOAT_FLOOR:
             continue
         at = max(pts1, key=lambda p: p[0])
@@ -115,7 +115,7 @@ def _verdict(flags: List[bool]) -> str:
     return "holds" if all(flags) else ("partly" if any(flags) else "does not hold")
 
 
-def evaluate(results, ref, cfg, prob) -> List[Claim]:
+def evaluate(results, oracle, cfg, prob) -> List[Claim]:
     by = _by_name(results)
     n_test = prob.Xte.shape[0]
     claims = []
@@ -127,9 +127,9 @@ def evaluate(results, ref, cfg, prob) -> List[Claim]:
             r = by.get(m)
             if not _ran(r):
                 continue
-            c = classify(r, ref, cfg.reach_tol)
+            c = classify(r, oracle, cfg.reach_tol)
             flags.append(c == wanted)
-            ev.append(f"{m}: g = {r.rel_gap:.2e}, {c}, {_acc_note(r, ref, n_test)}")
+            ev.append(f"{m}: g = {r.rel_gap:.2e}, {c}, {_acc_note(r, oracle, n_test)}")
         return flags, ev
 
     # 1. stall
@@ -139,7 +139,7 @@ def evaluate(results, ref, cfg, prob) -> List[Claim]:
 
     # 2. reach
     flags, ev = outcomes(("svrg", "vsgd-poco", "ivon-poco"), "reaches")
-    extra = [f"{m}: g = {by[m].rel_gap:.2e}, {classify(by[m], ref, cfg.reach_tol)}"
+    extra = [f"{m}: g = {by[m].rel_gap:.2e}, {classify(by[m], oracle, cfg.reach_tol)}"
              for m in ("ivon-poco-pair", "von-poco") if _ran(by.get(m))]
     if extra:
         ev.append("(not in the claim) " + ", ".join(extra))
@@ -155,7 +155,7 @@ def evaluate(results, ref, cfg, prob) -> List[Claim]:
         every = cfg.refresh_every
         if m == "von-poco":
             every = max(1, round(cfg.refresh_every * cfg.von_schedule))
-        js = refresh_jumps(r, ref, every)
+        js = refresh_jumps(r, oracle, every)
         if not js:
             ev.append(f"{m}: no refresh measurable (g below 1e-12 or no later point)")
             continue
@@ -181,7 +181,7 @@ def evaluate(results, ref, cfg, prob) -> List[Claim]:
             continue
         wins, parts = [], []
         for t in TARGETS:
-            ea, eb = evals_to_reach(a, ref, t), evals_to_reach(b, ref, t)
+            ea, eb = evals_to_reach(a, oracle, t), evals_to_reach(b, oracle, t)
             if ea is None and eb is None:
                 parts.append(f"g<={t:g}: neither")
                 continue

@@ -12,17 +12,17 @@ COLORS = {"sgd": "tab:blue", "svrg": "tab:orange", "vsgd": "tab:green",
           "ivon-poco-pair": "tab:pink", "von-poco": "tab:olive"}
 
 
-def plot_study(path, prob, ref, results, cfg) -> str:
+def plot_study(path, prob, oracle, results, cfg) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from .logreg import FIRST_ORDER, IVON_TYPE
+    from .logreg_config import FIRST_ORDER, IVON_TYPE
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), sharex="col", squeeze=False)
     panels = (("first-order methods (paper Fig. 4)", FIRST_ORDER),
               ("IVON-type methods (paper Fig. 2)", IVON_TYPE))
     accs = [a for r in results if not r.skipped for *_, a in r.trace[len(r.trace) // 20:]]
-    lo = min([ref.test_acc - 0.03] + sorted(accs)[:max(1, len(accs) // 50)])
+    lo = min([oracle.test_acc - 0.03] + sorted(accs)[:max(1, len(accs) // 50)])
     for col, (title, names) in enumerate(panels):
         ax_acc, ax_gap = axes[0][col], axes[1][col]
         shaded = False
@@ -33,7 +33,7 @@ def plot_study(path, prob, ref, results, cfg) -> str:
             x = [p[1] for p in r.trace]
             label = r.method + ("" if r.status == "ok" else f" ({r.status})")
             ax_acc.plot(x, [p[3] for p in r.trace], color=color, lw=1.3, label=label)
-            ax_gap.plot(x, [max((p[2] - ref.f) / abs(ref.f), 1e-16) for p in r.trace],
+            ax_gap.plot(x, [max((p[2] - oracle.f) / abs(oracle.f), 1e-16) for p in r.trace],
                         color=color, lw=1.3, label=label)
             if not shaded:          # one method's refreshes shade the panel (same schedule)
                 for b, a in r.refresh_evals:
@@ -43,11 +43,11 @@ def plot_study(path, prob, ref, results, cfg) -> str:
             steps = {p[0]: p for p in r.trace}
             pts = [steps[s] for s in r.refresh_steps if s in steps]
             ax_acc.plot([p[1] for p in pts], [p[3] for p in pts], "|", color=color, ms=9)
-        ax_acc.axhline(ref.test_acc, ls="--", color="0.45", lw=1.2, label="L-BFGS")
+        ax_acc.axhline(oracle.test_acc, ls="--", color="0.45", lw=1.2, label="L-BFGS")
         ax_gap.axhline(cfg.reach_tol, ls=":", color="0.45", lw=1.0, label="reach tol")
         ax_gap.set_yscale("log")
         ax_acc.set_title(title)
-        ax_acc.set_ylim(max(0.0, lo), min(1.0, max([ref.test_acc] + accs) + 0.01))
+        ax_acc.set_ylim(max(0.0, lo), min(1.0, max([oracle.test_acc] + accs) + 0.01))
         ax_gap.set_xlabel("gradient evaluations per example")
         ax_acc.legend(fontsize=8, loc="lower right")
         ax_gap.legend(fontsize=8, loc="upper right")

@@ -9,7 +9,7 @@ Nothing here synchronises with the host or allocates.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 import triton
