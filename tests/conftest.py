@@ -18,7 +18,7 @@ def _deterministic():
 
 
 def pytest_generate_tests(metafunc):
-    """A test that takes ``backend`` runs on every backend available here (the reference,
+    """A test that takes ``backend`` runs on every backend available here (the torch backend,
     the C++ kernels, the Triton kernels through the interpreter)."""
     if "backend" in metafunc.fixturenames and not any(
             m.name == "parametrize" and "backend" in m.args[0]

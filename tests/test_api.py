@@ -66,8 +66,8 @@ def test_mixed_dtypes_and_none_gradients():
 
 
 def test_groups_differ_in_every_hyperparameter():
-    """On the reference backend, against the functional form (the fused backends are
-    compared with the reference on the same two groups in tests/test_backends.py)."""
+    """On the torch backend, against the functional form (the fused backends are
+    compared with the torch backend on the same two groups in tests/test_backends.py)."""
     prob = Problem()
     m = mlp()
     ps = list(m.parameters())

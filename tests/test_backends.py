@@ -1,7 +1,7 @@
-"""Every optimizer x fused backend (C++, Triton) against the reference on the same
+"""Every optimizer x fused backend (C++, Triton) against the torch backend on the same
 trajectory (one runner), and the fused backends' contract: AMP, non-finite gradients,
 state dicts across backends, no host synchronisation (Triton), torch.compile, parameter
-layout.  (Behaviour shared with the reference -- resume, protocol, bad input -- is
+layout.  (Behaviour shared with the torch backend -- resume, protocol, bad input -- is
 tested on every backend by the other test files.)"""
 import copy
 
@@ -58,7 +58,7 @@ def _trajectory(name, backend, dtype, steps=STEPS):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_backends_agree_on_whole_trajectories(name, dtype, fused):
     """Tens of steps, refreshes included, two parameter groups: a fused backend against
-    the reference, state buffer by buffer."""
+    the torch backend, state buffer by buffer."""
     m_ref, ref, l_ref = _trajectory(name, "torch", dtype)
     m_tri, tri, l_tri = _trajectory(name, fused, dtype)
     assert tri.backend == fused and ref.backend == "torch"
@@ -143,7 +143,7 @@ def test_found_inf_skips_the_step_and_keeps_the_state(fused):
     opt.refresh([prob.closure(opt, m, c) for c in prob.chunks()], found_inf=torch.ones(()))
     _assert_same(opt, m, snap)
     assert opt.refresh_count == 2 and opt.skipped_updates == 2
-    # then it goes on as if the skipped updates never happened: same as the reference
+    # then it goes on as if the skipped updates never happened: same as the torch backend
     m_ref, ref = _ivonpoco("torch")
     run(ref, m_ref, prob, 6, refresh_every=4, warmup=1)
     for o in (opt, ref):

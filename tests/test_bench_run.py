@@ -100,10 +100,10 @@ def test_count_allocations_sees_allocations(bench_modules):
 
 def test_fused_steady_state_allocates_nothing(backend, bench_modules):
     """A steady-state step and refresh of IVON-PoCoMo on a fused backend make no
-    allocation (the reference backend allocates freely: it is not checked).  Triton runs
+    allocation (the torch backend allocates freely: it is not checked).  Triton runs
     here under its interpreter; on CUDA, run.py's memory section measures the same."""
     if backend == "torch":
-        pytest.skip("the reference allocates temporaries by design")
+        pytest.skip("the torch backend allocates temporaries by design")
     import poco_kernels as pk
     _, memory, _ = bench_modules
     params = [torch.nn.Parameter(torch.randn(n)) for n in (1001, 37)]

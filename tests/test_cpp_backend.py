@@ -27,11 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.skipif(DISABLED, reason="POCO_KERNELS_NO_EXTENSION=1 asks for a run without it")
 def test_the_extension_is_built_and_auto_picks_it_for_cpu_parameters():
     """CI installs the package with the README's command: the extension must be there
-    (not silently replaced by the reference backend)."""
+    (not silently replaced by the torch backend)."""
     assert cpp_status() is None, cpp_status()
     assert pk.IVONPoCo(mlp().parameters(), lr=0.1, ess=10.0).backend == "cpp"
     assert pk.SVRG(mlp().parameters(), lr=0.1).backend == "cpp"
-    # what the C++ kernels do not run goes to the reference
+    # what the C++ kernels do not run goes to the torch backend
     assert pk.IVON(mlp(dtype=torch.float64).parameters(), lr=0.1, ess=10.0).backend == "torch"
     assert pk.VONPoCo(torch.nn.Linear(3, 1).parameters(), ess=10.0).backend == "torch"
 

@@ -64,7 +64,7 @@ def _train(opt_cls, epochs, lr, refresh=True, **kw):
 def test_svrg_reaches_lbfgs_optimum_and_sgd_stalls():
     X, y = _data()
     f_star, w_star = _lbfgs(X, y)
-    # the reference optimum is a true stationary point
+    # the L-BFGS optimum is a true stationary point
     wt = torch.tensor(w_star, requires_grad=True)
     _objective(wt, X, y).backward()
     assert wt.grad.norm() < 1e-9
