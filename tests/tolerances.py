@@ -1,4 +1,5 @@
-"""Tolerances of every backend against the reference maths (the torch backend), stated once (per dtype).
+"""Tolerances of every backend against the reference maths (the torch backend), stated
+once (per dtype).
 
 * ``STATE``: float32 optimizer state computed by a kernel against the same formulas in
   torch, on the same inputs.  The only differences are float32 rounding (fused
