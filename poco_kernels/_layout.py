@@ -98,7 +98,9 @@ class Bucket:
                                          dtype=self.dtype))
             else:
                 if p.grad.is_sparse:
-                    raise RuntimeError("poco_kernels optimizers do not support sparse gradients")
+                    raise RuntimeError("poco_kernels optimizers do not support sparse "
+                                       "gradients (e.g. nn.Embedding(sparse=True)): nothing "
+                                       "was accumulated")
                 parts.append(local(p.grad.detach()).reshape(-1).to(self.dtype))
         return torch.cat(parts) if parts else torch.zeros(0, device=self.device, dtype=self.dtype)
 

@@ -17,7 +17,8 @@ ranks that share the seed draw the same sample.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+import math
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -27,7 +28,10 @@ from . import noise as _noise
 from ._layout import Bucket, build_buckets, expose
 from ._protocol import (COUNTER_STEPS, KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH,
                         KernelRefresh, KernelStep, Pending, SampleSpec, mean_loss)
-from ._validation import check, strict_keywords
+from ._validation import check, check_group_keys, strict_keywords
+
+#: layout of the ``poco`` entry of the state dict (absent before issue 17: read as 1)
+STATE_FORMAT = 2
 
 
 #: the arguments every optimizer takes, documented once (``{common_arguments}`` in a class
@@ -82,15 +86,21 @@ class BucketedOptimizer(torch.optim.Optimizer):
               f"check_finite must be None or a bool, got {check_finite!r}")
         self.seed = seed
         super().__init__(params, defaults)
-        for g in self.param_groups:
-            self._validate_group(g)
-        self._build_buckets()
+        for gi, g in enumerate(self.param_groups):
+            self._check_group(g, gi, new=True)
+        self._buckets: List[Bucket] = self._new_buckets(self.param_groups, [])
+        for b in self._buckets:
+            self._expose(b)
         #: the name of the backend that runs (``backend="auto"`` resolved)
         self.backend = _backends.resolve(backend, self)
-        # global counters (in the state dict); with a fused backend: updates attempted,
-        # the device's control tensor holds the updates taken
-        self._step = 0            # completed inner steps
-        self._refreshes = 0       # completed refreshes
+        # global counters (in the state dict), advanced only by updates taken.  A fused
+        # backend without check_finite decides on the device whether a step is taken: its
+        # control tensor holds the count, read into _step when the counters are read.
+        self._step = 0            # inner steps taken
+        self._refreshes = 0       # refreshes taken (known on the host on every backend)
+        #: groups added while the correction was active: they step as the base method
+        #: until the next refresh takes them in
+        self._awaiting: Set[int] = set()
         self._pending = Pending()
         self._active: Optional[Tuple[int, int]] = None   # (kind, draw) of the sample in params
         self._eps_cache: Dict[int, Tuple[Tuple[int, ...], Tensor]] = {}
@@ -109,27 +119,75 @@ class BucketedOptimizer(torch.optim.Optimizer):
     def _init_buffers(self, bucket: Bucket, group: Dict[str, Any]) -> Dict[str, Tensor]:
         raise NotImplementedError
 
-    def _build_buckets(self) -> None:
-        self._buckets: List[Bucket] = build_buckets(self.param_groups, _noise.MAX_BUCKETS)
-        for b in self._buckets:
-            group = self.param_groups[b.group_index]
-            b.buffers = {"mean": b.flat_params(), **self._init_buffers(b, group)}
-            self._expose(b)
+    def _check_group(self, group: Dict[str, Any], gi: int, new: bool = False) -> None:
+        """Validate group ``gi``'s hyperparameters (``new``: also refuse a key that looks
+        like a misspelled hyperparameter); errors name the group."""
+        where = f"param group {gi}"
+        if new:
+            check_group_keys(group, self.defaults, where)
+        else:
+            missing = [k for k in self.defaults if k not in group]
+            check(not missing, f"{where}: missing hyperparameter(s) "
+                               f"{', '.join(map(repr, missing))}")
+        try:
+            self._validate_group(group)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def _check_groups(self) -> None:
+        for gi, g in enumerate(self.param_groups):
+            self._check_group(g, gi)
+
+    def _new_buckets(self, groups: List[Dict[str, Any]], old: List[Bucket]) -> List[Bucket]:
+        """Buckets for ``groups``, the first ``len(old)`` taking over the old buckets'
+        buffers (groups are only ever appended), the others with new buffers.  Pure: the
+        optimizer is not touched."""
+        buckets = build_buckets(groups, _noise.MAX_BUCKETS)
+        for b in buckets:
+            if b.index < len(old):
+                b.buffers = old[b.index].buffers
+            else:
+                b.buffers = {"mean": b.flat_params(),
+                             **self._init_buffers(b, groups[b.group_index])}
+        return buckets
 
     def _expose(self, b: Bucket) -> None:
         """Per-parameter views of the flat buffers, as ``optimizer.state[p]``."""
         expose(self.state, b)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        if hasattr(self, "_buckets"):     # after construction: rebuild with the new group
-            self._validate_group(self.param_groups[-1])
-            old = self._buckets
-            self._build_buckets()
-            for b_new, b_old in zip(self._buckets, old):
-                b_new.buffers = b_old.buffers
-                self._expose(b_new)
-            self._backend.rebuilt(old)
+        """Add a parameter group (``torch.optim`` semantics).  Refused, with the optimizer
+        unchanged, while a sample is in the parameters or gradients are pending, or if the
+        group is invalid.  A group added after a refresh steps as the base method (no
+        correction) until the next refresh takes it in, as
+        docs/design.md, 'Adding a parameter group' explains."""
+        if not hasattr(self, "_buckets"):       # torch's constructor
+            super().add_param_group(param_group)
+            return
+        if self._active is not None:
+            raise RuntimeError("add_param_group() while a sample is in the parameters: call "
+                               "restore() first")
+        if any(self._pending.count.values()):
+            raise RuntimeError("add_param_group() with gradients pending from "
+                               "sample()/accumulate(): call step() or refresh() first")
+        check(isinstance(param_group, dict), "add_param_group() takes a dict with 'params'")
+        gi = len(self.param_groups)
+        super().add_param_group(param_group)    # torch's checks; appends the group
+        try:
+            self._check_group(self.param_groups[gi], gi, new=True)
+            buckets = self._new_buckets(self.param_groups, self._buckets)
+            self._backend.check_buckets(buckets[len(self._buckets):])
+        except BaseException:
+            del self.param_groups[gi:]
+            raise
+        # ---- commit (nothing below raises on valid input)
+        old = self._buckets
+        self._buckets = buckets
+        for b in buckets:
+            self._expose(b)
+        if self._has_correction and self._refreshes > 0:
+            self._awaiting.add(gi)
+        self._backend.rebuilt(old)
 
     # ------------------------------------------------------------------ noise
     def _eps(self, b: Bucket, kind: int, draw: int, counter: int) -> Tensor:
@@ -156,11 +214,40 @@ class BucketedOptimizer(torch.optim.Optimizer):
         taken (``COUNTER_REFRESHES``)."""
         return self._step if slot == COUNTER_STEPS else self._refreshes
 
+    def _corrected(self) -> FrozenSet[int]:
+        """The buckets whose step uses the correction: after the first refresh, those of
+        every group a refresh has taken in; none while ``alpha == 0`` in all of those."""
+        if not (self._has_correction and self._refreshes > 0):
+            return frozenset()
+        if not any(g.get("alpha", 0.0) != 0.0 for gi, g in enumerate(self.param_groups)
+                   if gi not in self._awaiting):
+            return frozenset()
+        return frozenset(b.index for b in self._buckets if b.group_index not in self._awaiting)
+
     def correction_active(self) -> bool:
         """True when a step needs the gradient at the outer sample too: after the first
-        refresh, with a nonzero ``alpha`` in some group."""
-        return (self._has_correction and self._refreshes > 0
-                and any(g.get("alpha", 0.0) != 0.0 for g in self.param_groups))
+        refresh, with a nonzero ``alpha`` in some group that a refresh has taken in."""
+        return bool(self._corrected())
+
+    def _joining(self, b: Bucket) -> bool:
+        """The bucket's group was added after the last refresh: its next refresh is its
+        first (the outer estimates are set, not folded with outer momentum)."""
+        return b.group_index in self._awaiting
+
+    def _first_refresh(self, b: Bucket) -> bool:
+        return self._refreshes == 0 or self._joining(b)
+
+    def _spec(self, b: Bucket, kind: int, draw: int) -> SampleSpec:
+        """Where a sample of ``kind`` lies for bucket ``b`` (what the backends follow): the
+        family's rule (``_sample_spec``), except that the outer sample of a group not yet
+        taken in by a refresh is its mean (its gradient there is not used)."""
+        if kind == KIND_OUTER and self._joining(b):
+            return SampleSpec(b.buffers["mean"])
+        return self._sample_spec(b, self.param_groups[b.group_index], kind, draw)
+
+    def _refresh_taken(self) -> None:
+        self._refreshes += 1
+        self._awaiting.clear()
 
     def _sync_mean(self) -> None:
         """Parameters of the state dtype are the source of truth for the mean (as in
@@ -173,45 +260,97 @@ class BucketedOptimizer(torch.optim.Optimizer):
         if self._active is not None:
             raise RuntimeError("state_dict() while a sample is in the parameters: call restore() first")
         self._backend.prepare_state_dict()
-        self._step, self._refreshes, _ = self._backend.counters()
+        self._read_counters()
         sd = super().state_dict()
         extra = {}
         for b in self._buckets:       # buffers that are not per-parameter (VON-PoCo's S)
             for name, buf in b.buffers.items():
                 if not b.is_flat_buffer(buf):
                     extra[f"{b.index}/{name}"] = buf
-        sd["poco"] = {"step": self._step, "refreshes": self._refreshes, "seed": self.seed,
+        sd["poco"] = {"format": STATE_FORMAT, "noise": _noise.STREAM_VERSION,
+                      "step": self._step, "refreshes": self._refreshes, "seed": self.seed,
                       "optimizer": type(self).__name__, "pending": self._pending.to_dict(),
-                      "bucket_buffers": extra}
+                      "awaiting_refresh": sorted(self._awaiting), "bucket_buffers": extra}
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict of the same optimizer class over the same parameters.
-        Everything is validated before anything changes."""
+        The whole dict is validated (keys, types, ranges, shapes, dtypes, finiteness,
+        format and noise versions) before anything changes."""
         if self._active is not None:
-            raise RuntimeError("load_state_dict() while a sample is in the parameters")
-        check(isinstance(state_dict, dict) and {"state", "param_groups", "poco"} <= set(state_dict),
-              "not a poco_kernels optimizer state dict (missing 'state', 'param_groups' or 'poco')")
-        poco = state_dict["poco"]
-        check(poco.get("optimizer") == type(self).__name__,
-              f"state dict is for {poco.get('optimizer')!r}, not {type(self).__name__!r}")
-        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+            raise RuntimeError("load_state_dict() while a sample is in the parameters: call "
+                               "restore() first")
+        commit = self._plan_load(state_dict)
+        commit()
+
+    def _plan_load(self, sd: Dict[str, Any]) -> Callable[[], None]:
+        """Validate ``sd`` and return the function that commits it (which cannot fail)."""
+        def is_int(v, lo, hi):
+            return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
+
+        check(isinstance(sd, dict) and {"state", "param_groups", "poco"} <= set(sd),
+              "not a poco_kernels optimizer state dict (missing 'state', 'param_groups' or "
+              "'poco')")
+        poco, saved_state, saved_groups = sd["poco"], sd["state"], sd["param_groups"]
+        check(isinstance(poco, dict), "state dict: 'poco' is not a dict")
+        check(isinstance(saved_state, dict), "state dict: 'state' is not a dict")
+        check(isinstance(saved_groups, (list, tuple)), "state dict: 'param_groups' is not a list")
+        missing = [k for k in ("optimizer", "step", "refreshes", "seed", "pending")
+                   if k not in poco]
+        check(not missing, f"state dict: 'poco' lacks {', '.join(map(repr, missing))}")
+        check(poco["optimizer"] == type(self).__name__,
+              f"state dict is for {poco['optimizer']!r}, not {type(self).__name__!r}")
+        fmt = poco.get("format", 1)
+        check(is_int(fmt, 1, STATE_FORMAT + 1),
+              f"state dict format {fmt!r} is not one this version reads (1..{STATE_FORMAT})")
+        nv = poco.get("noise", 1)
+        check(nv == _noise.STREAM_VERSION,
+              f"state dict was written with noise stream version {nv!r}, this version draws "
+              f"version {_noise.STREAM_VERSION}: the same seed would give other samples")
+        for key in ("step", "refreshes"):
+            check(is_int(poco[key], 0, _noise.MAX_COUNTER),
+                  f"state dict: {key} must be an int in [0, 2**32), got {poco[key]!r}")
+        check(is_int(poco["seed"], 0, 2 ** 63),
+              f"state dict: seed must be an int in [0, 2**63), got {poco['seed']!r}")
+        groups = self.param_groups
         check(len(groups) == len(saved_groups),
               f"state dict has {len(saved_groups)} parameter groups, the optimizer {len(groups)}")
-        saved_index = {}
+        awaiting = poco.get("awaiting_refresh", [])
+        check(isinstance(awaiting, (list, tuple, set))
+              and all(is_int(i, 0, len(groups)) for i in awaiting),
+              f"state dict: awaiting_refresh must list group indices, got {awaiting!r}")
+        check(not awaiting or poco["refreshes"] > 0,
+              "state dict: groups awaiting a refresh before any refresh")
+        # ---- groups
+        saved_index, new_groups = {}, []
         for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
+            check(isinstance(sg, dict) and isinstance(sg.get("params"), (list, tuple)),
+                  f"state dict: param group {gi} is not a dict with a 'params' list")
             check(len(g["params"]) == len(sg["params"]),
-                  f"group {gi}: state dict has {len(sg['params'])} parameters, the optimizer "
-                  f"{len(g['params'])}")
-            saved_index.update({id(p): i for i, p in zip(sg["params"], g["params"])})
+                  f"param group {gi}: state dict has {len(sg['params'])} parameters, the "
+                  f"optimizer {len(g['params'])}")
+            for i, p in zip(sg["params"], g["params"]):
+                check(isinstance(i, int) and i not in saved_index.values(),
+                      f"param group {gi}: parameter ids must be distinct ints, got {i!r}")
+                saved_index[id(p)] = i
             merged = {**sg, "params": g["params"]}
-            self._validate_group(dict(merged))
-        # per-parameter buffers: names, shapes
+            self._check_group(merged, gi)
+            new_groups.append({k: v for k, v in sg.items() if k != "params"})
+        # ---- per-parameter buffers: names, shapes, dtypes, values
         copies, lazy, drop = [], {}, set()
+
+        def tensor_for(t, like: Tensor, what: str) -> Tensor:
+            check(isinstance(t, Tensor), f"{what} is not a tensor")
+            check(tuple(t.shape) == tuple(like.shape),
+                  f"{what} has shape {tuple(t.shape)}, expected {tuple(like.shape)}")
+            check(t.is_floating_point(), f"{what} has dtype {t.dtype}, expected a float dtype")
+            check(bool(torch.isfinite(t).all()), f"{what} holds non-finite values")
+            return t.detach().to(device=like.device, dtype=like.dtype, copy=True)
+
         for b in self._buckets:
-            for p in b.params:
+            for i, p in enumerate(b.params):
                 idx = saved_index[id(p)]
-                saved = state_dict["state"].get(idx)
+                saved = saved_state.get(idx)
                 check(saved is not None, f"state dict has no state for parameter {idx}")
                 check(isinstance(saved, dict), f"parameter {idx}: state is not a dict")
                 for name in saved:
@@ -219,74 +358,92 @@ class BucketedOptimizer(torch.optim.Optimizer):
                         check(name in self._lazy_buffers,
                               f"parameter {idx}: unexpected state {name!r} in the state dict")
                         lazy.setdefault(b.index, set()).add(name)
-                for name, view in self.state[p].items():
+                views = self.state[p]
+                for name, view in views.items():
                     if name not in saved and name in self._lazy_buffers:
                         drop.add((b.index, name))     # saved before its first use
                         continue
                     check(name in saved, f"parameter {idx}: state dict lacks {name!r}")
-                    t = saved[name]
-                    check(isinstance(t, Tensor) and tuple(t.shape) == tuple(view.shape),
-                          f"parameter {idx}: {name!r} has shape "
-                          f"{tuple(getattr(t, 'shape', ()))}, expected {tuple(view.shape)}")
-                    copies.append((view, t))
+                    copies.append((b.index, p, name,
+                                   tensor_for(saved[name], view, f"parameter {idx}: {name!r}")))
+                for name in saved:
+                    if name not in views:
+                        like = torch.empty(b.local(i).shape, device=b.device, dtype=b.dtype)
+                        copies.append((b.index, p, name, tensor_for(
+                            saved[name], like, f"parameter {idx}: {name!r}")))
+        for bi, names in lazy.items():      # a lazy buffer is saved for all or none
+            b = self._buckets[bi]
+            for p in b.params:
+                idx = saved_index[id(p)]
+                for name in names:
+                    check(name in saved_state[idx],
+                          f"parameter {idx}: state dict lacks {name!r} (its group has it)")
         extra = poco.get("bucket_buffers", {})
+        check(isinstance(extra, dict), "state dict: 'bucket_buffers' is not a dict")
+        bucket_copies = []
         for b in self._buckets:
             for name, buf in b.buffers.items():
                 if not b.is_flat_buffer(buf):
                     key = f"{b.index}/{name}"
-                    check(key in extra and tuple(extra[key].shape) == tuple(buf.shape),
-                          f"state dict lacks bucket buffer {key!r} of shape {tuple(buf.shape)}")
-                    copies.append((buf, extra[key]))
-        pend = Pending()
-        pend.load(poco["pending"], self._buckets)
-        for (k, bi, n), t in pend.sums.items():
-            check(bi < len(self._buckets) and t.numel() == self._buckets[bi].numel,
-                  "state dict's pending gradients do not match the parameters")
-        # ---- commit
-        for bi, name in drop:
-            self._buckets[bi].buffers.pop(name, None)
-            self._expose(self._buckets[bi])
-        for bi, names in lazy.items():
-            b = self._buckets[bi]
-            for name in names:
-                b.buffers[name] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
-            self._expose(b)
-            for p in b.params:
-                idx = saved_index[id(p)]
+                    check(key in extra, f"state dict lacks bucket buffer {key!r} of shape "
+                                        f"{tuple(buf.shape)}")
+                    bucket_copies.append((buf, tensor_for(extra[key], buf,
+                                                          f"bucket buffer {key!r}")))
+        pend = Pending.validated(poco["pending"], self._buckets)
+        # ---- the commit: nothing below can fail
+        step, refreshes, seed = poco["step"], poco["refreshes"], poco["seed"]
+
+        def commit() -> None:
+            for bi, name in drop:
+                self._buckets[bi].buffers.pop(name, None)
+            for bi, names in lazy.items():
+                b = self._buckets[bi]
                 for name in names:
-                    copies.append((self.state[p][name], state_dict["state"][idx][name]))
-        with torch.no_grad():
-            for dst, src in copies:
-                dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
-        for g, sg in zip(groups, saved_groups):
-            for k, v in sg.items():
-                if k != "params":
-                    g[k] = v
-        self._step = int(poco["step"])
-        self._refreshes = int(poco["refreshes"])
-        self.seed = int(poco["seed"])
-        self._pending = pend
-        for b in self._buckets:
-            b.write_params(b.buffers["mean"])
-        self._backend.loaded()
+                    if name not in b.buffers:
+                        b.buffers[name] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
+            for b in self._buckets:
+                self._expose(b)
+            with torch.no_grad():
+                for bi, p, name, src in copies:
+                    self.state[p][name].copy_(src)
+                for dst, src in bucket_copies:
+                    dst.copy_(src)
+            for g, sg in zip(groups, new_groups):
+                for k in [k for k in g if k != "params" and k not in sg]:
+                    del g[k]
+                g.update(sg)
+            self._step, self._refreshes, self.seed = step, refreshes, seed
+            self._awaiting = set(awaiting)
+            self._pending = pend
+            self._eps_cache.clear()
+            for b in self._buckets:
+                b.write_params(b.buffers["mean"])
+            self._backend.loaded()
+        return commit
 
     # ------------------------------------------------------------------ counters
+    def _read_counters(self) -> Tuple[int, int, int]:
+        """(steps, refreshes, skipped updates) as the backend holds them (fused: read
+        from the device); the host's counts are brought up to date."""
+        self._step, self._refreshes, skipped = self._backend.counters()
+        return self._step, self._refreshes, skipped
+
     @property
     def step_count(self) -> int:
         """Number of inner steps taken (fused backends: read from the device)."""
-        return self._backend.counters()[0]
+        return self._read_counters()[0]
 
     @property
     def refresh_count(self) -> int:
-        """Number of refreshes of the outer estimate (fused backends: read from the device)."""
-        return self._backend.counters()[1]
+        """Number of refreshes of the outer estimate taken."""
+        return self._read_counters()[1]
 
     @property
     def skipped_updates(self) -> int:
         """Updates skipped on the device (AMP overflow, or non-finite gradients without
         ``check_finite``) since the optimizer was built or loaded; fused backends only
         (the torch backend skips AMP overflows and raises on non-finite gradients)."""
-        return self._backend.counters()[2]
+        return self._read_counters()[2]
 
     def flat_state(self, name: str) -> List[Tensor]:
         """The flat buffer ``name`` of every bucket (read-only use, for tests and tools)."""
@@ -350,8 +507,13 @@ class PosteriorOptimizer(BucketedOptimizer):
             raise RuntimeError("no outer sample: the correction is not active "
                                "(no refresh yet, or alpha == 0 in every group)")
         draw = self._pending.draws[k]
-        check(draw < _noise.MAX_DRAWS, f"at most {_noise.MAX_DRAWS} samples of one kind per step")
-        self._backend.sample(k, draw)
+        check(draw < _noise.MAX_DRAWS, f"at most {_noise.MAX_DRAWS} samples of one kind per "
+                                       "step: call step() or refresh()")
+        try:
+            self._backend.sample(k, draw)
+        except BaseException:
+            self._backend.restore()
+            raise
         self._active = (k, draw)
         self._pending.draws[k] = draw + 1
 
@@ -377,14 +539,22 @@ class PosteriorOptimizer(BucketedOptimizer):
     @contextlib.contextmanager
     def sampled(self, kind: str = "inner", accumulate: bool = True):
         """``with opt.sampled(kind): loss.backward()`` = sample, (backward), accumulate,
-        restore.  On an exception the mean is restored and nothing is accumulated."""
+        restore.  On an exception the mean is restored and, unless the block accumulated
+        itself, the sample is forgotten: the next draws are those of an optimizer that
+        never entered the block."""
         self.sample(kind)
+        k, draw = self._active
+        count = self._pending.count[k]
+        ok = False
         try:
             yield self
             if accumulate:
                 self.accumulate()
+            ok = True
         finally:
             self.restore()
+            if not ok and self._pending.count[k] == count:
+                self._pending.draws[k] = draw
 
     def _closure_samples(self, group_key: str = "mc_samples") -> int:
         return max(int(g.get(group_key, 1)) for g in self.param_groups)
@@ -406,6 +576,13 @@ class PosteriorOptimizer(BucketedOptimizer):
                 self.restore()
         return loss
 
+    @staticmethod
+    def _check_amp(grad_scale, found_inf) -> None:
+        for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+            check(t is None or (isinstance(t, Tensor) and t.numel() == 1),
+                  f"{name} must be None or a one-element tensor (torch.amp.GradScaler's), "
+                  f"got {type(t).__name__}")
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None, *, grad_scale: Optional[Tensor] = None,
@@ -418,22 +595,28 @@ class PosteriorOptimizer(BucketedOptimizer):
 
         Without: use what :meth:`sample`/:meth:`accumulate` collected.  AMP: gradients are
         divided by ``grad_scale``; a nonzero ``found_inf`` skips the step, leaving the
-        state as it was (the collected gradients are dropped).
+        state as it was.
+
+        A step refused before the update (call order, hyperparameters) keeps the collected
+        gradients; an update that runs (taken, skipped, or refused for non-finite
+        gradients) consumes them.
         """
         if self._active is not None:
             raise RuntimeError("step() while a sample is in the parameters: call restore() first")
-        for g in self.param_groups:
-            self._validate_group(g)
-        loss = None
+        self._check_groups()
+        self._check_amp(grad_scale, found_inf)
         pend = self._pending
+        corr = self._corrected()
+        loss = None
         if closure is not None:
             if pend.count[KIND_INNER] or pend.count[KIND_OUTER]:
                 raise RuntimeError("step(closure) with gradients already accumulated by "
-                                   "sample()/accumulate(): use one protocol per step")
+                                   "sample()/accumulate(): call step() without a closure, or "
+                                   "use one protocol per step")
             try:
                 losses = [self._run_closure(closure, "inner")
                           for _ in range(self._closure_samples())]
-                if self.correction_active():
+                if corr:
                     for _ in range(self._closure_samples()):
                         self._run_closure(closure, "outer")
             except BaseException:
@@ -442,34 +625,34 @@ class PosteriorOptimizer(BucketedOptimizer):
                     self.restore()
                 raise
             loss = mean_loss(losses)
-        elif pend.count[KIND_INNER] == 0:
-            if self.noisy:
-                pend.clear((KIND_INNER, KIND_OUTER))
+        else:
+            if pend.count[KIND_INNER] == 0 and self.noisy:
                 raise RuntimeError(
                     f"{type(self).__name__}.step() needs gradients at a posterior sample: pass a "
                     "closure, or run the backward pass inside `with optimizer.sampled():` "
                     "(see the README, 'Training loops without closures')")
-            # noiseless optimizer, torch-style use: the gradients in .grad are at the mean
-            self._sync_mean()
-            self._active = (KIND_INNER, 0)
-            self._backend.at_mean()
-            self.accumulate(clear_grads=False)
-            self._active = None
-        try:
-            corr = self.correction_active()
             if (corr and pend.count[KIND_OUTER] == 0
                     and not self._backend.skipped_on_host(found_inf)):
-                if not self._backend.params_hold_mean:
-                    self.restore()
                 raise RuntimeError(
                     "the posterior correction is active but no gradient at the outer sample "
                     "was given: pass a closure to step(), or also run `with "
-                    "optimizer.sampled('outer'):` on the same mini-batch")
-            if self._backend.step(corr, grad_scale, found_inf):
-                self._step += 1
+                    "optimizer.sampled('outer'):` on the same mini-batch, then step()")
+            if pend.count[KIND_INNER] == 0:
+                # noiseless optimizer, torch-style use: the gradients in .grad are at the mean
+                self._sync_mean()
+                self._active = (KIND_INNER, 0)
+                self._backend.at_mean()
+                try:
+                    self.accumulate(clear_grads=False)
+                finally:
+                    self._active = None
+        try:
+            taken = self._backend.step(corr, grad_scale, found_inf)
         finally:
             pend.clear((KIND_INNER, KIND_OUTER))
             self._eps_cache.clear()
+        if taken:
+            self._step += 1
         return loss
 
     # ------------------------------------------------------------------ refresh
@@ -483,20 +666,29 @@ class PosteriorOptimizer(BucketedOptimizer):
         the mean over the chunks, at ONE posterior sample for the whole mega-batch (or at
         each of ``refresh_samples`` samples, where the optimizer has that option).  Chunks
         should be of equal size (or their losses weighted accordingly).  Without closures,
-        use what ``sample("refresh")`` / ``accumulate()`` collected.  Returns the mean loss.
+        use what ``sample("refresh")`` / ``accumulate()`` collected.  Returns the mean loss
+        (None when the refresh was skipped: AMP overflow, or non-finite gradients on a
+        fused backend with ``check_finite=False``).
+
+        Whether a refresh was taken decides whether the correction is active, so the
+        fused backends read that one flag from the device here (one synchronisation per
+        refresh; steps have none).
         """
         if not self._has_correction:
             raise RuntimeError(f"{type(self).__name__} has no outer loop to refresh")
         if self._active is not None:
             raise RuntimeError("refresh() while a sample is in the parameters: call restore() first")
-        for g in self.param_groups:
-            self._validate_group(g)
+        self._check_groups()
+        self._check_amp(grad_scale, found_inf)
         pend = self._pending
         losses = []
         if closures is not None:
             if pend.count[KIND_REFRESH]:
-                raise RuntimeError("refresh(closures) with refresh gradients already accumulated")
+                raise RuntimeError("refresh(closures) with refresh gradients already "
+                                   "accumulated: call refresh() without closures")
             closures = list(closures)
+            check(len(closures) > 0, "refresh() needs at least one chunk of the mega-batch "
+                                     "(closures is empty)")
             try:
                 for _ in range(self._closure_samples("refresh_samples")):
                     self.sample("refresh")
@@ -510,13 +702,16 @@ class PosteriorOptimizer(BucketedOptimizer):
             except BaseException:
                 pend.clear((KIND_REFRESH,))
                 raise
+        elif pend.count[KIND_REFRESH] == 0:
+            raise ValueError("refresh() needs at least one chunk of the mega-batch: pass "
+                             "closures, or accumulate inside `with optimizer.sampled("
+                             "'refresh'):` first")
         try:
-            if pend.count[KIND_REFRESH] == 0:
-                raise ValueError("refresh() needs at least one chunk of the mega-batch")
-            if not self._backend.refresh(grad_scale, found_inf):
-                return None            # skipped (AMP overflow)
-            self._refreshes += 1
+            taken = self._backend.refresh(grad_scale, found_inf)
         finally:
             pend.clear((KIND_REFRESH,))
             self._eps_cache.clear()
+        if not taken:
+            return None
+        self._refresh_taken()
         return mean_loss(losses)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .kernels.interface import RefreshHP, StepHP, StepPath
+from .noise import MAX_DRAWS
 from .reference import ivon_sigma
 
 KIND_INNER, KIND_OUTER, KIND_REFRESH = 0, 1, 2
@@ -89,14 +90,48 @@ class Pending:
         return {"count": dict(self.count), "draws": dict(self.draws),
                 "sums": {f"{k}/{b}/{n}": v.clone() for (k, b, n), v in self.sums.items()}}
 
-    def load(self, d: Dict[str, Any], buckets: Sequence) -> None:
-        self.count = {int(k): int(v) for k, v in d["count"].items()}
-        self.draws = {int(k): int(v) for k, v in d["draws"].items()}
-        self.sums = {}
+    @classmethod
+    def validated(cls, d: Any, buckets: Sequence) -> "Pending":
+        """The pending sums of a state dict, checked against the buckets (ValueError
+        naming what is wrong); a new object, nothing else is touched."""
+        def bad(msg):
+            raise ValueError(f"state dict's pending gradients: {msg}")
+
+        if not (isinstance(d, dict) and {"count", "draws", "sums"} <= set(d)):
+            bad("not a dict with 'count', 'draws' and 'sums'")
+        out = cls()
+        for name, limit in (("count", 2 ** 62), ("draws", MAX_DRAWS + 1)):
+            src = d[name]
+            if not isinstance(src, dict):
+                bad(f"{name!r} is not a dict")
+            for k, v in src.items():
+                if k not in out.count:
+                    bad(f"unknown sample kind {k!r} in {name!r}")
+                if not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < limit):
+                    bad(f"{name}[{k}] must be an int in [0, {limit}), got {v!r}")
+                getattr(out, name)[k] = v
+        if not isinstance(d["sums"], dict):
+            bad("'sums' is not a dict")
         for key, v in d["sums"].items():
-            k, b, n = key.split("/")
-            bk = buckets[int(b)]
-            self.sums[(int(k), int(b), n)] = v.to(device=bk.device, dtype=bk.dtype).clone()
+            parts = key.split("/") if isinstance(key, str) else []
+            if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() \
+                    or parts[2] not in ("g", "ge"):
+                bad(f"malformed key {key!r}")
+            k, bi, n = int(parts[0]), int(parts[1]), parts[2]
+            if k not in out.count or out.count[k] == 0:
+                bad(f"a sum {key!r} for a kind with no gradients collected")
+            if bi >= len(buckets):
+                bad(f"a sum {key!r} for bucket {bi}; the optimizer has {len(buckets)}")
+            bk = buckets[bi]
+            if not (isinstance(v, Tensor) and v.is_floating_point() and v.dim() == 1
+                    and v.numel() == bk.numel):
+                bad(f"{key!r} must be a float vector of {bk.numel} elements")
+            out.sums[(k, bi, n)] = v.detach().to(device=bk.device, dtype=bk.dtype, copy=True)
+        for k, c in out.count.items():
+            for bk in buckets:
+                if c and (k, bk.index, "g") not in out.sums:
+                    bad(f"kind {k} has {c} gradients collected but no sum for bucket {bk.index}")
+        return out
 
 
 def mean_loss(losses: List[Any]):

@@ -58,3 +58,25 @@ def strict_keywords(cls) -> None:
 
     __init__._strict = True
     cls.__init__ = __init__
+
+
+#: keys that tools put into parameter groups (lr schedulers, torch.optim's named
+#: parameters, SWA): never taken for misspelled hyperparameters
+TOOL_GROUP_KEYS = frozenset({"params", "param_names", "name", "initial_lr", "max_lr", "min_lr",
+                             "base_lr", "base_momentum", "max_momentum", "swa_lr"})
+
+
+def check_group_keys(group, defaults, where: str) -> None:
+    """Refuse a group that lacks a hyperparameter, or has a key that looks like a
+    misspelled one (``weight_decy``); other extra keys (a group's ``name``, a scheduler's
+    ``initial_lr``) are the user's and kept."""
+    missing = [k for k in defaults if k not in group]
+    if missing:
+        raise ValueError(f"{where}: missing hyperparameter(s) {', '.join(map(repr, missing))}")
+    for k in group:
+        if k in defaults or k in TOOL_GROUP_KEYS or not isinstance(k, str):
+            continue
+        close = difflib.get_close_matches(k, list(defaults), n=1, cutoff=0.75)
+        if close:
+            raise ValueError(f"{where}: unknown hyperparameter {k!r}; did you mean "
+                             f"{close[0]!r}? (valid: {', '.join(defaults)})")

@@ -302,7 +302,10 @@ class IVONPoCo(IVON):
                              h_out=b.buffers["h_out"], m_out=b.buffers["m_out"],
                              sigma_out=b.buffers["sigma_out"],
                              hp=RefreshHP.ivon(ess=group["ess"], wd=group["weight_decay"],
-                                               rho1=group["rho1"], rho2=group["rho2"]))
+                                               # a joining group's first refresh sets the
+                                               # estimates (its g_out, h_out are zero)
+                                               rho1=0.0 if self._joining(b) else group["rho1"],
+                                               rho2=0.0 if self._joining(b) else group["rho2"]))
 
     def _refresh_update(self, b, group, gM, geM, first):
         return ivon_refresh_update(mean=b.buffers["mean"], h=b.buffers["h"], gM=gM, geM=geM,

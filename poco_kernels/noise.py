@@ -74,6 +74,8 @@ __all__ = [
     "MAX_BUCKETS",
     "MAX_DRAWS",
     "MAX_KINDS",
+    "MAX_COUNTER",
+    "STREAM_VERSION",
     "philox4x32",
     "randn",
     "stream_id",
@@ -95,6 +97,12 @@ _MASK16 = 0xFFFF
 MAX_BUCKETS = 2**16
 MAX_KINDS = 2**4
 MAX_DRAWS = 2**12
+#: the step counter is one 32-bit word: at most 2**32 steps (and refreshes) per seed
+MAX_COUNTER = 2**32
+
+#: version of the stream definition above.  State dicts record it; one written under
+#: another version (other noise for the same seed and counters) is refused on load.
+STREAM_VERSION = 1
 
 # Float32 constants of tl.randn's transform.  Triton rounds the Python float
 # literals to float32 when they meet a float32 tensor, so we do the same.

@@ -313,8 +313,7 @@ class VONPoCo(BucketedOptimizer):
         if self._active is not None:
             raise RuntimeError("VONPoCo.step()/refresh() called while a sample is in the "
                                "parameters (from inside a closure?)")
-        for g in self.param_groups:
-            self._validate_group(g)
+        self._check_groups()
         for b in self._buckets:
             for p in b.params:
                 check(p.requires_grad, "VONPoCo: every parameter must require grad")
@@ -341,15 +340,16 @@ class VONPoCo(BucketedOptimizer):
         thetas = [self._draw(b, self.param_groups[b.group_index], KIND_INNER, self._step)
                   for b in self._buckets]
         loss, gh_in = self._evaluate(closure, thetas, KIND_INNER)
-        active = self.correction_active()
-        gh_o = (self._evaluate(closure, [b.buffers["theta_out"] for b in self._buckets],
-                               KIND_OUTER)[1] if active else None)
+        corr = self._corrected()      # a group added since the last refresh: plain VON
+        gh_o = (self._evaluate(closure, [b.buffers["theta_out"] if b.index in corr
+                                         else b.buffers["mean"] for b in self._buckets],
+                               KIND_OUTER)[1] if corr else None)
         new = {}
         for b in self._buckets:
             group = self.param_groups[b.group_index]
             g_i, H_i = gh_in[b.index]
             m, S = b.buffers["mean"], b.buffers["precision"]
-            if active:
+            if b.index in corr:
                 g_o, H_o = gh_o[b.index]
                 outer = dict(m_out=b.buffers["m_out"], g_out=b.buffers["g_out"],
                              H_out=b.buffers["H_out"], alpha=float(group["alpha"]))
@@ -396,10 +396,10 @@ class VONPoCo(BucketedOptimizer):
         if sums is None:
             raise ValueError("refresh() needs at least one chunk of the mega-batch")
         n = len(losses)
-        first = self._refreshes == 0
         new = {}
         for b in self._buckets:
             group = self.param_groups[b.group_index]
+            first = self._first_refresh(b)
             gM, HM = sums[b.index][0] / n, sums[b.index][1] / n
             new[b.index] = {
                 "g_out": R.outer_fold(b.buffers["g_out"], gM, float(group["rho1"]), first),
@@ -408,7 +408,7 @@ class VONPoCo(BucketedOptimizer):
                 "theta_out": thetas[b.index],
             }
         self._commit_checked(new)
-        self._refreshes += 1
+        self._refresh_taken()
         return sum(losses) / n
 
     # ------------------------------------------------------------------ state dict

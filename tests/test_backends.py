@@ -304,7 +304,7 @@ def test_torch_compile_of_a_training_step_keeps_the_kernels(fused):
             ops.accumulate(b.grad_flat, eng._acc(0, b, "g"), None, eng._ctl(b), opt.seed,
                            eng.active_noise[0][0], 0, 1.0, True, False)
             opt._pending.count[0] = 1
-            eng.step(False, None, None)
+            eng.step(frozenset(), None, None)
 
         f = torch.compile(inner_step, fullgraph=True, backend="aot_eager") if compiled \
             else inner_step

@@ -22,8 +22,9 @@ import torch
 
 from ..kernels import cpp_status, ops_for, triton_status
 from .base import HOST, Backend
+from .fused import bucket_reasons
 
-__all__ = ["NAMES", "Backend", "HOST", "resolve", "create", "fused_reasons"]
+__all__ = ["NAMES", "Backend", "HOST", "resolve", "create", "fused_reasons", "bucket_reasons"]
 
 NAMES = ("auto", "torch", "triton", "cpp")
 _FUSED_LABEL = {"triton": "Triton", "cpp": "C++"}
@@ -32,21 +33,10 @@ _FUSED_LABEL = {"triton": "Triton", "cpp": "C++"}
 def fused_reasons(opt, backend: str) -> List[str]:
     """Why the fused ``backend`` ('triton' or 'cpp') cannot run ``opt``'s parameters
     (empty: it can)."""
-    label = _FUSED_LABEL[backend]
     reasons = []
     if not opt._kernel_capable:
-        reasons.append(f"{type(opt).__name__} has no {label} kernels")
-    for b in opt._buckets:
-        if b.segments is not None:
-            reasons.append(f"sharded (DTensor, e.g. FSDP2) parameters run on the torch "
-                           f"backend only, not the {label} kernels")
-        if b.param_dtype == torch.float64:
-            reasons.append(f"float64 parameters are not supported by the {label} kernels "
-                           "(float32, bfloat16, float16)")
-        why = triton_status(b.device) if backend == "triton" else cpp_status(b.device)
-        if why is not None:
-            reasons.append(why)
-    return list(dict.fromkeys(reasons))
+        reasons.append(f"{type(opt).__name__} has no {_FUSED_LABEL[backend]} kernels")
+    return list(dict.fromkeys(reasons + bucket_reasons(backend, opt._buckets)))
 
 
 def resolve(name: str, opt) -> str:

@@ -10,7 +10,7 @@ other access).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
 from torch import Tensor
 
@@ -21,7 +21,8 @@ HOST = frozenset({
     "_kernel_capable",
     "_refreshes", "uses_hessian", "_divergence_hint",
     # the optimizer's family: its samples, its reference update, its kernel records
-    "_sample_spec", "_inner_update", "_refresh_update", "_kernel_step", "_kernel_refresh",
+    "_spec", "_first_refresh", "_inner_update", "_refresh_update", "_kernel_step",
+    "_kernel_refresh",
     # noise and state views
     "_eps", "_counter", "_expose",
 })
@@ -71,15 +72,22 @@ class Backend(ABC):
         copy them to the mean buffer."""
 
     @abstractmethod
-    def step(self, corr: bool, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]
-             ) -> bool:
-        """The inner update from the pending inner (and, with ``corr``, outer) sums.
-        Returns whether the host counts it (the fused backends count updates attempted;
-        the device skips and counts what it must)."""
+    def step(self, corr: FrozenSet[int], grad_scale: Optional[Tensor],
+             found_inf: Optional[Tensor]) -> Optional[bool]:
+        """The inner update from the pending inner sums and, for the buckets in ``corr``
+        (those under the correction), the outer sums.  Either it is taken, or it changes
+        nothing (skipped, or refused with an exception).  Returns True (taken), False
+        (skipped), or None where only the device knows (the fused backends without
+        ``check_finite``: the device counts it, and the host reads the count when asked)."""
 
     @abstractmethod
     def refresh(self, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> bool:
-        """The outer refresh from the pending refresh sums; returns as :meth:`step`."""
+        """The outer refresh from the pending refresh sums; taken (True) or changes
+        nothing (False, or an exception).  Always known on the host: the correction's
+        state depends on it."""
+
+    def check_buckets(self, buckets: List) -> None:
+        """Raise ValueError if this backend cannot run these (new) buckets."""
 
     def skipped_on_host(self, found_inf: Optional[Tensor]) -> bool:
         """True when the host reads an AMP ``found_inf`` as set (the update will be

@@ -17,7 +17,8 @@ module with one function per operation, :mod:`poco_kernels.kernels.triton_ops` o
   buckets' device (``ctl``): kernels read the noise counter and the debiasing step from
   it, and a skipped update (AMP ``found_inf``, or a non-finite gradient seen while
   accumulating) leaves it and the state as they were, without the host looking.  The
-  host keeps counts of updates *attempted*, for its own bookkeeping only.
+  host reads the step count when asked (``step_count``, ``state_dict``), and after each
+  refresh whether it was taken: that decides whether the correction is active.
 * **No host synchronisation inside a step** on a GPU, unless ``check_finite=True`` asks
   for the torch backend's error on non-finite gradients (one device-to-host read per
   update; free on the CPU, where it is the default).
@@ -32,8 +33,26 @@ from torch import Tensor
 from .. import noise as _noise
 from .._protocol import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER,
                          KIND_REFRESH)
+from ..kernels import cpp_status, triton_status
 from ..kernels import interface as K
 from .base import Backend
+
+
+def bucket_reasons(backend: str, buckets) -> List[str]:
+    """Why the fused ``backend`` cannot run these buckets (empty: it can)."""
+    label = {"triton": "Triton", "cpp": "C++"}[backend]
+    reasons = []
+    for b in buckets:
+        if b.segments is not None:
+            reasons.append(f"sharded (DTensor, e.g. FSDP2) parameters run on the torch "
+                           f"backend only, not the {label} kernels")
+        if b.param_dtype == torch.float64:
+            reasons.append(f"float64 parameters are not supported by the {label} kernels "
+                           "(float32, bfloat16, float16)")
+        why = triton_status(b.device) if backend == "triton" else cpp_status(b.device)
+        if why is not None:
+            reasons.append(why)
+    return list(dict.fromkeys(reasons))
 
 
 class FusedBackend(Backend):
@@ -70,9 +89,17 @@ class FusedBackend(Backend):
                 b.grad_flat = torch.zeros(b.numel, device=b.device, dtype=b.param_dtype)
                 b.grad_views = [b.grad_flat[off:off + p.numel()].view_as(p)
                                 for p, off in zip(b.params, b.offsets)]
-            if b.device not in self.ctl:
-                self.ctl[b.device] = torch.zeros(K.CTL_SIZE, device=b.device, dtype=torch.int64)
-        self.set_counters(self.opt._step, self.opt._refreshes)
+            if b.device not in self.ctl:      # a new device starts from the counters
+                src = next(iter(self.ctl.values()), None)
+                self.ctl[b.device] = (src.to(b.device, copy=True) if src is not None else
+                                      self._counters_tensor(self.opt._step,
+                                                            self.opt._refreshes, 0, b.device))
+
+    @staticmethod
+    def _counters_tensor(steps: int, refreshes: int, skipped: int, device) -> Tensor:
+        c = torch.zeros(K.CTL_SIZE, dtype=torch.int64)
+        c[K.CTL_STEPS], c[K.CTL_REFRESHES], c[K.CTL_SKIPPED] = steps, refreshes, skipped
+        return c.to(device)
 
     @staticmethod
     def _is_flat(b) -> bool:
@@ -94,15 +121,17 @@ class FusedBackend(Backend):
                     "or copy into parameters in place")
 
     def set_counters(self, steps: int, refreshes: int) -> None:
-        for c in self.ctl.values():
-            c.copy_(torch.tensor([steps, refreshes, 0, int(c[3]) if c.numel() > 3 else 0],
-                                 dtype=torch.int64))
+        """Set the steps and refreshes taken (a state dict was loaded); the count of
+        skipped updates is kept."""
+        for dev, c in self.ctl.items():
+            c.copy_(self._counters_tensor(steps, refreshes, int(c[K.CTL_SKIPPED]), dev))
 
     def counters(self) -> Tuple[int, int, int]:
         """(steps taken, refreshes taken, updates skipped) -- reads the device."""
-        c = next(iter(self.ctl.values())).tolist() if self.ctl else [self.opt._step,
-                                                                      self.opt._refreshes, 0, 0]
-        return int(c[0]), int(c[1]), int(c[3])
+        if not self.ctl:
+            return self.opt._step, self.opt._refreshes, 0
+        c = next(iter(self.ctl.values())).tolist()
+        return int(c[K.CTL_STEPS]), int(c[K.CTL_REFRESHES]), int(c[K.CTL_SKIPPED])
 
     def _ctl(self, b) -> Tensor:
         return self.ctl[b.device]
@@ -124,8 +153,7 @@ class FusedBackend(Backend):
         self.check_layout()
         opt = self.opt
         for b in opt._buckets:
-            group = opt.param_groups[b.group_index]
-            spec = opt._sample_spec(b, group, kind, draw)
+            spec = opt._spec(b, kind, draw)
             is_mean = spec.centre is b.buffers["mean"]
             sync = self.params_hold_mean and is_mean and b.param_dtype == b.dtype
             if spec.noise is None:
@@ -196,7 +224,8 @@ class FusedBackend(Backend):
                 zero.append(view)
                 continue
             if g.is_sparse:
-                raise RuntimeError("poco_kernels optimizers do not support sparse gradients")
+                raise RuntimeError("poco_kernels optimizers do not support sparse gradients "
+                                   "(e.g. nn.Embedding(sparse=True)): nothing was accumulated")
             if compiling or g.data_ptr() != base + off * size or g.dtype != b.param_dtype:
                 srcs.append(g.detach())
                 dsts.append(view)
@@ -208,7 +237,7 @@ class FusedBackend(Backend):
 
     def noise_of(self, kind: int, b, draw: int = 0) -> Optional[Tuple[int, int, float]]:
         """(stream, counter slot, sign) of draw ``draw`` of a kind, or None (no noise)."""
-        spec = self.opt._sample_spec(b, self.opt.param_groups[b.group_index], kind, draw)
+        spec = self.opt._spec(b, kind, draw)
         if spec.noise is None:
             return None
         nk, nd, slot, sign = spec.noise
@@ -218,8 +247,9 @@ class FusedBackend(Backend):
     def accumulate(self, kind: int, draw: int) -> None:
         opt = self.opt
         sums = opt._pending.sums
-        for b in opt._buckets:
-            grad = self._gather_grads(b)
+        # gather every bucket first: a refused gradient (sparse) raises before a sum changes
+        grads = [self._gather_grads(b) for b in opt._buckets]
+        for b, grad in zip(opt._buckets, grads):
             first = (kind, b.index, "g") not in sums
             acc_g = self._acc(kind, b, "g")
             noise = self.active_noise.get(b.index)
@@ -267,47 +297,49 @@ class FusedBackend(Backend):
         gs = None if grad_scale is None else grad_scale.to(b.device, non_blocking=True)
         return fi, gs
 
-    def _raise_if_bad(self, slot: int, found_inf) -> None:
+    def _raise_if_bad(self, slot: int, found_inf) -> Optional[bool]:
         """``check_finite``: raise (state untouched) if a gradient was non-finite, unless
-        an AMP ``found_inf`` says to skip, which the kernels have done.  Not while
-        torch.compile traces (a data-dependent branch): the kernels skip such an update
-        and ``skipped_updates`` counts it, as without ``check_finite``."""
+        an AMP ``found_inf`` says to skip, which the kernels have done.  Returns whether
+        the update was taken (None while torch.compile traces: there the kernels skip such
+        an update and ``skipped_updates`` counts it, as without ``check_finite``)."""
         if torch.compiler.is_compiling():
-            return
+            return None
         if found_inf is not None and bool(found_inf.detach().float().sum() != 0):
-            return
+            return False
         bad = any(c[K.CTL_BAD].item() != 0 for c in self.ctl.values())  # no allocation
         if bad:
             for c in self.ctl.values():
                 self.ops.finish(c, found_inf, slot)
             raise ValueError("non-finite gradient (inf or nan): the update was not taken and "
                              "the optimizer state is unchanged (with AMP, pass found_inf to skip)")
+        return True
 
     def _finish(self, slot: int, found_inf: Optional[Tensor]) -> None:
         for dev, c in self.ctl.items():
             fi = None if found_inf is None else found_inf.to(dev, non_blocking=True)
             self.ops.finish(c, fi, slot)
 
-    def step(self, corr: bool, grad_scale, found_inf) -> bool:
+    def step(self, corr, grad_scale, found_inf) -> Optional[bool]:
         opt = self.opt
         pend = opt._pending
         sums = pend.sums
         n_in = pend.count[KIND_INNER]
-        n_o = pend.count[KIND_OUTER] if corr else 0
         for b in opt._buckets:
             t = opt._kernel_step(b, opt.param_groups[b.group_index])
+            c = b.index in corr
+            n_o = pend.count[KIND_OUTER] if c else 0
             g_in = self._acc(KIND_INNER, b, "g")
             ge_in = self._acc(KIND_INNER, b, "ge") if (KIND_INNER, b.index, "ge") in sums else None
             noise_in = self.noise_of(KIND_INNER, b, 0) if opt.uses_hessian else None
             g_o = ge_o = noise_o = None
-            if corr:
+            if c:
                 g_o = self._acc(KIND_OUTER, b, "g")
                 if (KIND_OUTER, b.index, "ge") in sums:
                     ge_o = self._acc(KIND_OUTER, b, "ge")
                 noise_o = self.noise_of(KIND_OUTER, b, 0) if opt.uses_hessian else None
             shared = (noise_in is not None and noise_o is not None and noise_in == noise_o
                       and ge_in is None and ge_o is None)
-            flags = K.StepFlags.of(t.family, t.path, corr=corr, ge_in=ge_in is not None,
+            flags = K.StepFlags.of(t.family, t.path, corr=c, ge_in=ge_in is not None,
                                    ge_o=ge_o is not None, shared_noise=shared)
             hyper = K.StepHyper.of(t.hp, sign_o=noise_o[2] if noise_o else 1.0,
                                    inv_n_in=1.0 / n_in, inv_n_o=1.0 / n_o if n_o else 0.0)
@@ -315,16 +347,15 @@ class FusedBackend(Backend):
                                     noise_o[0] if noise_o else 0)
             fi, gs = self._amp(b, found_inf, grad_scale)
             self.ops.step(b.buffers["mean"], b.flat_param, t.s1, t.s2, g_in, ge_in,
-                          g_o, ge_o, b.buffers.get("g_out") if corr else None,
-                          b.buffers.get("h_out") if corr else None,
-                          b.buffers.get("m_out") if corr else None,
-                          b.buffers.get("sigma_out") if corr else None,
+                          g_o, ge_o, b.buffers.get("g_out") if c else None,
+                          b.buffers.get("h_out") if c else None,
+                          b.buffers.get("m_out") if c else None,
+                          b.buffers.get("sigma_out") if c else None,
                           self._ctl(b), fi, gs, streams, hyper, flags)
         self.params_hold_mean = True
-        if opt.check_finite:
-            self._raise_if_bad(COUNTER_STEPS, found_inf)
+        taken = self._raise_if_bad(COUNTER_STEPS, found_inf) if opt.check_finite else None
         self._finish(COUNTER_STEPS, found_inf)
-        return True
+        return taken
 
     def refresh(self, grad_scale, found_inf) -> bool:
         opt = self.opt
@@ -344,7 +375,14 @@ class FusedBackend(Backend):
         if opt.check_finite:
             self._raise_if_bad(COUNTER_REFRESHES, found_inf)
         self._finish(COUNTER_REFRESHES, found_inf)
-        return True
+        # the one read of a refresh: whether the device took it (AMP, non-finite)
+        return self.counters()[1] > opt._refreshes
+
+    def check_buckets(self, buckets) -> None:
+        reasons = bucket_reasons(self.name, buckets)
+        if reasons:
+            raise ValueError(f"backend={self.name!r} cannot run the new group: "
+                             + "; ".join(reasons))
 
     # ------------------------------------------------------------------ bookkeeping
     def loaded(self) -> None:

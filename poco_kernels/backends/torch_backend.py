@@ -40,7 +40,7 @@ class TorchBackend(Backend):
         self.active_eps = {}
         with torch.no_grad():
             for b in opt._buckets:
-                spec = opt._sample_spec(b, opt.param_groups[b.group_index], kind, draw)
+                spec = opt._spec(b, kind, draw)
                 sigma, eps = None, None
                 if spec.noise is not None:
                     nk, nd, slot, sign = spec.noise
@@ -59,8 +59,9 @@ class TorchBackend(Backend):
         opt = self.opt
         sums = opt._pending.sums
         with torch.no_grad():
-            for b in opt._buckets:
-                g = b.flat_grads()
+            # every bucket first: a refused gradient (sparse) raises before a sum changes
+            flats = [b.flat_grads() for b in opt._buckets]
+            for b, g in zip(opt._buckets, flats):
                 key = (kind, b.index, "g")
                 sums[key] = sums[key] + g if key in sums else g
                 eps = self.active_eps.get(b.index)
@@ -135,7 +136,7 @@ class TorchBackend(Backend):
         for b in opt._buckets:
             group = opt.param_groups[b.group_index]
             g_in, ge_in = self.estimate(KIND_INNER, b, grad_scale)
-            outer = self.estimate(KIND_OUTER, b, grad_scale) if corr else None
+            outer = self.estimate(KIND_OUTER, b, grad_scale) if b.index in corr else None
             self.check_gradients(g_in, ge_in, *(outer or ()))
             new[b.index] = opt._inner_update(b, group, g_in, ge_in, outer, opt._step + 1)
         self.check_new(new)
@@ -151,7 +152,7 @@ class TorchBackend(Backend):
             group = opt.param_groups[b.group_index]
             gM, geM = self.estimate(KIND_REFRESH, b, grad_scale)
             self.check_gradients(gM, geM)
-            new[b.index] = opt._refresh_update(b, group, gM, geM, first=opt._refreshes == 0)
+            new[b.index] = opt._refresh_update(b, group, gM, geM, first=opt._first_refresh(b))
         self.check_new(new)
         self.commit(new)
         return True
