@@ -78,7 +78,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: Dict[str, Any], *, seed: int = 0, backend: str = "auto",
                  check_finite: Optional[bool] = None):
-        check(isinstance(seed, int) and 0 <= seed < 2 ** 63,
+        check(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63,
               f"seed must be an int in [0, 2**63), got {seed!r}")
         check(backend in _backends.NAMES, f"backend must be one of {_backends.NAMES}, got "
               f"{backend!r}")

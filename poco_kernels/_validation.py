@@ -8,6 +8,10 @@ import inspect
 import math
 
 
+#: the largest finite float32: hyperparameters reach the kernels as float32 constants
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def check(cond: bool, msg: str) -> None:
     """Raise ``ValueError(msg)`` unless ``cond``."""
     if not cond:
@@ -19,8 +23,16 @@ def check_range(group, key, lo=None, hi=None, lo_open=False, hi_open=False, kind
     """Raise a ValueError naming ``key`` unless ``group[key]`` is a number in the range."""
     v = group[key]
     if kind is float:
-        ok = (isinstance(v, (int, float)) and not isinstance(v, bool)
-              and (math.isfinite(v) or (allow_inf and v == math.inf)))
+        # (an int must fit torch's int64 scalars; the kernels take float32 constants:
+        # finite there, or +inf where allowed)
+        ok = (isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)
+                                       and abs(v) < 2 ** 63))
+        if ok:
+            try:
+                f = float(v)
+            except OverflowError:
+                f = math.nan
+            ok = abs(f) <= FLOAT32_MAX or (allow_inf and f == math.inf)
     else:
         ok = isinstance(v, int) and not isinstance(v, bool)
     if ok and lo is not None:

@@ -62,6 +62,10 @@ def _warm_ivon_poco(backend):
     (pk.SVRGAdamW, dict(betas=(0.9, 1.0)), "betas"),
     (pk.VSGDPoCo, dict(sigma=-1.0), "sigma"),
     (pk.IVON, dict(lr=0.1, ess=1.0, seed=-3), "seed"),
+    (pk.SVRG, dict(lr=0.1, seed=True), "seed"),
+    # an int beyond torch's int64 scalars, a float beyond float32 (the kernels' constants)
+    (pk.IVON, dict(lr=0.1, ess=10 ** 30), "ess"),
+    (pk.SVRG, dict(lr=0.1, weight_decay=1e39), "weight_decay"),
     (pk.IVON, dict(lr=0.1, ess=1.0, backend="cuda"), "backend"),
 ])
 def test_invalid_hyperparameters_at_construction(cls, kw, match):

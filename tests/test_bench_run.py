@@ -136,3 +136,23 @@ def test_bench_gpu_smoke_runs_the_suite_on_triton(tmp_path, bench_modules):
         assert (k, "poco_kernels.triton") in got, k
     assert ("step_kernel_poco", "poco_kernels.triton(direct)") in got
     assert (tmp_path / "bench_gpu_report.json").exists()
+
+
+@pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
+                    reason="measures the C++ backend beside the torch backend")
+def test_host_overhead_writes_the_schema(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)
+    for m in ("report", "host_overhead"):
+        sys.modules.pop(m, None)
+    import host_overhead
+    from report import CSV_FIELDS
+    out = tmp_path / "host.csv"
+    host_overhead.main(["--device", "cpu", "--tensors", "3", "--numel", "7", "--reps", "3",
+                        "--backends", "cpp", "torch", "--out", str(out)])
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == CSV_FIELDS
+    assert {(r["kernel"], r["provider"]) for r in rows} == {
+        (k, f"poco_kernels.{b}") for k in ("protocol_step", "protocol_refresh")
+        for b in ("cpp", "torch")}
+    assert all(float(r["p20"]) <= float(r["median"]) <= float(r["p80"]) for r in rows)

@@ -667,6 +667,14 @@ PROTOCOL_ONLY = {"step-closure-with-pending", "step-inside-sampled",
 PROTOCOL_NAMES = {"IVONPoCo", "SVRG", "VONPoCo", "IVON"}
 
 
+def _kernel_kind(kind):
+    """Kinds where the Triton kernels decide something (skipping an update, the first
+    refresh, a group they cannot run, noise after a forgotten draw).  The rest is host
+    code that Triton shares with the C++ backend (``backends/fused.py``), run there."""
+    return any(w in kind for w in ("nonfinite", "found-inf", "first-refresh", "float64",
+                                   "sampled-raises"))
+
+
 def _params():
     out = []
     for kind, opts, spec in KINDS:
@@ -674,7 +682,8 @@ def _params():
             for backend in (["torch"] if name == "VONPoCo" else BACKENDS):
                 if spec.get("fused") and backend == "torch":
                     continue
-                if backend == "triton" and TRITON_PICK.get(kind) != name:
+                if backend == "triton" and (TRITON_PICK.get(kind) != name
+                                            or not _kernel_kind(kind)):
                     continue
                 if backend != "triton" and kind in PROTOCOL_ONLY and name not in PROTOCOL_NAMES:
                     continue
