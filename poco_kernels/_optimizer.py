@@ -17,7 +17,6 @@ ranks that share the seed draw the same sample.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -322,7 +321,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
         check(not awaiting or poco["refreshes"] > 0,
               "state dict: groups awaiting a refresh before any refresh")
         # ---- groups
-        saved_index, new_groups = {}, []
+        saved_index, seen, new_groups = {}, set(), []
         for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
             check(isinstance(sg, dict) and isinstance(sg.get("params"), (list, tuple)),
                   f"state dict: param group {gi} is not a dict with a 'params' list")
@@ -330,8 +329,9 @@ class BucketedOptimizer(torch.optim.Optimizer):
                   f"param group {gi}: state dict has {len(sg['params'])} parameters, the "
                   f"optimizer {len(g['params'])}")
             for i, p in zip(sg["params"], g["params"]):
-                check(isinstance(i, int) and i not in saved_index.values(),
+                check(isinstance(i, int) and i not in seen,
                       f"param group {gi}: parameter ids must be distinct ints, got {i!r}")
+                seen.add(i)
                 saved_index[id(p)] = i
             merged = {**sg, "params": g["params"]}
             self._check_group(merged, gi)
