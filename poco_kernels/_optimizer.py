@@ -279,6 +279,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
         if self._active is not None:
             raise RuntimeError("load_state_dict() while a sample is in the parameters: call "
                                "restore() first")
+        self._backend.check_layout()      # (fused: loading into parameters cut loose)
         commit = self._plan_load(state_dict)
         commit()
 
@@ -348,36 +349,41 @@ class BucketedOptimizer(torch.optim.Optimizer):
             return t.detach().to(device=like.device, dtype=like.dtype, copy=True)
 
         for b in self._buckets:
-            for i, p in enumerate(b.params):
+            group = new_groups[b.group_index]
+            saved_of = []
+            for p in b.params:
                 idx = saved_index[id(p)]
                 saved = saved_state.get(idx)
                 check(saved is not None, f"state dict has no state for parameter {idx}")
                 check(isinstance(saved, dict), f"parameter {idx}: state is not a dict")
                 for name in saved:
-                    if name not in b.buffers:     # created at first use (momentum buffers)
-                        check(name in self._lazy_buffers,
-                              f"parameter {idx}: unexpected state {name!r} in the state dict")
-                        lazy.setdefault(b.index, set()).add(name)
+                    check(name in b.buffers or name in self._lazy_buffers,
+                          f"parameter {idx}: unexpected state {name!r} in the state dict")
+                saved_of.append((idx, saved))
+            # a buffer made at its first use (momentum) is saved for all of a bucket or none
+            for name in self._lazy_buffers:
+                have = [name in saved for _, saved in saved_of]
+                if any(have) and not all(have):
+                    idx = saved_of[have.index(False)][0]
+                    raise ValueError(f"parameter {idx}: state dict lacks {name!r} (other "
+                                     "parameters of its group have it)")
+                if all(have) and have and name not in b.buffers:
+                    lazy.setdefault(b.index, set()).add(name)
+                elif not any(have) and name in b.buffers:
+                    drop.add((b.index, name))     # saved before its first use
+            for i, (p, (idx, saved)) in enumerate(zip(b.params, saved_of)):
                 views = self.state[p]
-                for name, view in views.items():
-                    if name not in saved and name in self._lazy_buffers:
-                        drop.add((b.index, name))     # saved before its first use
-                        continue
-                    check(name in saved, f"parameter {idx}: state dict lacks {name!r}")
-                    copies.append((b.index, p, name,
-                                   tensor_for(saved[name], view, f"parameter {idx}: {name!r}")))
-                for name in saved:
-                    if name not in views:
+                for name in b.buffers:
+                    if b.is_flat_buffer(b.buffers[name]) and (b.index, name) not in drop:
+                        check(name in saved, f"parameter {idx}: state dict lacks {name!r}")
+                for name, t in saved.items():
+                    like = views.get(name)
+                    if like is None:
                         like = torch.empty(b.local(i).shape, device=b.device, dtype=b.dtype)
-                        copies.append((b.index, p, name, tensor_for(
-                            saved[name], like, f"parameter {idx}: {name!r}")))
-        for bi, names in lazy.items():      # a lazy buffer is saved for all or none
-            b = self._buckets[bi]
-            for p in b.params:
-                idx = saved_index[id(p)]
-                for name in names:
-                    check(name in saved_state[idx],
-                          f"parameter {idx}: state dict lacks {name!r} (its group has it)")
+                    what = f"parameter {idx}: {name!r}"
+                    t = tensor_for(t, like, what)
+                    self._check_state_value(name, t, group, what)
+                    copies.append((b.index, p, name, t))
         extra = poco.get("bucket_buffers", {})
         check(isinstance(extra, dict), "state dict: 'bucket_buffers' is not a dict")
         bucket_copies = []
@@ -390,6 +396,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
                     bucket_copies.append((buf, tensor_for(extra[key], buf,
                                                           f"bucket buffer {key!r}")))
         pend = Pending.validated(poco["pending"], self._buckets)
+        self._check_pending(pend, set(awaiting))
         # ---- the commit: nothing below can fail
         step, refreshes, seed = poco["step"], poco["refreshes"], poco["seed"]
 
@@ -420,6 +427,16 @@ class BucketedOptimizer(torch.optim.Optimizer):
                 b.write_params(b.buffers["mean"])
             self._backend.loaded()
         return commit
+
+    def _check_state_value(self, name: str, t: Tensor, group: Dict[str, Any],
+                           what: str) -> None:
+        """Refuse a loaded state tensor outside its domain (a subclass's rule, e.g. IVON's
+        ``h + weight_decay > 0``); ``group``: the loaded hyperparameters."""
+
+    def _check_pending(self, pend: Pending, awaiting: Set[int]) -> None:
+        """Refuse loaded pending sums that the next update could not use."""
+        check(not any(pend.count.values()), "state dict: pending gradients for an optimizer "
+                                            "without the sampling protocol")
 
     # ------------------------------------------------------------------ counters
     def _read_counters(self) -> Tuple[int, int, int]:
@@ -489,6 +506,22 @@ class PosteriorOptimizer(BucketedOptimizer):
         """The refresh kernel's buffers and record for a bucket (``_refresh_update``)."""
         raise NotImplementedError
 
+    def _check_pending(self, pend: Pending, awaiting: Set[int]) -> None:
+        """Every noisy kind's sums carry their ``gradient * eps`` sum (the state dict has
+        the torch backend's layout), where the family estimates Hessians."""
+        if not self.uses_hessian:
+            return
+        for (k, bi, n) in list(pend.sums):
+            if n != "g":
+                continue
+            b = self._buckets[bi]
+            if k == KIND_OUTER and b.group_index in awaiting:
+                continue
+            noisy = self._sample_spec(b, self.param_groups[b.group_index], k, 0).noise
+            check(noisy is None or (k, bi, "ge") in pend.sums,
+                  f"state dict's pending gradients: sample kind {k}, bucket {bi} has a "
+                  "gradient sum but not its gradient * eps sum")
+
     # ------------------------------------------------------------------ low-level API
     def sample(self, kind: str = "inner") -> None:
         """Write a posterior sample into the parameters.
@@ -503,6 +536,9 @@ class PosteriorOptimizer(BucketedOptimizer):
         if self._active is not None:
             raise RuntimeError("a sample is already in the parameters: call restore() first")
         k = KIND_NAMES[kind]
+        if k == KIND_REFRESH and not self._has_correction:
+            raise RuntimeError(f"{type(self).__name__} has no outer loop: no refresh sample")
+        self._check_no_mix(k)
         if k == KIND_OUTER and not self.correction_active():
             raise RuntimeError("no outer sample: the correction is not active "
                                "(no refresh yet, or alpha == 0 in every group)")
@@ -516,6 +552,17 @@ class PosteriorOptimizer(BucketedOptimizer):
             raise
         self._active = (k, draw)
         self._pending.draws[k] = draw + 1
+
+    def _check_no_mix(self, k: int) -> None:
+        """Gradients for a step and for a refresh are not collected at the same time (each
+        update consumes its own; a non-finite one must not refuse the other)."""
+        cnt = self._pending.count
+        if k == KIND_REFRESH and (cnt[KIND_INNER] or cnt[KIND_OUTER]):
+            raise RuntimeError("gradients for a step are pending: call step() before "
+                               "collecting refresh gradients")
+        if k != KIND_REFRESH and cnt[KIND_REFRESH]:
+            raise RuntimeError("refresh gradients are pending: call refresh() before "
+                               "collecting gradients for a step")
 
     def accumulate(self, clear_grads: bool = True) -> None:
         """Fold the parameters' ``.grad`` into the estimate of the active sample and clear
@@ -556,6 +603,14 @@ class PosteriorOptimizer(BucketedOptimizer):
             if not ok and self._pending.count[k] == count:
                 self._pending.draws[k] = draw
 
+    def _drop_pending(self, kinds) -> None:
+        """A call failed after collecting gradients of ``kinds``: drop them and what
+        collecting them noted, and put the mean back in the parameters."""
+        self._pending.clear(kinds)
+        self._backend.discard()
+        if not self._backend.params_hold_mean:
+            self.restore()
+
     def _closure_samples(self, group_key: str = "mc_samples") -> int:
         return max(int(g.get(group_key, 1)) for g in self.param_groups)
 
@@ -576,12 +631,23 @@ class PosteriorOptimizer(BucketedOptimizer):
                 self.restore()
         return loss
 
-    @staticmethod
-    def _check_amp(grad_scale, found_inf) -> None:
+    def _check_amp(self, grad_scale, found_inf) -> None:
+        """AMP arguments: one-element real tensors, as torch.amp.GradScaler passes them;
+        ``grad_scale`` positive and finite, checked where reading it is free (a CPU tensor,
+        or the torch backend, which reads its gradients anyway)."""
         for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
-            check(t is None or (isinstance(t, Tensor) and t.numel() == 1),
-                  f"{name} must be None or a one-element tensor (torch.amp.GradScaler's), "
-                  f"got {type(t).__name__}")
+            check(t is None or (isinstance(t, Tensor) and t.numel() == 1 and t.dim() <= 1
+                                and not t.is_complex() and t.device.type != "meta"),
+                  f"{name} must be None or a one-element real tensor (torch.amp.GradScaler's)"
+                  f", got {type(t).__name__}"
+                  f"{'' if not isinstance(t, Tensor) else f' of shape {tuple(t.shape)}'}")
+        if grad_scale is None:
+            return
+        check(grad_scale.is_floating_point(),
+              f"grad_scale must be a float tensor, got {grad_scale.dtype}")
+        if self._backend.host_readable(grad_scale):
+            v = float(grad_scale.detach().reshape(()))
+            check(v > 0 and v != float("inf"), f"grad_scale must be finite and > 0, got {v}")
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -606,6 +672,7 @@ class PosteriorOptimizer(BucketedOptimizer):
         self._check_groups()
         self._check_amp(grad_scale, found_inf)
         pend = self._pending
+        self._check_no_mix(KIND_INNER)
         corr = self._corrected()
         loss = None
         if closure is not None:
@@ -620,9 +687,7 @@ class PosteriorOptimizer(BucketedOptimizer):
                     for _ in range(self._closure_samples()):
                         self._run_closure(closure, "outer")
             except BaseException:
-                pend.clear((KIND_INNER, KIND_OUTER))
-                if not self._backend.params_hold_mean:
-                    self.restore()
+                self._drop_pending((KIND_INNER, KIND_OUTER))
                 raise
             loss = mean_loss(losses)
         else:
@@ -648,6 +713,9 @@ class PosteriorOptimizer(BucketedOptimizer):
                     self._active = None
         try:
             taken = self._backend.step(corr, grad_scale, found_inf)
+        except BaseException:
+            self._drop_pending((KIND_INNER, KIND_OUTER))
+            raise
         finally:
             pend.clear((KIND_INNER, KIND_OUTER))
             self._eps_cache.clear()
@@ -681,6 +749,7 @@ class PosteriorOptimizer(BucketedOptimizer):
         self._check_groups()
         self._check_amp(grad_scale, found_inf)
         pend = self._pending
+        self._check_no_mix(KIND_REFRESH)
         losses = []
         if closures is not None:
             if pend.count[KIND_REFRESH]:
@@ -700,7 +769,7 @@ class PosteriorOptimizer(BucketedOptimizer):
                     finally:
                         self.restore()
             except BaseException:
-                pend.clear((KIND_REFRESH,))
+                self._drop_pending((KIND_REFRESH,))
                 raise
         elif pend.count[KIND_REFRESH] == 0:
             raise ValueError("refresh() needs at least one chunk of the mega-batch: pass "
@@ -708,6 +777,9 @@ class PosteriorOptimizer(BucketedOptimizer):
                              "'refresh'):` first")
         try:
             taken = self._backend.refresh(grad_scale, found_inf)
+        except BaseException:
+            self._drop_pending((KIND_REFRESH,))
+            raise
         finally:
             pend.clear((KIND_REFRESH,))
             self._eps_cache.clear()

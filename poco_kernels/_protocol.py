@@ -126,6 +126,8 @@ class Pending:
             if not (isinstance(v, Tensor) and v.is_floating_point() and v.dim() == 1
                     and v.numel() == bk.numel):
                 bad(f"{key!r} must be a float vector of {bk.numel} elements")
+            if not bool(torch.isfinite(v).all()):
+                bad(f"{key!r} holds non-finite values")
             out.sums[(k, bi, n)] = v.detach().to(device=bk.device, dtype=bk.dtype, copy=True)
         for k, c in out.count.items():
             for bk in buckets:

@@ -136,6 +136,14 @@ class IVON(PosteriorOptimizer):
         for k in ("debias", "rescale_lr"):
             check(isinstance(group[k], bool), f"invalid {k}: {group[k]!r} (expected a bool)")
 
+    def _check_state_value(self, name, t, group, what):
+        # sigma = 1 / sqrt(ess (h + wd)) must exist; sigma_out is a standard deviation
+        if name == "h":
+            check(bool((t + float(group["weight_decay"]) > 0).all()),
+                  f"{what}: h + weight_decay must be > 0 (the posterior precision / ess)")
+        elif name == "sigma_out":
+            check(bool((t >= 0).all()), f"{what}: a standard deviation must be >= 0")
+
     def _init_buffers(self, b: Bucket, group) -> Dict[str, Tensor]:
         z = lambda: torch.zeros(b.numel, device=b.device, dtype=b.dtype)  # noqa: E731
         return {"h": torch.full((b.numel,), float(group["hess_init"]), device=b.device,

@@ -226,6 +226,10 @@ class SVRGAdamW(_SVRGBase):
         for i, v in enumerate(betas):
             check_range({f"betas[{i}]": v}, f"betas[{i}]", lo=0.0, hi=1.0, hi_open=True)
 
+    def _check_state_value(self, name, t, group, what):
+        if name == "exp_avg_sq":
+            check(bool((t >= 0).all()), f"{what}: a second moment must be >= 0")
+
     def _init_buffers(self, b, group):
         bufs = super()._init_buffers(b, group)
         bufs["exp_avg"] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)

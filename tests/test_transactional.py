@@ -528,10 +528,40 @@ KINDS = [
        bad=lambda r: r.opt.refresh()),
     _c("refresh-closure-raises", CORR, raises=Boom,
        bad=lambda r: r.arm(boom_at=2).opt.refresh(r.chunks(1))),
+    # a non-finite gradient collected, then the closure raises: the fused backends' flag
+    # of it must go with the dropped sums (the next update is not skipped)
+    _c("step-closure-nonfinite-then-raises", GRAD_CORR, check_finite=False, raises=Boom,
+       bad=lambda r: r.arm(poke=(NAN, 1, 0, 0), boom_at=2).opt.step(r.closure(2))),
+    _c("refresh-closure-nonfinite-then-raises", GRAD_CORR, check_finite=False, raises=Boom,
+       bad=lambda r: r.arm(poke=(NAN, 1, 0, 0), boom_at=2).opt.refresh(r.chunks(1))),
+    # step and refresh gradients are not collected at the same time
+    _c("refresh-sample-while-step-pending", GRAD_CORR, history="s0 r0 s1 I2",
+       raises=RuntimeError, match="call step", cont="O2 S s5 r1 s6 s7", bad=lambda r: r.opt.sample("refresh")),
+    _c("inner-sample-while-refresh-pending", GRAD_CORR, history="s0 r0 s1 f1",
+       raises=RuntimeError,
+       match="call refresh", bad=lambda r: r.opt.sample("inner")),
+    _c("step-while-refresh-pending", GRAD_CORR, history="s0 r0 s1 f1", raises=RuntimeError,
+       match="call refresh", bad=lambda r: r.opt.step(r.closure(2))),
+    _c("sample-refresh-no-outer-loop", ["IVON"], raises=RuntimeError, match="outer loop",
+       bad=lambda r: r.opt.sample("refresh")),
+    # AMP arguments
+    _c("step-grad-scale-zero", GRAD, raises=ValueError, match="grad_scale",
+       bad=lambda r: r.opt.step(r.closure(2), grad_scale=torch.zeros(()))),
+    _c("step-grad-scale-nan", GRAD_CORR, raises=ValueError, match="grad_scale",
+       bad=lambda r: r.opt.step(r.closure(2), grad_scale=torch.full((), NAN))),
+    _c("refresh-grad-scale-negative", GRAD_CORR, raises=ValueError, match="grad_scale",
+       bad=lambda r: r.opt.refresh(r.chunks(1), grad_scale=-torch.ones(()))),
+    _c("step-grad-scale-2d", GRAD_CORR, raises=ValueError, match="grad_scale",
+       bad=lambda r: r.opt.step(r.closure(2), grad_scale=torch.ones(1, 1))),
+    _c("step-found-inf-meta", GRAD_CORR, raises=ValueError, match="found_inf",
+       bad=lambda r: r.opt.step(r.closure(2), found_inf=torch.ones((), device="meta"))),
     _c("refresh-no-chunks", CORR, raises=ValueError, match="chunk",
        bad=lambda r: r.opt.refresh([])),
+    # (step gradients pending: refresh() says to step first; nothing pending: no chunks)
     _c("refresh-nothing-pending", GRAD_CORR, history=_lazy(lambda r: r.warm() + " i2"),
-       raises=ValueError, match="chunk|sample", bad=lambda r: r.opt.refresh()),
+       raises=RuntimeError, match="call step", bad=lambda r: r.opt.refresh()),
+    _c("refresh-nothing-collected", GRAD_CORR, raises=ValueError, match="chunk",
+       bad=lambda r: r.opt.refresh()),
     _c("refresh-closures-with-pending", GRAD_CORR, history="s0 r0 s1 f2",
        raises=RuntimeError, match="refresh", bad=lambda r: r.opt.refresh(r.chunks(1))),
     _c("refresh-without-outer-loop", ["IVON"], raises=RuntimeError, match="refresh|outer",
@@ -648,6 +678,8 @@ TRITON_PICK = {
     "first-refresh-found-inf": "VSGDPoCo", "refresh-low-level-nonfinite": "SVRG",
     "refresh-closure-raises": "SVRG", "refresh-closures-with-pending": "SVRG",
     "refresh-inside-sampled": "SVRG", "refresh-nothing-pending": "SVRG",
+    "refresh-nothing-collected": "SVRG",
+    "step-closure-nonfinite-then-raises": "SVRG", "refresh-closure-nonfinite-then-raises": "SVRG",
     "sample-while-active": "SVRG", "accumulate-without-sample": "SVRG",
     "sampled-raises-inside": "VSGDPoCo", "sampled-nested": "SVRG",
     "add-group-bad-lr": "SVRG", "add-group-complex": "SVRG", "add-group-misspelled-key": "SVRG",
@@ -663,7 +695,10 @@ PROTOCOL_ONLY = {"step-closure-with-pending", "step-inside-sampled",
                  "sample-outer-inactive", "sample-while-active", "accumulate-without-sample",
                  "restore-without-sample", "sampled-nested", "sampled-outer-inactive",
                  "sampled-bad-kind", "add-group-duplicate", "zero-grad-with-pending",
-                 "refresh-no-chunks", "add-group-complex"}
+                 "refresh-no-chunks", "add-group-complex", "refresh-nothing-collected",
+                 "refresh-sample-while-step-pending", "inner-sample-while-refresh-pending",
+                 "step-while-refresh-pending", "step-grad-scale-2d", "step-found-inf-meta",
+                 "refresh-grad-scale-negative", "step-grad-scale-nan"}
 PROTOCOL_NAMES = {"IVONPoCo", "SVRG", "VONPoCo", "IVON"}
 
 
@@ -672,7 +707,7 @@ def _kernel_kind(kind):
     refresh, a group they cannot run, noise after a forgotten draw).  The rest is host
     code that Triton shares with the C++ backend (``backends/fused.py``), run there."""
     return any(w in kind for w in ("nonfinite", "found-inf", "first-refresh", "float64",
-                                   "sampled-raises"))
+                                   "sampled-raises")) and "meta" not in kind
 
 
 def _params():
@@ -991,6 +1026,20 @@ def _corrupt(sd, what, name):
         del poco["pending"]["count"]
     elif what == "not-a-dict":
         return [sd]
+    elif what == "pending-nan":
+        sums = poco["pending"]["sums"]
+        k = sorted(sums)[0]
+        sums[k] = sums[k].clone().fill_(NAN)
+    elif what == "pending-g-without-ge":              # (a family that estimates Hessians)
+        sums = poco["pending"]["sums"]
+        for k in [k for k in sums if k.endswith("/ge")]:
+            del sums[k]
+    elif what == "lazy-buffer-partial":               # momentum saved for one parameter less
+        del state[1]["momentum_buffer"]
+    elif what == "h-negative":                        # IVON's h + weight_decay must be > 0
+        state[0]["h"] = -state[0]["h"]
+    elif what == "exp-avg-sq-negative":
+        state[0]["exp_avg_sq"] = state[0]["exp_avg_sq"] - 1.0
     else:
         raise AssertionError(what)
     return sd
@@ -1022,6 +1071,17 @@ def _lsd_case(name, backend, what):
         sd = _corrupt(copy.deepcopy(donor.opt.state_dict()), what, name)
     run_case(name, backend, raises=ValueError, match=_LSD_MATCH.get(what),
              bad=lambda r: r.opt.load_state_dict(sd))
+
+
+@pytest.mark.parametrize("name, what", [
+    ("IVONPoCo", "pending-nan"), ("SVRG", "pending-nan"), ("IVONPoCo", "pending-g-without-ge"),
+    ("SVRG", "lazy-buffer-partial"), ("IVONPoCo", "h-negative"),
+    ("SVRGAdamW", "exp-avg-sq-negative")])
+@pytest.mark.parametrize("backend", BACKENDS[:2])
+def test_state_dict_the_next_update_could_not_use_is_refused(name, what, backend):
+    """Pending sums that are not finite or lack their ``gradient * eps`` sum, a momentum
+    buffer saved for some of a group's parameters only, state outside its domain."""
+    _lsd_case(name, backend, what)
 
 
 @pytest.mark.parametrize("what", CORRUPTIONS)

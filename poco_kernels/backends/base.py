@@ -89,6 +89,18 @@ class Backend(ABC):
     def check_buckets(self, buckets: List) -> None:
         """Raise ValueError if this backend cannot run these (new) buckets."""
 
+    def host_readable(self, t: Tensor) -> bool:
+        """Reading ``t`` on the host costs no synchronisation a step would not make
+        anyway (a CPU tensor; any tensor on the torch backend, which reads its gradients)."""
+        return t.device.type == "cpu"
+
+    def check_layout(self) -> None:
+        """Raise if the parameters are no longer where the backend keeps them."""
+
+    def discard(self) -> None:
+        """Pending sums were dropped without an update (a closure raised): forget what
+        accumulating them noted (the fused backends' non-finite flag)."""
+
     def skipped_on_host(self, found_inf: Optional[Tensor]) -> bool:
         """True when the host reads an AMP ``found_inf`` as set (the update will be
         skipped before any other check).  The fused backends never read it on the host."""

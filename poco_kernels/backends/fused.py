@@ -146,7 +146,12 @@ class FusedBackend(Backend):
                 b.buffers["mean"].copy_(b.flat_param)
 
     def at_mean(self) -> None:
+        self.check_layout()
         self.active_noise.clear()
+
+    def discard(self) -> None:
+        for c in self.ctl.values():
+            c[K.CTL_BAD].zero_()
 
     @torch.no_grad()
     def sample(self, kind: int, draw: int) -> None:
