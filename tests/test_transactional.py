@@ -704,10 +704,12 @@ PROTOCOL_NAMES = {"IVONPoCo", "SVRG", "VONPoCo", "IVON"}
 
 def _kernel_kind(kind):
     """Kinds where the Triton kernels decide something (skipping an update, the first
-    refresh, a group they cannot run, noise after a forgotten draw).  The rest is host
+    refresh, a group they cannot run, noise after a forgotten draw; a non-finite gradient
+    that raises is read by the host code shared with C++).  The rest is host
     code that Triton shares with the C++ backend (``backends/fused.py``), run there."""
-    return any(w in kind for w in ("nonfinite", "found-inf", "first-refresh", "float64",
-                                   "sampled-raises")) and "meta" not in kind
+    return (any(w in kind for w in ("skip-nonfinite", "found-inf", "first-refresh",
+                                    "float64", "sampled-raises", "nonfinite-then-raises"))
+            and "meta" not in kind)
 
 
 def _params():
