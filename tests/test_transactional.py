@@ -58,13 +58,8 @@ def names(key, group=None):
     return rf"(?s)({k}.*{g}|{g}.*{k})"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster (and VONPoCo's small LAPACK calls much faster)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+#: tiny tensors: one thread is faster (and VONPoCo's small LAPACK calls much faster)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ============================================================================ the world
@@ -663,29 +658,18 @@ def _refresh_inside_sampled(rig):
         rig.opt.refresh()
 
 
-#: the optimizer each kind runs on the Triton interpreter (every call kind is there once;
-#: the cheap SVRG family where the kind is protocol-only, IVON-PoCo where the maths is)
+#: the optimizer each kind runs on the Triton interpreter (the kinds :func:`_kernel_kind`
+#: selects; the cheap SVRG family unless the kind is about the maths)
 TRITON_PICK = {
-    "step-nonfinite-inner": "IVONPoCo", "step-nonfinite-outer": "VSGDPoCo",
     "step-skip-nonfinite-inner": "IVONPoCo", "step-skip-nonfinite-outer": "SVRGAdamW",
     "step-found-inf": "SVRG", "step-found-inf-low-level": "SVRGAdamW",
-    "step-low-level-nonfinite": "SVRG", "step-low-level-skip-nonfinite": "VSGDPoCo",
-    "step-closure-raises-outer": "SVRG", "step-without-sample": "IVON",
-    "step-without-outer-sample": "SVRG", "step-closure-with-pending": "SVRGAdamW",
-    "step-inside-sampled": "SVRG",
-    "refresh-nonfinite": "SVRG", "refresh-skip-nonfinite": "IVONPoCo",
-    "first-refresh-skip-nonfinite": "SVRG", "refresh-found-inf": "SVRGAdamW",
-    "first-refresh-found-inf": "VSGDPoCo", "refresh-low-level-nonfinite": "SVRG",
-    "refresh-closure-raises": "SVRG", "refresh-closures-with-pending": "SVRG",
-    "refresh-inside-sampled": "SVRG", "refresh-nothing-pending": "SVRG",
-    "refresh-nothing-collected": "SVRG",
+    "step-low-level-skip-nonfinite": "VSGDPoCo",
+    "refresh-skip-nonfinite": "IVONPoCo", "first-refresh-skip-nonfinite": "SVRG",
+    "refresh-found-inf": "SVRGAdamW", "first-refresh-found-inf": "VSGDPoCo",
     "step-closure-nonfinite-then-raises": "SVRG", "refresh-closure-nonfinite-then-raises": "SVRG",
-    "sample-while-active": "SVRG", "accumulate-without-sample": "SVRG",
-    "sampled-raises-inside": "VSGDPoCo", "sampled-nested": "SVRG",
-    "add-group-bad-lr": "SVRG", "add-group-complex": "SVRG", "add-group-misspelled-key": "SVRG",
-    "add-group-float64": "SVRG", "edited-group1-step": "SVRG",
-    "edited-group1-refresh": "SVRG", "zero-grad-with-pending": "SVRG",
+    "sampled-raises-inside": "VSGDPoCo", "add-group-float64": "SVRG",
 }
+
 #: kinds that only exercise the protocol (the same code for every optimizer of the .grad
 #: family): on torch and C++ with IVON-PoCo and SVRG (IVON, VONPoCo where they apply), not
 #: with all five

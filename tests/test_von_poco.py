@@ -17,13 +17,8 @@ from poco_kernels.von_poco import VONPoCo
 from poco_kernels.reference import blr_precision_term
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny LAPACK calls (31 x 31 eigh) are ~100x slower with several busy threads."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+#: tiny LAPACK calls (31 x 31 eigh) are ~100x slower with several busy threads
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------- helpers
