@@ -122,12 +122,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
         """Validate group ``gi``'s hyperparameters (``new``: also refuse a key that looks
         like a misspelled hyperparameter); errors name the group."""
         where = f"param group {gi}"
-        if new:
-            check_group_keys(group, self.defaults, where)
-        else:
-            missing = [k for k in self.defaults if k not in group]
-            check(not missing, f"{where}: missing hyperparameter(s) "
-                               f"{', '.join(map(repr, missing))}")
+        check_group_keys(group, self.defaults, where, misspelled=new)
         try:
             self._validate_group(group)
         except ValueError as e:

@@ -78,13 +78,15 @@ TOOL_GROUP_KEYS = frozenset({"params", "param_names", "name", "initial_lr", "max
                              "base_lr", "base_momentum", "max_momentum", "swa_lr"})
 
 
-def check_group_keys(group, defaults, where: str) -> None:
-    """Refuse a group that lacks a hyperparameter, or has a key that looks like a
-    misspelled one (``weight_decy``); other extra keys (a group's ``name``, a scheduler's
-    ``initial_lr``) are the user's and kept."""
+def check_group_keys(group, defaults, where: str, misspelled: bool = True) -> None:
+    """Refuse a group that lacks a hyperparameter, or (``misspelled``) has a key that
+    looks like a misspelled one (``weight_decy``); other extra keys (a group's ``name``, a
+    scheduler's ``initial_lr``) are the user's and kept."""
     missing = [k for k in defaults if k not in group]
     if missing:
         raise ValueError(f"{where}: missing hyperparameter(s) {', '.join(map(repr, missing))}")
+    if not misspelled:
+        return
     for k in group:
         if k in defaults or k in TOOL_GROUP_KEYS or not isinstance(k, str):
             continue
