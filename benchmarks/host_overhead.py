@@ -8,7 +8,9 @@ backend:
 * ``protocol_step``: IVON-PoCo with the correction active, ``step(closure)`` (an inner and
   an outer sample, two accumulations, the update); the closure only assigns ``.grad``;
 * ``protocol_refresh``: ``refresh([closure])`` (one sample, one accumulation, the fold;
-  on the fused backends also the one read of whether the device took it).
+  on the fused backends also the one read of whether the device took it);
+* ``protocol_step_skip``: ``protocol_step`` where one tensor gets no gradient (``None``),
+  so the step skips it: the cost of copying its state before the update and back after.
 
 Writes the benchmarks' CSV schema (``report.CSV_FIELDS``).  Usage::
 
@@ -45,9 +47,14 @@ def _setup(backend, tensors, numel, dev):
             p.grad = gr.clone()
         return None
 
+    def closure_skip():              # the last tensor gets no gradient
+        for p, gr in zip(params[:-1], grads):
+            p.grad = gr.clone()
+        return None
+
     opt.step(closure)
     opt.refresh([closure])          # the correction is active from here on
-    return opt, closure
+    return opt, closure, closure_skip
 
 
 def main(argv=None):
@@ -66,9 +73,10 @@ def main(argv=None):
     info = device_info(dev)
     rows = []
     for backend in backends:
-        opt, closure = _setup(backend, a.tensors, a.numel, dev)
+        opt, closure, closure_skip = _setup(backend, a.tensors, a.numel, dev)
         for kernel, fn in (("protocol_step", lambda: opt.step(closure)),
-                           ("protocol_refresh", lambda: opt.refresh([closure]))):
+                           ("protocol_refresh", lambda: opt.refresh([closure])),
+                           ("protocol_step_skip", lambda: opt.step(closure_skip))):
             med, p20, p80 = timer(fn)
             rows.append(dict(kernel=kernel, provider=f"poco_kernels.{backend}", dtype="float32",
                              size=a.tensors * a.numel, median=med, p20=p20, p80=p80,

@@ -1,6 +1,7 @@
 """Flat buckets: how an optimizer lays out its parameters and state.
 
-The parameters of each parameter group are split by (device, dtype) into buckets; every
+The trainable parameters (``requires_grad``) of each parameter group are split by
+(device, dtype) into buckets (frozen ones have no state and are never touched); every
 piece of optimizer state is one flat float32 (float64 for float64 parameters) buffer per
 bucket, and ``optimizer.state[p]`` holds views into those buffers (:func:`expose`), so
 ``torch.optim`` tooling sees the usual per-parameter state while kernels see one
@@ -116,7 +117,8 @@ class Bucket:
 
 
 def build_buckets(param_groups: Sequence[dict], max_buckets: int) -> List[Bucket]:
-    """Validate the parameters and lay each group's out in (device, dtype) buckets."""
+    """Validate the parameters and lay each group's trainable ones (``requires_grad``) out
+    in (device, dtype) buckets."""
     buckets: List[Bucket] = []
     seen = set()
     for gi, group in enumerate(param_groups):
@@ -129,7 +131,8 @@ def build_buckets(param_groups: Sequence[dict], max_buckets: int) -> List[Bucket
             check(not p.is_complex(), "complex parameters are not supported")
             check(p.dtype in FLOAT_DTYPES,
                   f"parameters must be float16, bfloat16, float32 or float64, got {p.dtype}")
-            by_key.setdefault((p.device, p.dtype), []).append(p)
+            if p.requires_grad:            # frozen parameters: no state, never sampled
+                by_key.setdefault((p.device, p.dtype), []).append(p)
         for (dev, dt), ps in by_key.items():
             sharded = any(is_sharded(p) for p in ps)
             offsets, n, segments, n_full = [], 0, [], 0

@@ -27,7 +27,7 @@ from . import noise as _noise
 from ._layout import Bucket, build_buckets, expose
 from ._protocol import (COUNTER_STEPS, KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH,
                         KernelRefresh, KernelStep, Pending, SampleSpec, mean_loss)
-from ._validation import check, check_group_keys, strict_keywords
+from ._validation import check, check_group_keys, hyperparameters, strict_keywords
 
 #: layout of the ``poco`` entry of the state dict (absent before issue 17: read as 1)
 STATE_FORMAT = 2
@@ -36,9 +36,13 @@ STATE_FORMAT = 2
 #: the arguments every optimizer takes, documented once (``{common_arguments}`` in a class
 #: docstring is replaced by this)
 COMMON_ARGUMENTS = """\
-    * ``seed``: key of the counter-based noise stream (an int in ``[0, 2**63)``, default 0).
-      The noise does not depend on ``torch.manual_seed``: set ``seed`` to vary it; ranks
-      that share it draw the same posterior sample without communicating.
+    * ``seed``: key of the counter-based noise stream, an int in ``[0, 2**63)``.  Default
+      None: drawn from torch's global generator at construction, so ``torch.manual_seed``
+      before building the optimizer fixes the noise and a seed sweep done the usual way
+      varies it; an explicit ``seed`` wins.  The seed is in the state dict (a resumed run
+      continues the same stream).  Ranks that share the seed draw the same posterior
+      sample without communicating: under data parallelism give every rank the same
+      global seed, or pass ``seed`` explicitly.
     * ``backend``: ``"auto"`` (default: Triton for CUDA parameters, C++ for CPU ones, the
       torch backend otherwise), ``"torch"`` (the reference maths op for op, any device and
       dtype), ``"triton"`` or ``"cpp"`` (fused kernels; a clear error where they cannot
@@ -48,6 +52,67 @@ COMMON_ARGUMENTS = """\
       ``skipped_updates`` (``False``).  Default ``None``: True on the torch and C++
       backends, False on Triton, where the check costs a device-to-host read per update.
 """
+
+
+def as_closures(closures) -> List[Callable]:
+    """``refresh``'s argument as a list: one closure, or an iterable of closures."""
+    if callable(closures):
+        return [closures]
+    try:
+        closures = list(closures)
+    except TypeError:
+        raise TypeError("refresh() takes a closure or an iterable of closures (one per chunk "
+                        f"of the mega-batch), got {type(closures).__name__}") from None
+    for c in closures:
+        if not callable(c):
+            raise TypeError(f"refresh(): a chunk's closure must be callable, got "
+                            f"{type(c).__name__}")
+    return closures
+
+
+class ParamGroup(dict):
+    """A parameter group that also answers to torch.optim's name for some of an
+    optimizer's hyperparameters (``aliases``: IVON's ``beta1``/``beta2`` as ``betas``), so
+    tools that read or set that name (``OneCycleLR``/``CyclicLR`` with ``cycle_momentum``)
+    act on the optimizer's own keys.  An alias is not a key: it is not in ``keys()``,
+    ``items()`` or the state dict."""
+
+    aliases: Dict[str, Tuple[str, ...]] = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+    # (super() rather than dict.__getitem__(self, ...): torch.compile traces the former)
+    def __getitem__(self, key):
+        names = self.aliases.get(key)
+        if names is not None:
+            return tuple(super(ParamGroup, self).__getitem__(n) for n in names)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value):
+        names = self.aliases.get(key)
+        if names is None:
+            super().__setitem__(key, value)
+            return
+        values = tuple(value) if isinstance(value, (tuple, list)) else None
+        check(values is not None and len(values) == len(names),
+              f"{key!r} stands for ({', '.join(names)}): set it to a tuple of "
+              f"{len(names)}, got {value!r}")
+        for n, v in zip(names, values):
+            super().__setitem__(n, v)
+
+    def __contains__(self, key):
+        return key in self.aliases or super().__contains__(key)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+
+def draw_seed() -> int:
+    """A noise seed in ``[0, 2**63)`` from torch's global CPU generator (one draw)."""
+    return int(torch.empty((), dtype=torch.int64).random_(0, 2 ** 63 - 1))
 
 
 class BucketedOptimizer(torch.optim.Optimizer):
@@ -68,6 +133,12 @@ class BucketedOptimizer(torch.optim.Optimizer):
     _kernel_capable: bool = True
     #: the update needs Price Hessian estimates (accumulate grad * eps)
     uses_hessian: bool = True
+    #: other classes whose state dicts this one loads as they are (the same state)
+    _loads_from: Tuple[str, ...] = ()
+    #: classes whose state dicts this one continues: their state is a subset of this
+    #: one's; missing hyperparameters keep this optimizer's values, missing buffers start
+    #: at their initial values (IVON -> IVON-PoCo)
+    _continues_from: Tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -75,19 +146,38 @@ class BucketedOptimizer(torch.optim.Optimizer):
         if cls.__doc__ and "{common_arguments}" in cls.__doc__:
             cls.__doc__ = cls.__doc__.replace("{common_arguments}", COMMON_ARGUMENTS.strip())
 
-    def __init__(self, params, defaults: Dict[str, Any], *, seed: int = 0, backend: str = "auto",
-                 check_finite: Optional[bool] = None):
-        check(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63,
-              f"seed must be an int in [0, 2**63), got {seed!r}")
+    #: the type of the parameter groups (a :class:`ParamGroup` where torch.optim names
+    #: some hyperparameters differently)
+    _group_type = dict
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """torch.optim's parameter groups.  The optimizer's own code reads the same list
+        as ``_groups``: torch.compile treats ``param_groups`` of an optimizer specially
+        (it takes the groups for plain dicts, which :class:`ParamGroup` is not)."""
+        return self._groups
+
+    @param_groups.setter
+    def param_groups(self, groups: List[Dict[str, Any]]) -> None:
+        self._groups = groups
+
+    def __init__(self, params, defaults: Dict[str, Any], *, seed: Optional[int] = None,
+                 backend: str = "auto", check_finite: Optional[bool] = None):
+        check(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)
+                               and 0 <= seed < 2 ** 63),
+              f"seed must be None or an int in [0, 2**63), got {seed!r}")
         check(backend in _backends.NAMES, f"backend must be one of {_backends.NAMES}, got "
               f"{backend!r}")
         check(check_finite is None or isinstance(check_finite, bool),
               f"check_finite must be None or a bool, got {check_finite!r}")
-        self.seed = seed
-        super().__init__(params, defaults)
-        for gi, g in enumerate(self.param_groups):
+        super().__init__(params, self._group_type(defaults))
+        for gi, g in enumerate(self._groups):
             self._check_group(g, gi, new=True)
-        self._buckets: List[Bucket] = self._new_buckets(self.param_groups, [])
+        #: key of the noise stream: the argument, or drawn from torch's global generator
+        #: (so ``torch.manual_seed`` governs it, as it governs a model's initialisation)
+        self.seed = seed if seed is not None else draw_seed()
+        self._backend_arg, self._check_finite_arg = backend, check_finite
+        self._buckets: List[Bucket] = self._new_buckets(self._groups, [])
         for b in self._buckets:
             self._expose(b)
         #: the name of the backend that runs (``backend="auto"`` resolved)
@@ -129,7 +219,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{where}: {e}") from None
 
     def _check_groups(self) -> None:
-        for gi, g in enumerate(self.param_groups):
+        for gi, g in enumerate(self._groups):
             self._check_group(g, gi)
 
     def _new_buckets(self, groups: List[Dict[str, Any]], old: List[Bucket]) -> List[Bucket]:
@@ -155,6 +245,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
         group is invalid.  A group added after a refresh steps as the base method (no
         correction) until the next refresh takes it in, as
         docs/design.md, 'Adding a parameter group' explains."""
+        if isinstance(param_group, dict) and type(param_group) is not self._group_type:
+            param_group = self._group_type(param_group)
         if not hasattr(self, "_buckets"):       # torch's constructor
             super().add_param_group(param_group)
             return
@@ -165,14 +257,15 @@ class BucketedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("add_param_group() with gradients pending from "
                                "sample()/accumulate(): call step() or refresh() first")
         check(isinstance(param_group, dict), "add_param_group() takes a dict with 'params'")
-        gi = len(self.param_groups)
+        self._check_trainable()          # (the existing buckets follow requires_grad first)
+        gi = len(self._groups)
         super().add_param_group(param_group)    # torch's checks; appends the group
         try:
-            self._check_group(self.param_groups[gi], gi, new=True)
-            buckets = self._new_buckets(self.param_groups, self._buckets)
+            self._check_group(self._groups[gi], gi, new=True)
+            buckets = self._new_buckets(self._groups, self._buckets)
             self._backend.check_buckets(buckets[len(self._buckets):])
         except BaseException:
-            del self.param_groups[gi:]
+            del self._groups[gi:]
             raise
         # ---- commit (nothing below raises on valid input)
         old = self._buckets
@@ -182,6 +275,71 @@ class BucketedOptimizer(torch.optim.Optimizer):
         if self._has_correction and self._refreshes > 0:
             self._awaiting.add(gi)
         self._backend.rebuilt(old)
+
+    # ------------------------------------------------------------------ trainable set
+    def _trainable_changed(self) -> bool:
+        """A parameter's ``requires_grad`` changed since the buckets were laid out."""
+        n = 0
+        for g in self._groups:
+            for p in g["params"]:
+                if p.requires_grad:
+                    n += 1
+        return n != sum(len(b.params) for b in self._buckets) or not all(
+            p.requires_grad for b in self._buckets for p in b.params)
+
+    def _check_trainable(self) -> None:
+        """Follow the parameters' ``requires_grad`` (freezing or unfreezing layers between
+        steps, as with torch.optim): the buckets are laid out again over the trainable
+        parameters; a parameter keeps its state, a newly trainable one starts from the
+        initial state (and, after a refresh, its group steps without correction until
+        the next refresh takes it in: docs/design.md, 'torch.optim conventions')."""
+        if not self._trainable_changed():
+            return
+        if any(self._pending.count.values()):
+            raise RuntimeError("a parameter's requires_grad changed while gradients are "
+                               "pending: finish the step (or refresh) first")
+        for b in self._buckets:
+            for name, buf in b.buffers.items():
+                if not b.is_flat_buffer(buf):
+                    raise RuntimeError(
+                        f"a parameter's requires_grad changed since {type(self).__name__} "
+                        f"was built: its state {name!r} couples the parameters of a "
+                        "bucket, so it cannot follow; build the optimizer again over the "
+                        "trainable parameters")
+        old = self._buckets
+        before = {id(p): self.state[p] for b in old for p in b.params}
+        buckets = build_buckets(self._groups, _noise.MAX_BUCKETS)
+        self._backend.check_buckets(buckets)
+        changed = set()
+        with torch.no_grad():
+            for b in buckets:
+                group = self._groups[b.group_index]
+                b.buffers = {"mean": b.flat_params(), **self._init_buffers(b, group)}
+                for i, p in enumerate(b.params):
+                    prev = before.get(id(p))
+                    if prev is None:
+                        changed.add(b.group_index)
+                        continue
+                    off, n = b.offsets[i], b.local(i).numel()
+                    for name, v in prev.items():
+                        if name not in b.buffers:           # (made at first use: SGD's)
+                            b.buffers[name] = torch.zeros(b.numel, device=b.device,
+                                                          dtype=b.dtype)
+                        b.buffers[name][off:off + n].copy_(v.reshape(-1))
+        kept = {id(p) for b in buckets for p in b.params}
+        for b in old:
+            for p in b.params:
+                if id(p) not in kept:
+                    self.state.pop(p, None)
+                    changed.add(b.group_index)
+        # ---- commit
+        self._buckets = buckets
+        for b in buckets:
+            self._expose(b)
+        if self._has_correction and self._refreshes > 0:
+            self._awaiting |= changed
+        self._eps_cache.clear()
+        self._backend.relayout()
 
     # ------------------------------------------------------------------ noise
     def _eps(self, b: Bucket, kind: int, draw: int, counter: int) -> Tensor:
@@ -213,7 +371,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
         every group a refresh has taken in; none while ``alpha == 0`` in all of those."""
         if not (self._has_correction and self._refreshes > 0):
             return frozenset()
-        if not any(g.get("alpha", 0.0) != 0.0 for gi, g in enumerate(self.param_groups)
+        if not any(g.get("alpha", 0.0) != 0.0 for gi, g in enumerate(self._groups)
                    if gi not in self._awaiting):
             return frozenset()
         return frozenset(b.index for b in self._buckets if b.group_index not in self._awaiting)
@@ -237,7 +395,11 @@ class BucketedOptimizer(torch.optim.Optimizer):
         taken in by a refresh is its mean (its gradient there is not used)."""
         if kind == KIND_OUTER and self._joining(b):
             return SampleSpec(b.buffers["mean"])
-        return self._sample_spec(b, self.param_groups[b.group_index], kind, draw)
+        return self._sample_spec(b, self._groups[b.group_index], kind, draw)
+
+    def _group(self, b: Bucket) -> Dict[str, Any]:
+        """Bucket ``b``'s hyperparameters for an update (a tensor ``lr`` read as a float)."""
+        return hyperparameters(self._groups[b.group_index])
 
     def _refresh_taken(self) -> None:
         self._refreshes += 1
@@ -250,12 +412,19 @@ class BucketedOptimizer(torch.optim.Optimizer):
             self._backend.sync_mean()
 
     # ------------------------------------------------------------------ state dict
+    @torch._disable_dynamo
     def state_dict(self) -> Dict[str, Any]:
+        """``torch.optim``'s state dict (``state`` keyed by parameter index, ``param_groups``)
+        plus a ``poco`` entry: counters, seed, pending sums, per-bucket buffers.  Runs the
+        hooks of ``register_state_dict_pre_hook``/``post_hook`` (a post hook sees, and may
+        replace, the whole dict)."""
         if self._active is not None:
             raise RuntimeError("state_dict() while a sample is in the parameters: call restore() first")
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         self._backend.prepare_state_dict()
         self._read_counters()
-        sd = super().state_dict()
+        sd = self._packed_state()
         extra = {}
         for b in self._buckets:       # buffers that are not per-parameter (VON-PoCo's S)
             for name, buf in b.buffers.items():
@@ -265,18 +434,49 @@ class BucketedOptimizer(torch.optim.Optimizer):
                       "step": self._step, "refreshes": self._refreshes, "seed": self.seed,
                       "optimizer": type(self).__name__, "pending": self._pending.to_dict(),
                       "awaiting_refresh": sorted(self._awaiting), "bucket_buffers": extra}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
+    def _packed_state(self) -> Dict[str, Any]:
+        """torch.optim's layout: parameters replaced by their index over all groups."""
+        index: Dict[int, int] = {}
+        groups = []
+        for g in self._groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            for p in g["params"]:
+                index.setdefault(id(p), len(index))
+            packed["params"] = [index[id(p)] for p in g["params"]]
+            groups.append(packed)
+        state = {(index[id(k)] if isinstance(k, Tensor) else k): v  # (a hook's own keys)
+                 for k, v in self.state.items()}
+        return {"state": state, "param_groups": groups}
+
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a state dict of the same optimizer class over the same parameters.
-        The whole dict is validated (keys, types, ranges, shapes, dtypes, finiteness,
-        format and noise versions) before anything changes."""
+        """Load a state dict of the same optimizer class over the same parameters (or one
+        this class can continue: :meth:`_loadable_from`).  The hooks of
+        ``register_load_state_dict_pre_hook`` run first (on a shallow copy; one may return
+        a replacement) and ``post_hook`` last; the whole dict is validated (keys, types,
+        ranges, shapes, dtypes, finiteness, format and noise versions) before anything
+        changes."""
         if self._active is not None:
             raise RuntimeError("load_state_dict() while a sample is in the parameters: call "
                                "restore() first")
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()      # shallow, as torch.optim
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self._backend.check_layout()      # (fused: loading into parameters cut loose)
+        self._check_trainable()
         commit = self._plan_load(state_dict)
         commit()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _plan_load(self, sd: Dict[str, Any]) -> Callable[[], None]:
         """Validate ``sd`` and return the function that commits it (which cannot fail)."""
@@ -293,8 +493,12 @@ class BucketedOptimizer(torch.optim.Optimizer):
         missing = [k for k in ("optimizer", "step", "refreshes", "seed", "pending")
                    if k not in poco]
         check(not missing, f"state dict: 'poco' lacks {', '.join(map(repr, missing))}")
-        check(poco["optimizer"] == type(self).__name__,
-              f"state dict is for {poco['optimizer']!r}, not {type(self).__name__!r}")
+        src = poco["optimizer"]
+        fill = src in self._continues_from     # a subset of this class's state
+        check(src == type(self).__name__ or src in self._loads_from or fill,
+              f"state dict is for {src!r}, not {type(self).__name__!r}"
+              + (f" (it loads those of {', '.join(self._loads_from + self._continues_from)})"
+                 if self._loads_from or self._continues_from else ""))
         fmt = poco.get("format", 1)
         check(is_int(fmt, 1, STATE_FORMAT + 1),
               f"state dict format {fmt!r} is not one this version reads (1..{STATE_FORMAT})")
@@ -305,9 +509,11 @@ class BucketedOptimizer(torch.optim.Optimizer):
         for key in ("step", "refreshes"):
             check(is_int(poco[key], 0, _noise.MAX_COUNTER),
                   f"state dict: {key} must be an int in [0, 2**32), got {poco[key]!r}")
+        check(not fill or poco["refreshes"] == 0,
+              f"state dict: an {src} state dict has no refreshes, got {poco['refreshes']!r}")
         check(is_int(poco["seed"], 0, 2 ** 63),
               f"state dict: seed must be an int in [0, 2**63), got {poco['seed']!r}")
-        groups = self.param_groups
+        groups = self._groups
         check(len(groups) == len(saved_groups),
               f"state dict has {len(saved_groups)} parameter groups, the optimizer {len(groups)}")
         awaiting = poco.get("awaiting_refresh", [])
@@ -329,11 +535,12 @@ class BucketedOptimizer(torch.optim.Optimizer):
                       f"param group {gi}: parameter ids must be distinct ints, got {i!r}")
                 seen.add(i)
                 saved_index[id(p)] = i
-            merged = {**sg, "params": g["params"]}
+            # (from a class with fewer hyperparameters, this optimizer's values stay)
+            merged = {**(g if fill else {}), **sg, "params": g["params"]}
             self._check_group(merged, gi)
-            new_groups.append({k: v for k, v in sg.items() if k != "params"})
+            new_groups.append({k: v for k, v in merged.items() if k != "params"})
         # ---- per-parameter buffers: names, shapes, dtypes, values
-        copies, lazy, drop = [], {}, set()
+        copies, lazy, drop, fresh = [], {}, set(), []
 
         def tensor_for(t, like: Tensor, what: str) -> Tensor:
             check(isinstance(t, Tensor), f"{what} is not a tensor")
@@ -366,9 +573,16 @@ class BucketedOptimizer(torch.optim.Optimizer):
                     lazy.setdefault(b.index, set()).add(name)
                 elif not any(have) and name in b.buffers:
                     drop.add((b.index, name))     # saved before its first use
+            if fill:        # buffers the source class lacks start at their initial values
+                init = self._init_buffers(b, group)
+                names = [n for n in init if b.is_flat_buffer(b.buffers.get(n, init[n]))
+                         and not any(n in saved for _, saved in saved_of)]
+                fresh += [(b.index, n, init[n]) for n in names]
             for i, (p, (idx, saved)) in enumerate(zip(b.params, saved_of)):
                 views = self.state[p]
                 for name in b.buffers:
+                    if fill and any(f[:2] == (b.index, name) for f in fresh):
+                        continue
                     if b.is_flat_buffer(b.buffers[name]) and (b.index, name) not in drop:
                         check(name in saved, f"parameter {idx}: state dict lacks {name!r}")
                 for name, t in saved.items():
@@ -406,6 +620,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
             for b in self._buckets:
                 self._expose(b)
             with torch.no_grad():
+                for bi, name, init in fresh:
+                    self._buckets[bi].buffers[name].copy_(init)
                 for bi, p, name, src in copies:
                     self.state[p][name].copy_(src)
                 for dst, src in bucket_copies:
@@ -512,7 +728,7 @@ class PosteriorOptimizer(BucketedOptimizer):
             b = self._buckets[bi]
             if k == KIND_OUTER and b.group_index in awaiting:
                 continue
-            noisy = self._sample_spec(b, self.param_groups[b.group_index], k, 0).noise
+            noisy = self._sample_spec(b, self._groups[b.group_index], k, 0).noise
             check(noisy is None or (k, bi, "ge") in pend.sums,
                   f"state dict's pending gradients: sample kind {k}, bucket {bi} has a "
                   "gradient sum but not its gradient * eps sum")
@@ -534,6 +750,7 @@ class PosteriorOptimizer(BucketedOptimizer):
         if k == KIND_REFRESH and not self._has_correction:
             raise RuntimeError(f"{type(self).__name__} has no outer loop: no refresh sample")
         self._check_no_mix(k)
+        self._check_trainable()
         if k == KIND_OUTER and not self.correction_active():
             raise RuntimeError("no outer sample: the correction is not active "
                                "(no refresh yet, or alpha == 0 in every group)")
@@ -566,10 +783,13 @@ class PosteriorOptimizer(BucketedOptimizer):
         if self._active is None:
             raise RuntimeError("accumulate() needs an active sample: call sample() first")
         k, draw = self._active
+        missing = frozenset((b.index, i) for b in self._buckets
+                            for i, p in enumerate(b.params) if p.grad is None)
         self._backend.accumulate(k, draw)
+        self._pending.note_grads(k, missing)
         self._pending.count[k] += 1
         if clear_grads:
-            for group in self.param_groups:
+            for group in self._groups:
                 for p in group["params"]:
                     p.grad = None
 
@@ -607,7 +827,7 @@ class PosteriorOptimizer(BucketedOptimizer):
             self.restore()
 
     def _closure_samples(self, group_key: str = "mc_samples") -> int:
-        return max(int(g.get(group_key, 1)) for g in self.param_groups)
+        return max(int(g.get(group_key, 1)) for g in self._groups)
 
     def _run_closure(self, closure: Callable, kind: str) -> Tensor:
         """One evaluation at a ``kind`` sample.  A backend whose update rewrites the
@@ -668,6 +888,7 @@ class PosteriorOptimizer(BucketedOptimizer):
         self._check_amp(grad_scale, found_inf)
         pend = self._pending
         self._check_no_mix(KIND_INNER)
+        self._check_trainable()
         corr = self._corrected()
         loss = None
         if closure is not None:
@@ -706,6 +927,8 @@ class PosteriorOptimizer(BucketedOptimizer):
                     self.accumulate(clear_grads=False)
                 finally:
                     self._active = None
+        skip = self._without_grad((KIND_INNER, KIND_OUTER))
+        saved = self._save_params(skip) if skip else None
         try:
             taken = self._backend.step(corr, grad_scale, found_inf)
         except BaseException:
@@ -714,9 +937,51 @@ class PosteriorOptimizer(BucketedOptimizer):
         finally:
             pend.clear((KIND_INNER, KIND_OUTER))
             self._eps_cache.clear()
+            if saved:
+                self._put_back(saved)
         if taken:
             self._step += 1
         return loss
+
+    def _without_grad(self, kinds) -> FrozenSet[Tuple[int, int]]:
+        """The parameters that had no gradient at any sample of ``kinds`` collected for
+        this update (``(bucket, index)``).  If that is every trainable parameter, the
+        update is refused (pending gradients dropped): a closure that forgot
+        ``backward()`` must not train on zeros."""
+        pend = self._pending
+        sets = [pend.no_grad[k] for k in kinds if pend.count[k]]
+        missing = frozenset.intersection(*sets) if sets else frozenset()
+        n = sum(len(b.params) for b in self._buckets)
+        if n and len(missing) == n:
+            self._drop_pending(kinds)
+            what = "step" if KIND_INNER in kinds else "refresh"
+            raise RuntimeError(
+                f"no parameter received a gradient for this {what} (every .grad was None, "
+                "nothing was updated): did the closure call loss.backward()?  With "
+                "sample()/accumulate(), call backward() inside the `with "
+                "optimizer.sampled():` block.")
+        return missing
+
+    def _save_params(self, which) -> List[Tuple[Tensor, Tensor, Dict[str, Tensor]]]:
+        """Copies of the value and state of parameters a step skips (no gradient)."""
+        out = []
+        for bi, i in sorted(which):
+            b = self._buckets[bi]
+            p = b.params[i]
+            out.append((b.local(i), {n: v.clone() for n, v in self.state[p].items()}, p))
+        return out
+
+    def _put_back(self, saved) -> None:
+        """A skipped parameter's value and state as they were before the step (a buffer
+        the step created, as SGD's momentum, stays zero for it)."""
+        with torch.no_grad():
+            for loc, state, p in saved:
+                for n, v in self.state[p].items():
+                    if n in state:
+                        v.copy_(state[n])
+                    else:
+                        v.zero_()
+                loc.copy_(state["mean"])        # (the parameter may hold a sample)
 
     # ------------------------------------------------------------------ refresh
     @torch.no_grad()
@@ -724,7 +989,7 @@ class PosteriorOptimizer(BucketedOptimizer):
                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
         """Form the outer estimate from a mega-batch (or the full batch).
 
-        ``closures``: one closure per chunk of the mega-batch (each zeroes grads, runs
+        ``closures``: one closure, or one per chunk of the mega-batch (each zeroes grads, runs
         forward and backward on its chunk, returns its mean loss); the outer gradient is
         the mean over the chunks, at ONE posterior sample for the whole mega-batch (or at
         each of ``refresh_samples`` samples, where the optimizer has that option).  Chunks
@@ -745,12 +1010,13 @@ class PosteriorOptimizer(BucketedOptimizer):
         self._check_amp(grad_scale, found_inf)
         pend = self._pending
         self._check_no_mix(KIND_REFRESH)
+        self._check_trainable()
         losses = []
         if closures is not None:
             if pend.count[KIND_REFRESH]:
                 raise RuntimeError("refresh(closures) with refresh gradients already "
                                    "accumulated: call refresh() without closures")
-            closures = list(closures)
+            closures = as_closures(closures)
             check(len(closures) > 0, "refresh() needs at least one chunk of the mega-batch "
                                      "(closures is empty)")
             try:
@@ -770,6 +1036,7 @@ class PosteriorOptimizer(BucketedOptimizer):
             raise ValueError("refresh() needs at least one chunk of the mega-batch: pass "
                              "closures, or accumulate inside `with optimizer.sampled("
                              "'refresh'):` first")
+        self._without_grad((KIND_REFRESH,))
         try:
             taken = self._backend.refresh(grad_scale, found_inf)
         except BaseException:

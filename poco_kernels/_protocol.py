@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -79,16 +79,30 @@ class Pending:
         self.count = {KIND_INNER: 0, KIND_OUTER: 0, KIND_REFRESH: 0}
         self.draws = {KIND_INNER: 0, KIND_OUTER: 0, KIND_REFRESH: 0}
         self.sums: Dict[Tuple[int, int, str], Tensor] = {}   # (kind, bucket, "g"|"ge")
+        #: per kind, the parameters (bucket, index in bucket) whose ``.grad`` was None at
+        #: every accumulation so far (meaningful where count > 0)
+        self.no_grad: Dict[int, FrozenSet[Tuple[int, int]]] = {
+            KIND_INNER: frozenset(), KIND_OUTER: frozenset(), KIND_REFRESH: frozenset()}
 
     def clear(self, kinds: Iterable[int]) -> None:
         for k in kinds:
             self.count[k] = 0
             self.draws[k] = 0
+            self.no_grad[k] = frozenset()
         self.sums = {key: v for key, v in self.sums.items() if key[0] not in kinds}
 
+    def note_grads(self, kind: int, missing: FrozenSet[Tuple[int, int]]) -> None:
+        """An accumulation of ``kind`` found these parameters without a gradient."""
+        self.no_grad[kind] = missing if self.count[kind] == 0 else self.no_grad[kind] & missing
+
     def to_dict(self) -> Dict[str, Any]:
-        return {"count": dict(self.count), "draws": dict(self.draws),
-                "sums": {f"{k}/{b}/{n}": v.clone() for (k, b, n), v in self.sums.items()}}
+        d = {"count": dict(self.count), "draws": dict(self.draws),
+             "sums": {f"{k}/{b}/{n}": v.clone() for (k, b, n), v in self.sums.items()}}
+        no_grad = {k: sorted([bi, i] for bi, i in v)
+                   for k, v in self.no_grad.items() if v and self.count[k]}
+        if no_grad:          # (optional: absent, every parameter had a gradient)
+            d["no_grad"] = no_grad
+        return d
 
     @classmethod
     def validated(cls, d: Any, buckets: Sequence) -> "Pending":
@@ -133,6 +147,24 @@ class Pending:
             for bk in buckets:
                 if c and (k, bk.index, "g") not in out.sums:
                     bad(f"kind {k} has {c} gradients collected but no sum for bucket {bk.index}")
+        no_grad = d.get("no_grad", {})
+        if not isinstance(no_grad, dict):
+            bad("'no_grad' is not a dict")
+        for k, v in no_grad.items():
+            if k not in out.count or out.count[k] == 0:
+                bad(f"'no_grad' for sample kind {k!r}, which has no gradients collected")
+            ok = isinstance(v, (list, tuple))
+            pairs = set()
+            for e in (v if ok else ()):
+                ok = (isinstance(e, (list, tuple)) and len(e) == 2
+                      and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+                      and 0 <= e[0] < len(buckets) and 0 <= e[1] < len(buckets[e[0]].params))
+                if not ok:
+                    break
+                pairs.add((e[0], e[1]))
+            if not ok:
+                bad(f"'no_grad'[{k}] must list [bucket, parameter] pairs, got {v!r}")
+            out.no_grad[k] = frozenset(pairs)
         return out
 
 

@@ -7,6 +7,8 @@ import functools
 import inspect
 import math
 
+import torch
+
 
 #: the largest finite float32: hyperparameters reach the kernels as float32 constants
 FLOAT32_MAX = 3.4028234663852886e38
@@ -19,9 +21,16 @@ def check(cond: bool, msg: str) -> None:
 
 
 def check_range(group, key, lo=None, hi=None, lo_open=False, hi_open=False, kind=float,
-                allow_inf=False):
-    """Raise a ValueError naming ``key`` unless ``group[key]`` is a number in the range."""
+                allow_inf=False, tensor=False):
+    """Raise a ValueError naming ``key`` unless ``group[key]`` is a number in the range
+    (``tensor``: or a one-element real float tensor holding one, as torch.optim takes
+    ``lr``; reading it is a device-to-host copy where it lives on a GPU)."""
     v = group[key]
+    if tensor and isinstance(v, torch.Tensor):
+        check(v.numel() == 1 and v.is_floating_point() and v.device.type != "meta",
+              f"invalid {key}: a tensor {key} must be a one-element real float tensor, got "
+              f"{v.dtype} of shape {tuple(v.shape)}")
+        v = float(v.detach().reshape(()))
     if kind is float:
         # (an int must fit torch's int64 scalars; the kernels take float32 constants:
         # finite there, or +inf where allowed)
@@ -46,6 +55,22 @@ def check_range(group, key, lo=None, hi=None, lo_open=False, hi_open=False, kind
                          f"{lb or '(-inf'}, {ub or 'inf)'})")
 
 
+#: torch.optim's implementation flags that these optimizers do not take, and why
+TORCH_FLAGS = {
+    "maximize": "minimise the negated objective instead",
+    "foreach": "the backend decides how the update runs (backend='torch', 'cpp' or 'triton')",
+    "fused": "the fused kernels are backend='triton' (CUDA) and backend='cpp' (CPU)",
+    "capturable": "the fused backends keep their counters on the device already",
+    "differentiable": "the updates run under torch.no_grad()",
+}
+
+
+def torch_flag_error(owner: str, key: str) -> TypeError:
+    """The error for a torch.optim flag these optimizers do not take."""
+    return TypeError(f"{owner} does not take torch.optim's {key!r} flag: "
+                     f"{TORCH_FLAGS[key]} (see docs/design.md, 'torch.optim conventions')")
+
+
 def strict_keywords(cls) -> None:
     """Make ``cls.__init__`` refuse an unknown keyword argument with a ``TypeError`` that
     names the closest valid one (Python's own message names none)."""
@@ -61,6 +86,8 @@ def strict_keywords(cls) -> None:
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         for k in kwargs:
+            if k in TORCH_FLAGS and k not in names:
+                raise torch_flag_error(f"{cls.__name__}()", k)
             if k not in names:
                 close = difflib.get_close_matches(k, names, n=1, cutoff=0.5)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -88,9 +115,18 @@ def check_group_keys(group, defaults, where: str, misspelled: bool = True) -> No
     if not misspelled:
         return
     for k in group:
+        if k in TORCH_FLAGS:
+            raise torch_flag_error(where, k)
         if k in defaults or k in TOOL_GROUP_KEYS or not isinstance(k, str):
             continue
         close = difflib.get_close_matches(k, list(defaults), n=1, cutoff=0.75)
         if close:
             raise ValueError(f"{where}: unknown hyperparameter {k!r}; did you mean "
                              f"{close[0]!r}? (valid: {', '.join(defaults)})")
+
+
+def hyperparameters(group):
+    """A parameter group's hyperparameters for an update: a plain dict, one-element
+    tensors (a tensor ``lr``) read as Python floats."""
+    return {k: (float(v.detach().reshape(())) if isinstance(v, torch.Tensor) else v)
+            for k, v in group.items() if k != "params"}

@@ -17,13 +17,13 @@ from torch import Tensor
 
 from . import reference as R
 from ._layout import Bucket
-from ._optimizer import PosteriorOptimizer
+from ._optimizer import ParamGroup, PosteriorOptimizer
 from ._protocol import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KIND_REFRESH,
                         KernelRefresh, KernelStep, SampleSpec)
 from ._validation import check, check_range
 from .kernels.interface import FAMILY_IVON, RefreshHP, StepHP, StepPath
 
-__all__ = ["IVON", "IVONPoCo", "ivon_inner_update", "ivon_refresh_update"]
+__all__ = ["IVON", "IVONPoCo", "IVONPoCoMo", "ivon_inner_update", "ivon_refresh_update"]
 
 
 def ivon_inner_update(*, mean: Tensor, h: Tensor, g: Tensor, g_in: Tensor, ge_in: Tensor,
@@ -75,6 +75,13 @@ def _ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples, clip
                 debias=debias, rescale_lr=rescale_lr)
 
 
+class IVONGroup(ParamGroup):
+    """IVON's parameter group: ``group["betas"]`` reads and sets ``(beta1, beta2)``, the
+    name torch.optim's schedulers cycle (``OneCycleLR``, ``CyclicLR``)."""
+
+    aliases = {"betas": ("beta1", "beta2")}
+
+
 class IVON(PosteriorOptimizer):
     """Improved Variational Online Newton (Shen et al., 2024), ivon-opt 0.1.3 semantics.
 
@@ -114,18 +121,19 @@ class IVON(PosteriorOptimizer):
     noisy = True
     uses_hessian = True
     _has_correction = False
+    _group_type = IVONGroup
 
     def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
                  clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True,
-                 *, seed: int = 0, backend: str = "auto",
+                 *, seed: Optional[int] = None, backend: str = "auto",
                  check_finite: Optional[bool] = None):
         super().__init__(params, _ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay,
                                              mc_samples, clip_radius, debias, rescale_lr),
                          seed=seed, backend=backend, check_finite=check_finite)
 
     def _validate_group(self, group):
-        check_range(group, "lr", lo=0.0)
+        check_range(group, "lr", lo=0.0, tensor=True)
         check_range(group, "ess", lo=0.0, lo_open=True)
         check_range(group, "hess_init", lo=0.0, lo_open=True)
         check_range(group, "beta1", lo=0.0, hi=1.0, hi_open=True)
@@ -236,6 +244,8 @@ class IVONPoCo(IVON):
     """
 
     _has_correction = True
+    _loads_from = ("IVONPoCoMo",)
+    _continues_from = ("IVON",)
     _divergence_hint = ("See docs/logreg-study.md, 'Stability of IVON-PoCo', for the settings that keep "
                         "IVON-PoCo stable (antithetic refresh pair, hess_floor, beta2, "
                         "hess_corr_scale).")
@@ -247,7 +257,7 @@ class IVONPoCo(IVON):
                  hess_corr_scale: float = 0.01, outer_noise: str = "shared",
                  refresh_samples: int = 1, refresh_antithetic: bool = False,
                  hess_floor: Optional[float] = None,
-                 *, seed: int = 0, backend: str = "auto",
+                 *, seed: Optional[int] = None, backend: str = "auto",
                  check_finite: Optional[bool] = None):
         defaults = dict(_ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
                                     clip_radius, debias, rescale_lr),
@@ -256,6 +266,48 @@ class IVONPoCo(IVON):
                         refresh_antithetic=refresh_antithetic, hess_floor=hess_floor)
         PosteriorOptimizer.__init__(self, params, defaults, seed=seed, backend=backend,
                                     check_finite=check_finite)
+
+    #: the keywords :meth:`from_ivon` takes (IVON's hyperparameters come from the IVON run)
+    _POCO_KEYS = ("alpha", "rho1", "rho2", "hess_corr_scale", "outer_noise", "refresh_samples",
+                  "refresh_antithetic", "hess_floor", "seed", "backend", "check_finite")
+
+    @classmethod
+    def from_ivon(cls, ivon: IVON, **kwargs) -> "IVONPoCo":
+        """Continue an IVON run with posterior correction, as the paper's GPT-2 runs do
+        (IVON warm-up, then IVON-PoCoMo): a new optimizer over ``ivon``'s parameter
+        groups, with its hyperparameters (and the groups' other keys: names, a
+        scheduler's ``initial_lr``), its state (mean, ``h``, momentum, step count,
+        pending gradients) and, unless given, its ``seed``, ``backend`` and
+        ``check_finite``.  ``kwargs``: the correction's hyperparameters (``alpha``,
+        ``rho1``, ...), for every group.  Until the first :meth:`refresh` the new optimizer
+        takes exactly the steps ``ivon`` would have taken.  ``ivon`` is left as it was
+        (it stays usable, but its state no longer follows the parameters: go on with one
+        of the two).
+
+        Loading an IVON state dict into an ``IVONPoCo`` does the same for an existing
+        optimizer (its correction hyperparameters are kept)."""
+        if not isinstance(ivon, IVON):
+            raise TypeError(f"from_ivon() takes an IVON optimizer, got {type(ivon).__name__}")
+        bad = [k for k in kwargs if k not in cls._POCO_KEYS]
+        if bad:
+            raise TypeError(f"from_ivon() got {', '.join(map(repr, bad))}: IVON's "
+                            "hyperparameters come from the IVON optimizer (change "
+                            "param_groups afterwards); it takes "
+                            f"{', '.join(cls._POCO_KEYS)}")
+        kwargs.setdefault("seed", ivon.seed)
+        kwargs.setdefault("backend", ivon._backend_arg)
+        kwargs.setdefault("check_finite", ivon._check_finite_arg)
+        sd = ivon.state_dict()
+        groups = [dict(g) for g in ivon.param_groups]
+        d = ivon.defaults
+        opt = cls(groups, d["lr"], d["ess"], d["hess_init"], d["beta1"], d["beta2"],
+                  d["weight_decay"], d["mc_samples"], d["clip_radius"], d["debias"],
+                  d["rescale_lr"], **kwargs)
+        opt.load_state_dict(sd)
+        for g in opt.param_groups:          # (an IVONPoCo's own values give way to kwargs)
+            g.update({k: v for k, v in kwargs.items() if k in opt.defaults})
+        opt._check_groups()
+        return opt
 
     def _validate_group(self, group):
         super()._validate_group(group)
@@ -319,3 +371,33 @@ class IVONPoCo(IVON):
         return ivon_refresh_update(mean=b.buffers["mean"], h=b.buffers["h"], gM=gM, geM=geM,
                                    g_out=b.buffers["g_out"], h_out=b.buffers["h_out"],
                                    group=group, first=first)
+
+
+class IVONPoCoMo(IVONPoCo):
+    """IVON-PoCoMo: :class:`IVONPoCo` with the outer momentum of the paper's GPT-2
+    pretraining (``rho1 = 0.6``, ``rho2 = 0.1``, in Alg. 3's convention where ``rho``
+    weights the old estimate) as defaults; everything else, and every other
+    default, is :class:`IVONPoCo`'s.  Its state dicts load into ``IVONPoCo`` and back, and
+    it continues an IVON run (:meth:`~IVONPoCo.from_ivon`).
+
+    Arguments, as :class:`IVONPoCo`: ``lr``, ``ess``, ``hess_init``, ``beta1``, ``beta2``,
+    ``weight_decay``, ``mc_samples``, ``clip_radius``, ``debias``, ``rescale_lr``,
+    ``alpha``, ``rho1`` (default 0.6), ``rho2`` (default 0.1), ``hess_corr_scale``,
+    ``outer_noise``, ``refresh_samples``, ``refresh_antithetic``, ``hess_floor``, ``seed``,
+    ``backend``, ``check_finite``."""
+
+    _loads_from = ("IVONPoCo",)
+
+    def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
+                 beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
+                 clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True,
+                 alpha: float = 1.0, rho1: float = 0.6, rho2: float = 0.1,
+                 hess_corr_scale: float = 0.01, outer_noise: str = "shared",
+                 refresh_samples: int = 1, refresh_antithetic: bool = False,
+                 hess_floor: Optional[float] = None,
+                 *, seed: Optional[int] = None, backend: str = "auto",
+                 check_finite: Optional[bool] = None):
+        super().__init__(params, lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
+                         clip_radius, debias, rescale_lr, alpha, rho1, rho2, hess_corr_scale,
+                         outer_noise, refresh_samples, refresh_antithetic, hess_floor,
+                         seed=seed, backend=backend, check_finite=check_finite)

@@ -74,7 +74,7 @@ class _SVRGBase(PosteriorOptimizer):
     uses_hessian = False
 
     def _validate_group(self, group):
-        check_range(group, "lr", lo=0.0)
+        check_range(group, "lr", lo=0.0, tensor=True)
         check_range(group, "alpha", lo=0.0, hi=1.0)
         check_range(group, "weight_decay", lo=0.0)
 
@@ -127,7 +127,7 @@ class SVRG(_SVRGBase):
 
     def __init__(self, params, lr: float = 1e-3, alpha: float = 1.0, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-                 *, seed: int = 0, backend: str = "auto",
+                 *, seed: Optional[int] = None, backend: str = "auto",
                  check_finite: Optional[bool] = None):
         defaults = dict(lr=lr, alpha=alpha, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov)
@@ -179,7 +179,7 @@ class VSGDPoCo(SVRG):
 
     def __init__(self, params, lr: float = 1e-3, sigma: float = 1e-3, alpha: float = 1.0,
                  momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
-                 nesterov: bool = False, mc_samples: int = 1, *, seed: int = 0,
+                 nesterov: bool = False, mc_samples: int = 1, *, seed: Optional[int] = None,
                  backend: str = "auto", check_finite: Optional[bool] = None):
         defaults = dict(lr=lr, alpha=alpha, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, sigma=sigma,
@@ -211,7 +211,7 @@ class SVRGAdamW(_SVRGBase):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, alpha: float = 1.0, *, seed: int = 0,
+                 weight_decay: float = 1e-2, alpha: float = 1.0, *, seed: Optional[int] = None,
                  backend: str = "auto", check_finite: Optional[bool] = None):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         alpha=alpha)

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from . import reference as R
 from ._layout import Bucket
-from ._optimizer import BucketedOptimizer
+from ._optimizer import BucketedOptimizer, as_closures
 from ._protocol import KIND_INNER, KIND_OUTER, KIND_REFRESH
 from ._validation import check, check_range
 
@@ -149,7 +149,7 @@ class VONPoCo(BucketedOptimizer):
     def __init__(self, params, ess: float, lr: float = 0.1, beta: float = 0.1,
                  alpha: float = 1.0, prior_precision: float = 1.0, min_eig: float = 1e-4,
                  noise_scale: float = 1.0, rho1: float = 0.0, rho2: float = 0.0,
-                 precision_update: str = "blr", *, seed: int = 0, backend: str = "auto",
+                 precision_update: str = "blr", *, seed: Optional[int] = None, backend: str = "auto",
                  check_finite: Optional[bool] = None):
         defaults = dict(lr=lr, beta=beta, ess=ess, alpha=alpha,
                         prior_precision=prior_precision, min_eig=min_eig,
@@ -159,7 +159,7 @@ class VONPoCo(BucketedOptimizer):
 
     # ------------------------------------------------------------------ construction
     def _validate_group(self, group):
-        check_range(group, "lr", lo=0.0)
+        check_range(group, "lr", lo=0.0, tensor=True)
         check_range(group, "beta", lo=0.0, hi=1.0, lo_open=True)
         check_range(group, "ess", lo=0.0, lo_open=True)
         check_range(group, "alpha", lo=0.0, hi=1.0)
@@ -183,8 +183,6 @@ class VONPoCo(BucketedOptimizer):
         check(b.numel <= MAX_DIM,
                f"VONPoCo keeps a dense {b.numel} x {b.numel} precision per bucket; at most "
                f"{MAX_DIM} parameters per (group, device, dtype) are supported")
-        for p in b.params:
-            check(p.requires_grad, "VONPoCo: every parameter must require grad")
         d, kw = b.numel, dict(device=b.device, dtype=b.dtype)
         s0 = float(group["ess"]) * float(group["prior_precision"])
         return {"precision": s0 * torch.eye(d, **kw),
@@ -262,6 +260,8 @@ class VONPoCo(BucketedOptimizer):
         if not bool(torch.isfinite(loss.detach()).all()):
             raise ValueError("non-finite loss (inf or nan): the step was not taken and the "
                              "optimizer state is unchanged")
+        if not self._buckets:           # no trainable parameter: nothing to differentiate
+            return []
         if not loss.requires_grad:
             raise ValueError(
                 "the closure's loss does not depend on the parameters through autograd: a "
@@ -314,9 +314,7 @@ class VONPoCo(BucketedOptimizer):
             raise RuntimeError("VONPoCo.step()/refresh() called while a sample is in the "
                                "parameters (from inside a closure?)")
         self._check_groups()
-        for b in self._buckets:
-            for p in b.params:
-                check(p.requires_grad, "VONPoCo: every parameter must require grad")
+        self._check_trainable()
         self._sync_mean()
 
     def _commit_checked(self, new: Dict[int, Dict[str, Tensor]]) -> None:
@@ -337,7 +335,7 @@ class VONPoCo(BucketedOptimizer):
             raise RuntimeError("VONPoCo.step() needs a closure that returns the mini-batch "
                                "loss (without calling backward())")
         self._begin()
-        thetas = [self._draw(b, self.param_groups[b.group_index], KIND_INNER, self._step)
+        thetas = [self._draw(b, self._groups[b.group_index], KIND_INNER, self._step)
                   for b in self._buckets]
         loss, gh_in = self._evaluate(closure, thetas, KIND_INNER)
         corr = self._corrected()      # a group added since the last refresh: plain VON
@@ -346,7 +344,7 @@ class VONPoCo(BucketedOptimizer):
                                KIND_OUTER)[1] if corr else None)
         new = {}
         for b in self._buckets:
-            group = self.param_groups[b.group_index]
+            group = self._group(b)
             g_i, H_i = gh_in[b.index]
             m, S = b.buffers["mean"], b.buffers["precision"]
             if b.index in corr:
@@ -374,13 +372,15 @@ class VONPoCo(BucketedOptimizer):
     def refresh(self, closures: Optional[Iterable[Callable]] = None):
         """Outer estimate from a mega-batch (or the full batch) at ONE posterior sample.
 
-        ``closures``: one per equal-size chunk, each RETURNING its mean loss (no backward).
+        ``closures``: one closure, or one per equal-size chunk, each RETURNING its mean loss
+        (no backward).
         ``g_out``/``H_out`` are the means over the chunks.  Returns the mean loss."""
         if closures is None:
             raise RuntimeError("VONPoCo.refresh() needs closures (one per chunk of the "
                                "mega-batch) that return their loss without calling backward()")
+        closures = as_closures(closures)
         self._begin()
-        thetas = [self._draw(b, self.param_groups[b.group_index], KIND_REFRESH, self._refreshes)
+        thetas = [self._draw(b, self._groups[b.group_index], KIND_REFRESH, self._refreshes)
                   for b in self._buckets]
         sums: Optional[List[List[Tensor]]] = None
         losses = []
@@ -398,7 +398,7 @@ class VONPoCo(BucketedOptimizer):
         n = len(losses)
         new = {}
         for b in self._buckets:
-            group = self.param_groups[b.group_index]
+            group = self._group(b)
             first = self._first_refresh(b)
             gM, HM = sums[b.index][0] / n, sums[b.index][1] / n
             new[b.index] = {

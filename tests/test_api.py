@@ -106,7 +106,7 @@ def test_groups_differ_in_every_hyperparameter():
 def test_low_level_protocol_equals_closure(backend):
     """sample / backward / accumulate / restore / step gives the closure's trajectory."""
     prob = Problem()
-    kw = dict(lr=0.05, ess=300.0, beta2=0.999, alpha=0.6, mc_samples=2)
+    kw = dict(lr=0.05, ess=300.0, beta2=0.999, alpha=0.6, mc_samples=2, seed=0)
     m1, m2 = mlp(), mlp()
     o1 = pk.IVONPoCo(m1.parameters(), backend=backend, **kw)
     o2 = pk.IVONPoCo(m2.parameters(), backend=backend, **kw)

@@ -153,6 +153,7 @@ def test_host_overhead_writes_the_schema(tmp_path, monkeypatch):
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == CSV_FIELDS
     assert {(r["kernel"], r["provider"]) for r in rows} == {
-        (k, f"poco_kernels.{b}") for k in ("protocol_step", "protocol_refresh")
+        (k, f"poco_kernels.{b}")
+        for k in ("protocol_step", "protocol_refresh", "protocol_step_skip")
         for b in ("cpp", "torch")}
     assert all(float(r["p20"]) <= float(r["median"]) <= float(r["p80"]) for r in rows)

@@ -1049,7 +1049,9 @@ def _lsd_case(name, backend, what):
     donor = Rig(name, backend)
     donor.run(donor.warm() + " s2" + ("" if donor.von else " i3"))    # elsewhere, pending
     if what == "other-class":
-        other = {"IVON": "IVONPoCo", "IVONPoCo": "IVON", "SVRG": "SVRGAdamW"}.get(name, "SVRG")
+        # (an IVON state dict loads into IVONPoCo: IVON-PoCo continues IVON runs)
+        other = {"IVON": "IVONPoCo", "IVONPoCo": "VSGDPoCo", "SVRG": "SVRGAdamW"}.get(name,
+                                                                                  "SVRG")
         o = Rig(other, backend)
         o.run(o.warm())
         sd = copy.deepcopy(o.opt.state_dict())

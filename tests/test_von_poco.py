@@ -358,8 +358,8 @@ def test_invalid_hyperparameters_raise(bad):
 def test_unsupported_parameters_and_protocols_raise():
     with pytest.raises(ValueError, match="float32 and float64"):
         VONPoCo([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], ess=1.0)
-    with pytest.raises(ValueError, match="require grad"):
-        VONPoCo([torch.zeros(3)], ess=1.0)
+    frozen = torch.zeros(3)                 # requires_grad=False: no state, never moved
+    assert len(VONPoCo([frozen, torch.nn.Parameter(torch.zeros(2))], ess=1.0).state) == 1
     prob = random_logreg()
     opt = VONPoCo([prob.w], ess=40.0)
     for call in (lambda: opt.sample(), lambda: opt.accumulate(), lambda: opt.step(),

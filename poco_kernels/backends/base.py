@@ -21,7 +21,7 @@ HOST = frozenset({
     "_kernel_capable",
     "_refreshes", "uses_hessian", "_divergence_hint",
     # the optimizer's family: its samples, its reference update, its kernel records
-    "_spec", "_first_refresh", "_inner_update", "_refresh_update", "_kernel_step",
+    "_group", "_spec", "_first_refresh", "_inner_update", "_refresh_update", "_kernel_step",
     "_kernel_refresh",
     # noise and state views
     "_eps", "_counter", "_expose",
@@ -116,6 +116,10 @@ class Backend(ABC):
     def loaded(self) -> None:
         """A state dict was loaded: the parameters hold the mean, the counters are the
         optimizer's."""
+
+    def relayout(self) -> None:
+        """The buckets were laid out again (parameters frozen or unfrozen): new bucket
+        objects, buffers and parameter sets."""
 
     def rebuilt(self, old_buckets) -> None:
         """A parameter group was added: the optimizer's buckets were rebuilt, the old

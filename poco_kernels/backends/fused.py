@@ -330,7 +330,7 @@ class FusedBackend(Backend):
         sums = pend.sums
         n_in = pend.count[KIND_INNER]
         for b in opt._buckets:
-            t = opt._kernel_step(b, opt.param_groups[b.group_index])
+            t = opt._kernel_step(b, opt._group(b))
             c = b.index in corr
             n_o = pend.count[KIND_OUTER] if c else 0
             g_in = self._acc(KIND_INNER, b, "g")
@@ -367,7 +367,7 @@ class FusedBackend(Backend):
         pend = opt._pending
         n = pend.count[KIND_REFRESH]
         for b in opt._buckets:
-            r = opt._kernel_refresh(b, opt.param_groups[b.group_index])
+            r = opt._kernel_refresh(b, opt._group(b))
             acc_g = self._acc(KIND_REFRESH, b, "g")
             acc_ge = (self._acc(KIND_REFRESH, b, "ge")
                       if (KIND_REFRESH, b.index, "ge") in pend.sums else None)
@@ -393,6 +393,11 @@ class FusedBackend(Backend):
     def loaded(self) -> None:
         self.params_hold_mean = True
         self.set_counters(self.opt._step, self.opt._refreshes)
+
+    def relayout(self) -> None:
+        self.pool.clear()
+        self.active_noise.clear()
+        self.flatten()
 
     def rebuilt(self, old_buckets) -> None:
         for b_new, b_old in zip(self.opt._buckets, old_buckets):

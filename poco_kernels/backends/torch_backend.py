@@ -137,7 +137,7 @@ class TorchBackend(Backend):
         opt = self.opt
         new = {}
         for b in opt._buckets:
-            group = opt.param_groups[b.group_index]
+            group = opt._group(b)
             g_in, ge_in = self.estimate(KIND_INNER, b, grad_scale)
             outer = self.estimate(KIND_OUTER, b, grad_scale) if b.index in corr else None
             self.check_gradients(g_in, ge_in, *(outer or ()))
@@ -152,7 +152,7 @@ class TorchBackend(Backend):
         opt = self.opt
         new = {}
         for b in opt._buckets:
-            group = opt.param_groups[b.group_index]
+            group = opt._group(b)
             gM, geM = self.estimate(KIND_REFRESH, b, grad_scale)
             self.check_gradients(gM, geM)
             new[b.index] = opt._refresh_update(b, group, gM, geM, first=opt._first_refresh(b))

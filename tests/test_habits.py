@@ -1,0 +1,332 @@
+"""torch.optim habits that took a decision here (docs/design.md,
+'torch.optim conventions'): frozen parameters, ``None`` gradients, a step without gradients, the
+default seed, IVON -> IVON-PoCo(Mo), ``refresh(closure)``, the ``betas`` alias, torch's
+flags.  The generic torch-style checks are in tests/test_torch_conventions.py."""
+import pytest
+import torch
+
+import poco_kernels as pk
+from helpers import FUSED_BACKENDS, Problem, mlp, params_of
+from tolerances import TRAJECTORY, assert_close
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CPU_BACKENDS = ["torch"] + [b for b in FUSED_BACKENDS if b == "cpp"]
+
+
+def _closure(opt, model, prob, idx, skip_params=()):
+    """A closure whose gradients of ``skip_params`` are None (as for unused parameters)."""
+    def c():
+        opt.zero_grad()
+        loss = prob.loss(model, idx)
+        loss.backward()
+        for p in skip_params:
+            p.grad = None
+        return loss
+    return c
+
+
+def _snapshot(opt, p):
+    return p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
+
+
+# ---------------------------------------------------------------- None gradients: skipped
+@pytest.mark.parametrize("cls,kw", [
+    (pk.IVONPoCo, dict(lr=0.05, ess=200.0, weight_decay=0.1, mc_samples=2)),
+    (pk.SVRG, dict(lr=0.05, momentum=0.9, weight_decay=0.1)),
+    (pk.SVRGAdamW, dict(lr=0.01)),
+])
+def test_a_parameter_without_gradient_is_skipped_the_same_on_every_backend(backend, cls, kw):
+    """A parameter whose .grad is None at every sample of a step keeps its value and its
+    state exactly (as torch.optim skips it: no weight decay, momentum or h change); the
+    others follow the reference maths on every backend."""
+    prob = Problem()
+    runs = {}
+    for be in ("torch", backend):
+        model = mlp()
+        skip = model[2].bias
+        opt = cls(model.parameters(), backend=be, seed=4, **kw)
+        before = _snapshot(opt, skip)
+        for t, idx in enumerate(prob.batches(5)):
+            if t == 2:
+                opt.refresh(_closure(opt, model, prob, idx))       # (None counts as zero)
+                before = _snapshot(opt, skip)
+            opt.step(_closure(opt, model, prob, idx, skip_params=[skip]))
+        after = _snapshot(opt, skip)
+        assert torch.equal(after[0], before[0])
+        for k, v in before[1].items():
+            assert torch.equal(after[1][k], v), k
+        runs[be] = params_of(model)
+    for a, b in zip(runs["torch"], runs[backend]):
+        assert_close(b, a, TRAJECTORY[torch.float32], "trajectory")
+
+
+def test_none_at_some_samples_counts_as_zero_there():
+    """With two samples, a gradient missing at one of them counts as zero for that one:
+    the step equals one whose closure gives a zero gradient there."""
+    prob = Problem()
+    out = []
+    for zero in (False, True):
+        model = mlp()
+        p = model[0].weight
+        opt = pk.IVON(model.parameters(), lr=0.05, ess=200.0, mc_samples=2, seed=2,
+                      backend="torch")
+        calls = []
+
+        def c():
+            opt.zero_grad()
+            loss = prob.loss(model, torch.arange(8))
+            loss.backward()
+            calls.append(1)
+            if len(calls) % 2 == 0:
+                if zero:
+                    p.grad.zero_()
+                else:
+                    p.grad = None
+            return loss
+        opt.step(c)
+        out.append(params_of(model))
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- no gradient at all
+@pytest.mark.parametrize("cls,kw", [(pk.IVONPoCo, dict(lr=0.05, ess=200.0)),
+                                    (pk.SVRG, dict(lr=0.05, momentum=0.9))])
+def test_a_step_without_any_gradient_is_an_error_that_changes_nothing(backend, cls, kw):
+    prob = Problem()
+    models = [mlp(), mlp()]
+    opts = [cls(m.parameters(), backend=backend, seed=9, **kw) for m in models]
+    batches = prob.batches(4)
+    for k, (m, o) in enumerate(zip(models, opts)):
+        if k == 1 and not o.noisy:                    # torch-style, no backward() either
+            with pytest.raises(RuntimeError, match="backward"):
+                o.step()
+        o.step(_closure(o, m, prob, batches[0]))
+        o.refresh(_closure(o, m, prob, batches[1]))
+        if k == 1:                                    # the closure forgot backward()
+            with pytest.raises(RuntimeError, match="backward"):
+                o.step(lambda m=m: prob.loss(m, batches[2]))
+            with pytest.raises(RuntimeError, match="backward"):
+                o.refresh(lambda m=m: prob.loss(m, batches[2]))
+        o.step(_closure(o, m, prob, batches[2]))
+        o.step(_closure(o, m, prob, batches[3]))
+    for a, b in zip(params_of(models[0]), params_of(models[1])):
+        assert torch.equal(a, b)
+    assert opts[0].step_count == opts[1].step_count == 3
+
+
+def test_with_no_trainable_parameter_a_step_is_a_no_op():
+    ps = [torch.randn(2, 3), torch.randn(5)]           # requires_grad=False
+    old = [p.clone() for p in ps]
+    for cls, kw in [(pk.IVON, dict(lr=0.1, ess=10.0)), (pk.SVRG, dict(lr=0.1))]:
+        opt = cls(ps, **kw)
+        opt.step(lambda: torch.tensor(1.0))
+        assert all(torch.equal(a, b) for a, b in zip(ps, old))
+        assert len(opt.state) == 0
+
+
+# ---------------------------------------------------------------- frozen parameters
+def test_frozen_parameters_are_never_sampled_nor_moved_and_unfreezing_works():
+    runs = {be: _frozen_scenario(be) for be in CPU_BACKENDS}
+    for be, out in runs.items():
+        for a, b in zip(runs["torch"], out):
+            assert_close(b, a, TRAJECTORY[torch.float32], be)
+
+
+def _frozen_scenario(be):
+    prob = Problem()
+    model = mlp()
+    frozen = model[0].weight
+    frozen.requires_grad_(False)
+    w0 = frozen.detach().clone()
+    opt = pk.IVONPoCo(model.parameters(), lr=0.05, ess=50.0, seed=1, backend=be)
+    assert frozen not in opt.state
+    seen = []
+
+    def closure(idx):
+        def c():
+            opt.zero_grad()
+            seen.append(frozen.detach().clone())
+            loss = prob.loss(model, idx)
+            loss.backward()
+            return loss
+        return c
+    batches = prob.batches(8)
+    opt.step(closure(batches[0]))
+    opt.refresh(closure(batches[1]))
+    opt.step(closure(batches[2]))
+    assert all(torch.equal(s, w0) for s in seen) and torch.equal(frozen, w0)
+    # unfreeze: the next step lays the buckets out again; the group waits for a refresh
+    frozen.requires_grad_(True)
+    kept = {k: v.clone() for k, v in opt.state[model[2].weight].items()}
+    with opt.sampled(accumulate=False):                # (lays the buckets out again)
+        pass
+    for k, v in kept.items():                          # state carried over
+        assert torch.equal(opt.state[model[2].weight][k], v), k
+    assert torch.equal(opt.state[frozen]["h"], torch.ones_like(frozen))    # hess_init
+    assert torch.equal(opt.state[frozen]["mean"], w0)
+    assert not opt.correction_active()                 # the group awaits the next refresh
+    opt.step(closure(batches[3]))
+    assert not torch.equal(frozen, w0)
+    opt.refresh(closure(batches[4]))
+    assert opt.correction_active()
+    # freeze another: it keeps its value, loses its state
+    b = model[2].bias
+    b.requires_grad_(False)
+    b0 = b.detach().clone()
+    opt.step(closure(batches[5]))
+    assert torch.equal(b, b0) and b not in opt.state
+    # a state dict of the new layout loads into an optimizer built with it
+    sd = opt.state_dict()
+    twin_model = mlp()
+    twin_model.load_state_dict(model.state_dict())
+    twin_model[2].bias.requires_grad_(False)
+    twin = pk.IVONPoCo(twin_model.parameters(), lr=0.05, ess=50.0, backend=be)
+    twin.load_state_dict(sd)
+    for o, m, idx in ((opt, model, batches[6]), (twin, twin_model, batches[6])):
+        o.step(_closure(o, m, prob, idx))
+    for x, y in zip(params_of(model), params_of(twin_model)):
+        assert torch.equal(x, y)
+    return params_of(model)
+
+
+def test_requires_grad_changed_while_pending_is_refused():
+    prob = Problem()
+    model = mlp()
+    opt = pk.IVON(model.parameters(), lr=0.05, ess=50.0, mc_samples=2, seed=1)
+    with opt.sampled():
+        prob.loss(model, torch.arange(8)).backward()
+    model[0].bias.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="pending"):
+        opt.sample()
+    model[0].bias.requires_grad_(True)
+    with opt.sampled():
+        prob.loss(model, torch.arange(8)).backward()
+    opt.step()
+
+
+def test_von_poco_refuses_a_changed_trainable_set():
+    model = torch.nn.Linear(3, 1)
+    opt = pk.VONPoCo(model.parameters(), ess=10.0)
+    model.bias.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="build the optimizer again"):
+        opt.step(lambda: model(torch.randn(4, 3)).pow(2).mean())
+
+
+# ---------------------------------------------------------------- seed
+def test_the_default_seed_follows_torch_manual_seed():
+    p = [torch.nn.Parameter(torch.randn(3))]
+    seeds = []
+    for s in (1, 1, 2):
+        torch.manual_seed(s)
+        seeds.append(pk.IVON(p, lr=0.1, ess=10.0).seed)
+    assert seeds[0] == seeds[1] != seeds[2]
+    torch.manual_seed(2)
+    assert pk.IVON(p, lr=0.1, ess=10.0, seed=7).seed == 7
+    for bad in (-1, 2 ** 63, True, 1.0):
+        with pytest.raises(ValueError, match="seed"):
+            pk.IVON(p, lr=0.1, ess=10.0, seed=bad)
+
+
+# ---------------------------------------------------------------- IVON -> IVON-PoCo(Mo)
+@pytest.mark.parametrize("be", CPU_BACKENDS)
+def test_from_ivon_continues_the_ivon_run(be):
+    prob = Problem()
+    batches = prob.batches(8)
+    ma, mb = mlp(), mlp()
+    a = pk.IVON(ma.parameters(), lr=0.05, ess=100.0, seed=5, backend=be)
+    b = pk.IVON(mb.parameters(), lr=0.05, ess=100.0, seed=5, backend=be)
+    for t in range(3):
+        a.step(_closure(a, ma, prob, batches[t]))
+        b.step(_closure(b, mb, prob, batches[t]))
+    mb_groups = b.param_groups[0]
+    mb_groups["name"] = "all"
+    c = pk.IVONPoCoMo.from_ivon(b, alpha=0.5)
+    assert (c.seed, c.backend, c.step_count) == (5, b.backend, 3)
+    g = c.param_groups[0]
+    assert (g["rho1"], g["rho2"], g["alpha"], g["name"], g["lr"]) == (0.6, 0.1, 0.5, "all", 0.05)
+    for t in range(3, 6):                              # before a refresh: IVON's steps
+        a.step(_closure(a, ma, prob, batches[t]))
+        c.step(_closure(c, mb, prob, batches[t]))
+    for x, y in zip(params_of(ma), params_of(mb)):
+        assert torch.equal(x, y)
+    c.refresh(_closure(c, mb, prob, batches[0]))
+    c.step(_closure(c, mb, prob, batches[6]))
+    assert c.correction_active() and c.refresh_count == 1
+    with pytest.raises(TypeError, match="IVON's hyperparameters"):
+        pk.IVONPoCo.from_ivon(a, lr=0.1)
+    with pytest.raises(TypeError, match="IVON optimizer"):
+        pk.IVONPoCo.from_ivon(pk.SVRG(ma.parameters()))
+
+
+def test_an_ivon_state_dict_loads_into_ivon_poco_and_pocomo_interload():
+    prob = Problem()
+    model = mlp()
+    ivon = pk.IVON(model.parameters(), lr=0.05, ess=100.0, seed=3, backend="torch")
+    ivon.step(_closure(ivon, model, prob, torch.arange(8)))
+    poco = pk.IVONPoCo(model.parameters(), lr=1.0, ess=1.0, alpha=0.3, rho1=0.5,
+                       backend="torch")
+    poco.step(_closure(poco, model, prob, torch.arange(8)))
+    poco.refresh(_closure(poco, model, prob, torch.arange(8)))     # g_out nonzero
+    poco.load_state_dict(ivon.state_dict())
+    g = poco.param_groups[0]
+    assert (g["lr"], g["ess"], g["alpha"], g["rho1"]) == (0.05, 100.0, 0.3, 0.5)
+    assert (poco.seed, poco.step_count, poco.refresh_count) == (3, 1, 0)
+    assert not poco.correction_active()
+    for name in ("g_out", "h_out", "m_out", "sigma_out"):
+        assert not any(t.abs().sum() for t in poco.flat_state(name))
+    assert torch.equal(poco.flat_state("h")[0], ivon.flat_state("h")[0])
+    mo = pk.IVONPoCoMo(model.parameters(), lr=0.05, ess=100.0)
+    mo.load_state_dict(poco.state_dict())
+    poco.load_state_dict(mo.state_dict())
+    with pytest.raises(ValueError, match="is for 'IVONPoCo'"):
+        ivon.load_state_dict(poco.state_dict())
+
+
+# ---------------------------------------------------------------- small habits
+def test_refresh_takes_one_closure_or_an_iterable():
+    prob = Problem()
+    out = []
+    for form in ("one", "list", "generator"):
+        model = mlp()
+        opt = pk.IVONPoCo(model.parameters(), lr=0.05, ess=100.0, seed=1, backend="torch")
+        c = _closure(opt, model, prob, torch.arange(16))
+        opt.refresh({"one": c, "list": [c], "generator": (x for x in [c])}[form])
+        opt.step(_closure(opt, model, prob, torch.arange(8)))
+        out.append(params_of(model))
+    for other in out[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out[0], other))
+    with pytest.raises(TypeError, match="closure"):
+        opt.refresh(3)
+    with pytest.raises(TypeError, match="callable"):
+        opt.refresh([c, 3])
+
+
+def test_ivon_groups_answer_to_betas():
+    model = mlp()
+    opt = pk.IVON(model.parameters(), lr=0.1, ess=10.0, beta1=0.8, beta2=0.999)
+    g = opt.param_groups[0]
+    assert g["betas"] == (0.8, 0.999) and "betas" in g and "betas" in opt.defaults
+    assert "betas" not in g.keys() and "betas" not in opt.state_dict()["param_groups"][0]
+    g["betas"] = (0.7, 0.99)
+    assert (g["beta1"], g["beta2"]) == (0.7, 0.99)
+    with pytest.raises(ValueError, match="beta1, beta2"):
+        g["betas"] = 0.5
+    opt2 = pk.IVON([{"params": [torch.nn.Parameter(torch.randn(3))], "betas": (0.5, 0.9)}],
+                   lr=0.1, ess=10.0)
+    assert (opt2.param_groups[0]["beta1"], opt2.param_groups[0]["beta2"]) == (0.5, 0.9)
+
+
+@pytest.mark.parametrize("flag", ["maximize", "foreach", "fused", "capturable",
+                                  "differentiable"])
+def test_torch_flags_are_refused(flag):
+    p = [torch.nn.Parameter(torch.randn(3))]
+    for make in (lambda **k: pk.IVON(p, lr=0.1, ess=1.0, **k),
+                 lambda **k: pk.SVRGAdamW(p, **k), lambda **k: pk.VONPoCo(p, ess=1.0, **k)):
+        with pytest.raises(TypeError, match=f"'{flag}'"):
+            make(**{flag: True})
+    opt = pk.SVRG(p)
+    with pytest.raises(TypeError, match=f"'{flag}'"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], flag: False})
+    assert len(opt.param_groups) == 1
