@@ -17,6 +17,7 @@ ranks that share the seed draw the same sample.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -176,7 +177,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
         #: key of the noise stream: the argument, or drawn from torch's global generator
         #: (so ``torch.manual_seed`` governs it, as it governs a model's initialisation)
         self.seed = seed if seed is not None else draw_seed()
-        self._backend_arg, self._check_finite_arg = backend, check_finite
+        #: as requested ("auto", None): a copy resolves them again (__getstate__)
+        self._requested = (backend, check_finite)
         self._buckets: List[Bucket] = self._new_buckets(self._groups, [])
         for b in self._buckets:
             self._expose(b)
@@ -341,6 +343,56 @@ class BucketedOptimizer(torch.optim.Optimizer):
         self._eps_cache.clear()
         self._backend.relayout()
 
+    # ------------------------------------------------------------------ copy and pickle
+    #: the attributes that __setstate__ rebuilds (the other public ones are copied)
+    _REBUILT = frozenset({"defaults", "state", "param_groups", "seed", "backend", "check_finite"})
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """``copy.deepcopy`` and pickle: the parameter groups (with the parameters), the
+        constructor's configuration and the state dict; :meth:`__setstate__` builds the
+        optimizer again from them (buckets, backend, flat buffers: the copy's parameters
+        become views of its own buffers) and loads the state dict, so the copy continues
+        as the original would.  Hooks are not copied (as in ``torch.optim``); refused
+        while a sample is in the parameters."""
+        if self._active is not None:
+            raise RuntimeError("copying or pickling the optimizer while a sample is in the "
+                               "parameters: call restore() first")
+        # the state dict without the user's state_dict hooks (a copy is not a checkpoint)
+        hooks = (self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks)
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        try:
+            sd = self.state_dict()
+        finally:
+            self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = hooks
+        backend, check_finite = self._requested
+        if self.check_finite != (self._backend.check_finite_default if check_finite is None
+                                 else check_finite):
+            check_finite = self.check_finite        # set by hand since
+        return {"poco_copy": 1, "param_groups": self.param_groups, "defaults": self.defaults,
+                "seed": self.seed, "backend": backend, "check_finite": check_finite,
+                "state_dict": sd, "skipped": self._read_counters()[2],
+                "attributes": {k: v for k, v in self.__dict__.items()
+                               if not k.startswith("_") and k not in self._REBUILT}}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        if "poco_copy" not in state:            # torch.optim's layout: nothing to rebuild from
+            super().__setstate__(state)
+            return
+        groups = state["param_groups"]
+        values = [p.detach().clone() for g in groups for p in g["params"]]
+        # the hyperparameters only: the state dict brings back every key of the groups
+        bare = [{"params": g["params"], **{k: g[k] for k in state["defaults"] if k in g}}
+                for g in groups]
+        BucketedOptimizer.__init__(self, bare, state["defaults"], seed=state["seed"],
+                                   backend=state["backend"], check_finite=state["check_finite"])
+        self._plan_load(state["state_dict"])()
+        with torch.no_grad():                   # the parameters as they were (the truth)
+            for p, v in zip((p for g in self.param_groups for p in g["params"]), values):
+                p.copy_(v)
+        self._backend.set_skipped(state["skipped"])
+        self.__dict__.update(state["attributes"])
+
     # ------------------------------------------------------------------ noise
     def _eps(self, b: Bucket, kind: int, draw: int, counter: int) -> Tensor:
         """The standard normal of (bucket, kind, draw, counter).  The last one drawn per
@@ -471,7 +523,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._backend.check_layout()      # (fused: loading into parameters cut loose)
+        self._backend.check_layout()      # (fused: re-links parameters taken off its buffers)
         self._check_trainable()
         commit = self._plan_load(state_dict)
         commit()
@@ -734,6 +786,12 @@ class PosteriorOptimizer(BucketedOptimizer):
                   "gradient sum but not its gradient * eps sum")
 
     # ------------------------------------------------------------------ low-level API
+    # torch.compile: the protocol's bookkeeping (``self._active``, the counters) runs
+    # outside Dynamo (``torch._disable_dynamo``: a graph break around sample, restore,
+    # step and refresh).  Dynamo does not write back attributes assigned on a
+    # torch.optim.Optimizer while it traces (it wraps the optimizer without tracking its
+    # mutations), so a traced sample() would leave no active sample behind it.
+    @torch._disable_dynamo
     def sample(self, kind: str = "inner") -> None:
         """Write a posterior sample into the parameters.
 
@@ -743,6 +801,11 @@ class PosteriorOptimizer(BucketedOptimizer):
         Follow with any number of backward passes, then :meth:`accumulate` (once per
         chunk) and :meth:`restore`.
         """
+        self._sample(kind, trainable_checked=False)
+
+    def _sample(self, kind: str, trainable_checked: bool) -> None:
+        """:meth:`sample` (``trainable_checked``: step/refresh followed ``requires_grad``
+        already, the closures cannot change it unnoticed: accumulate sees their grads)."""
         check(kind in KIND_NAMES, f"kind must be one of {tuple(KIND_NAMES)}, got {kind!r}")
         if self._active is not None:
             raise RuntimeError("a sample is already in the parameters: call restore() first")
@@ -750,7 +813,8 @@ class PosteriorOptimizer(BucketedOptimizer):
         if k == KIND_REFRESH and not self._has_correction:
             raise RuntimeError(f"{type(self).__name__} has no outer loop: no refresh sample")
         self._check_no_mix(k)
-        self._check_trainable()
+        if not trainable_checked:
+            self._check_trainable()
         if k == KIND_OUTER and not self.correction_active():
             raise RuntimeError("no outer sample: the correction is not active "
                                "(no refresh yet, or alpha == 0 in every group)")
@@ -793,6 +857,7 @@ class PosteriorOptimizer(BucketedOptimizer):
                 for p in group["params"]:
                     p.grad = None
 
+    @torch._disable_dynamo
     def restore(self) -> None:
         """Put the posterior mean back into the parameters (ends the active sample)."""
         self._backend.restore()
@@ -832,7 +897,7 @@ class PosteriorOptimizer(BucketedOptimizer):
     def _run_closure(self, closure: Callable, kind: str) -> Tensor:
         """One evaluation at a ``kind`` sample.  A backend whose update rewrites the
         parameters leaves the sample there (the next sample or the update overwrites it)."""
-        self.sample(kind)
+        self._sample(kind, trainable_checked=True)
         ok = False
         try:
             with torch.enable_grad():
@@ -865,6 +930,7 @@ class PosteriorOptimizer(BucketedOptimizer):
             check(v > 0 and v != float("inf"), f"grad_scale must be finite and > 0, got {v}")
 
     # ------------------------------------------------------------------ step
+    @torch._disable_dynamo           # (see sample(); the closure runs eagerly too)
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None, *, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None):
@@ -984,6 +1050,7 @@ class PosteriorOptimizer(BucketedOptimizer):
                 loc.copy_(state["mean"])        # (the parameter may hold a sample)
 
     # ------------------------------------------------------------------ refresh
+    @torch._disable_dynamo
     @torch.no_grad()
     def refresh(self, closures: Optional[Iterable[Callable]] = None, *,
                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
@@ -1021,7 +1088,7 @@ class PosteriorOptimizer(BucketedOptimizer):
                                      "(closures is empty)")
             try:
                 for _ in range(self._closure_samples("refresh_samples")):
-                    self.sample("refresh")
+                    self._sample("refresh", trainable_checked=True)
                     try:
                         for c in closures:
                             with torch.enable_grad():

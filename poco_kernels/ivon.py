@@ -295,8 +295,8 @@ class IVONPoCo(IVON):
                             "param_groups afterwards); it takes "
                             f"{', '.join(cls._POCO_KEYS)}")
         kwargs.setdefault("seed", ivon.seed)
-        kwargs.setdefault("backend", ivon._backend_arg)
-        kwargs.setdefault("check_finite", ivon._check_finite_arg)
+        kwargs.setdefault("backend", ivon._requested[0])
+        kwargs.setdefault("check_finite", ivon._requested[1])
         sd = ivon.state_dict()
         groups = [dict(g) for g in ivon.param_groups]
         d = ivon.defaults

@@ -326,6 +326,7 @@ class VONPoCo(BucketedOptimizer):
         self._backend.commit(new)
 
     # ------------------------------------------------------------------ step
+    @torch._disable_dynamo           # (torch.compile: see PosteriorOptimizer.sample)
     def step(self, closure: Optional[Callable] = None):
         """One inner step on the mini-batch of ``closure`` (returns the loss, NO backward).
 
@@ -369,6 +370,7 @@ class VONPoCo(BucketedOptimizer):
         return loss
 
     # ------------------------------------------------------------------ refresh
+    @torch._disable_dynamo
     def refresh(self, closures: Optional[Iterable[Callable]] = None):
         """Outer estimate from a mega-batch (or the full batch) at ONE posterior sample.
 

@@ -95,7 +95,8 @@ class Backend(ABC):
         return t.device.type == "cpu"
 
     def check_layout(self) -> None:
-        """Raise if the parameters are no longer where the backend keeps them."""
+        """Bring back parameters that are no longer where the backend keeps them (the
+        fused backends' flat buffers), or raise where that cannot be done."""
 
     def discard(self) -> None:
         """Pending sums were dropped without an update (a closure raised): forget what
@@ -120,6 +121,9 @@ class Backend(ABC):
     def relayout(self) -> None:
         """The buckets were laid out again (parameters frozen or unfrozen): new bucket
         objects, buffers and parameter sets."""
+
+    def set_skipped(self, skipped: int) -> None:
+        """Set the count of updates skipped on the device (a copy of an optimizer)."""
 
     def rebuilt(self, old_buckets) -> None:
         """A parameter group was added: the optimizer's buckets were rebuilt, the old

@@ -6,7 +6,8 @@ module with one function per operation, :mod:`poco_kernels.kernels.triton_ops` o
 :mod:`poco_kernels.kernels.interface`).  What changes against the torch backend:
 
 * **Flat parameters.**  The parameters of a bucket become views of one flat buffer of
-  their dtype (``p.data`` is re-pointed once, at construction), so a sample, a restore
+  their dtype (``p.data`` is re-pointed at construction, and again where parameters
+  were taken off it: :meth:`FusedBackend.check_layout`), so a sample, a restore
   and a step each write all of a bucket's parameters in one launch.
 * **Gradient sums in place.**  Per (sample kind, bucket) one float32 buffer holds the sum
   of the gradients; a second, the sum of ``gradient * eps``, only once a kind has more
@@ -103,22 +104,65 @@ class FusedBackend(Backend):
 
     @staticmethod
     def _is_flat(b) -> bool:
-        base = b.flat_param.data_ptr()
-        size = b.flat_param.element_size()
-        return all(p.data_ptr() == base + off * size and p.is_contiguous()
-                   for p, off in zip(b.params, b.offsets))
+        """The bucket's parameters are (still) the views of its flat buffer made by
+        :meth:`flatten` or a re-link: their addresses are those of the views (one list
+        comparison; a parameter re-pointed elsewhere has another address)."""
+        ptrs = getattr(b, "flat_ptrs", None)
+        if ptrs is None or ptrs[0] != b.flat_param.data_ptr():
+            base, size = b.flat_param.data_ptr(), b.flat_param.element_size()
+            b.flat_ptrs = ptrs = [base + off * size for off in b.offsets]
+        return [p.data_ptr() for p in b.params] == ptrs
 
     def check_layout(self) -> None:
+        """Re-link parameters taken off the flat buffers (by another optimizer built over
+        them, a deepcopy, or ``p.data = t``) that kept their shape, dtype and device:
+        their current values are copied in and ``p.data`` is re-pointed (the parameters
+        are the truth, as in ``torch.optim``).  A changed shape, dtype or device raises,
+        with nothing changed."""
+        self._relink(strict=True)
+
+    def _relink(self, strict: bool) -> None:
+        """:meth:`check_layout`; ``strict=False`` leaves a bucket that cannot be re-linked
+        as it is instead of raising (restore: the error is the next sample's or step's)."""
         if torch.compiler.is_compiling():     # storage pointers are not traceable
             return
-        for b in self.opt._buckets:
-            if not self._is_flat(b):
+        loose = []
+        for b in self.opt._buckets:           # all checked before any is re-linked
+            if self._is_flat(b):
+                continue
+            why = self._changed(b)
+            if why is None:
+                loose.append(b)
+            elif strict:
                 raise RuntimeError(
-                    "a parameter's storage was replaced since the optimizer was built "
-                    "(e.g. by model.to(...) or `p.data = ...`): with "
-                    f"backend={self.name!r} the parameters are views of the "
-                    "optimizer's flat buffers; build the optimizer after moving the model, "
-                    "or copy into parameters in place")
+                    f"{why} since the optimizer was built (e.g. by model.to(...) or "
+                    f"`p.data = ...`): with backend={self.name!r} the parameters are views "
+                    "of the optimizer's flat buffers of their dtype and device; build the "
+                    "optimizer after moving or converting the model (a state dict carries "
+                    "the optimizer's state over)")
+        with torch.no_grad():
+            for b in loose:
+                base = b.flat_param.data_ptr()
+                size = b.flat_param.element_size()
+                for p, off, view in zip(b.params, b.offsets, b.grad_views):
+                    if p.data_ptr() == base + off * size and p.is_contiguous():
+                        continue
+                    flat = b.flat_param[off:off + p.numel()]
+                    flat.copy_(p.detach().reshape(-1))
+                    p.data = flat.view_as(view)
+
+    def _changed(self, b) -> Optional[str]:
+        """What keeps a bucket's parameters from being re-linked (None: nothing)."""
+        for p, view in zip(b.params, b.grad_views):
+            for what, now, was in (("dtype", p.dtype, b.param_dtype),
+                                   ("device", p.device, b.device),
+                                   ("shape", tuple(p.shape), tuple(view.shape))):
+                if now != was:
+                    group = self.opt.param_groups[b.group_index]["params"]
+                    i = next(i for i, q in enumerate(group) if q is p)
+                    return (f"parameter {i} of param group {b.group_index}: its storage was "
+                            f"replaced by one of another {what} ({was} -> {now})")
+        return None
 
     def set_counters(self, steps: int, refreshes: int) -> None:
         """Set the steps and refreshes taken (a state dict was loaded); the count of
@@ -139,6 +183,7 @@ class FusedBackend(Backend):
     # ------------------------------------------------------------------ sampling
     def sync_mean(self) -> None:
         """float32 parameters are the truth for the mean while they hold it."""
+        self.check_layout()
         if not self.params_hold_mean:
             return
         for b in self.opt._buckets:
@@ -191,6 +236,7 @@ class FusedBackend(Backend):
 
     @torch.no_grad()
     def restore(self) -> None:
+        self._relink(strict=False)            # the mean goes where the parameters are
         for b in self.opt._buckets:
             b.flat_param.copy_(b.buffers["mean"])
         self.params_hold_mean = True
@@ -325,6 +371,7 @@ class FusedBackend(Backend):
             self.ops.finish(c, fi, slot)
 
     def step(self, corr, grad_scale, found_inf) -> Optional[bool]:
+        self.check_layout()                   # the step writes the new mean into them
         opt = self.opt
         pend = opt._pending
         sums = pend.sums
@@ -398,6 +445,10 @@ class FusedBackend(Backend):
         self.pool.clear()
         self.active_noise.clear()
         self.flatten()
+
+    def set_skipped(self, skipped: int) -> None:
+        for c in self.ctl.values():
+            c[K.CTL_SKIPPED].fill_(skipped)
 
     def rebuilt(self, old_buckets) -> None:
         for b_new, b_old in zip(self.opt._buckets, old_buckets):
