@@ -72,10 +72,11 @@ def test_ivon_poco_is_ivon(mode, backend):
     o1 = pk.IVON(m1.parameters(), seed=7, backend=backend, **kw)
     o2 = pk.IVONPoCo(m2.parameters(), seed=7, alpha=0.0 if mode == "alpha0" else 0.7,
                      rho1=0.5, rho2=0.2, backend=backend, **kw)
-    run(o1, m1, prob, 30)
-    run(o2, m2, prob, 30, refresh_every=10 if mode == "alpha0" else None, warmup=5)
+    steps = 16 if backend == "triton" else 30        # (CI time: the Triton interpreter)
+    run(o1, m1, prob, steps)
+    run(o2, m2, prob, steps, refresh_every=5 if mode == "alpha0" else None, warmup=5)
     if mode == "alpha0":
-        assert o2.refresh_count == 3
+        assert o2.refresh_count == (steps - 5 + 4) // 5
     _assert_same(params_of(m1), params_of(m2))
     _assert_same(o1.flat_state("h"), o2.flat_state("h"))
 

@@ -177,19 +177,27 @@ def test_resume_mid_inner_loop_reproduces_the_run(tmp_path, opt):
     assert a["data_pos"] == b["data_pos"]
 
 
-def test_every_backend_runs_the_loop(tmp_path, backend):
+_LOOP_ARGS = SMALL[:] + ["--optimizer", "ivon-pocomo", "--max-steps", "8", "--poco-start",
+                         "2", "--refresh-every", "3", "--mega-batches", "2", "--eval-every",
+                         "8", "--save-rank-states"] + SMOOTH
+
+
+@pytest.fixture(scope="module")
+def loop_baseline(tmp_path_factory):
+    """The loop on the torch backend, run once for every backend's comparison."""
+    out = tmp_path_factory.mktemp("baseline")
+    P.main(_LOOP_ARGS + ["--backend", "torch", "--out-dir", str(out)])
+    return _load(out / "rank0.pt")
+
+
+def test_every_backend_runs_the_loop(tmp_path, backend, loop_baseline):
     """The PoCoMo loop (micro-batches, refreshes, outer samples) on each backend
     (Triton through its interpreter) follows the trajectory of a baseline run on the
     torch backend."""
-    args = SMALL[:] + ["--optimizer", "ivon-pocomo", "--max-steps", "8", "--poco-start", "2",
-                       "--refresh-every", "3", "--mega-batches", "2", "--eval-every", "8",
-                       "--save-rank-states"] + SMOOTH
-    P.main(args + ["--backend", backend, "--out-dir", str(tmp_path / backend)])
-    P.main(args + ["--backend", "torch", "--out-dir", str(tmp_path / "baseline")])
+    P.main(_LOOP_ARGS + ["--backend", backend, "--out-dir", str(tmp_path / backend)])
     ck = torch.load(tmp_path / backend / "ckpt.pt", weights_only=False)
     assert ck["optimizer"]["poco"]["refreshes"] == 2            # at steps 2 and 5
-    rel, key = _max_rel(_load(tmp_path / backend / "rank0.pt"),
-                        _load(tmp_path / "baseline" / "rank0.pt"))
+    rel, key = _max_rel(_load(tmp_path / backend / "rank0.pt"), loop_baseline)
     assert rel < 1e-4, (rel, key)
 
 

@@ -30,6 +30,9 @@ def _roundtrip(sd):
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("cut", [7, 13])     # 13: mid inner loop, after 2 refreshes
 def test_resume_is_bit_identical(name, cut, backend):
+    if backend == "triton" and cut == 7:
+        pytest.skip("CI time (the Triton interpreter): cut 13, mid inner loop after two "
+                    "refreshes, covers the fused resume on Triton; cut 7 runs on C++")
     prob = Problem()
     make = OPTIMIZERS[name]
     refresh = None if name == "IVON" else 5
