@@ -110,6 +110,19 @@ class ParamGroup(dict):
     def get(self, key, default=None):
         return self[key] if key in self else default
 
+    def update(self, *args, **kwargs):
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
 
 def draw_seed() -> int:
     """A noise seed in ``[0, 2**63)`` from torch's global CPU generator (one draw)."""
@@ -294,7 +307,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
         steps, as with torch.optim): the buckets are laid out again over the trainable
         parameters; a parameter keeps its state, a newly trainable one starts from the
         initial state (and, after a refresh, its group steps without correction until
-        the next refresh takes it in: docs/design.md, 'torch.optim conventions')."""
+        the next refresh takes it in: docs/design.md, 'torch.optim conventions').  The
+        state dict and copies follow the new flags too."""
         if not self._trainable_changed():
             return
         if any(self._pending.count.values()):
@@ -329,11 +343,10 @@ class BucketedOptimizer(torch.optim.Optimizer):
                                                           dtype=b.dtype)
                         b.buffers[name][off:off + n].copy_(v.reshape(-1))
         kept = {id(p) for b in buckets for p in b.params}
-        for b in old:
+        for b in old:             # (a frozen one leaves: the others' outer state holds)
             for p in b.params:
                 if id(p) not in kept:
                     self.state.pop(p, None)
-                    changed.add(b.group_index)
         # ---- commit
         self._buckets = buckets
         for b in buckets:
@@ -474,6 +487,9 @@ class BucketedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("state_dict() while a sample is in the parameters: call restore() first")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        self._check_trainable()           # (the layout of the current requires_grad flags)
+        self._backend.check_layout()      # (parameters another optimizer took: re-linked)
+        self._sync_mean()                 # the parameters are the truth (float32 ones)
         self._backend.prepare_state_dict()
         self._read_counters()
         sd = self._packed_state()
@@ -995,9 +1011,11 @@ class PosteriorOptimizer(BucketedOptimizer):
                     self._active = None
         skip = self._without_grad((KIND_INNER, KIND_OUTER))
         saved = self._save_params(skip) if skip else None
+        had = [set(b.buffers) for b in self._buckets]
         try:
             taken = self._backend.step(corr, grad_scale, found_inf)
         except BaseException:
+            self._drop_new_buffers(had)
             self._drop_pending((KIND_INNER, KIND_OUTER))
             raise
         finally:
@@ -1007,7 +1025,18 @@ class PosteriorOptimizer(BucketedOptimizer):
                 self._put_back(saved)
         if taken:
             self._step += 1
+        elif taken is False:
+            self._drop_new_buffers(had)
         return loss
+
+    def _drop_new_buffers(self, had) -> None:
+        """An update not taken leaves no buffer made at its first use (SGD's momentum)."""
+        for b, names in zip(self._buckets, had):
+            new = [n for n in b.buffers if n not in names]
+            for n in new:
+                del b.buffers[n]
+            if new:
+                self._expose(b)
 
     def _without_grad(self, kinds) -> FrozenSet[Tuple[int, int]]:
         """The parameters that had no gradient at any sample of ``kinds`` collected for

@@ -296,9 +296,11 @@ class IVONPoCo(IVON):
                             f"{', '.join(cls._POCO_KEYS)}")
         kwargs.setdefault("seed", ivon.seed)
         kwargs.setdefault("backend", ivon._requested[0])
-        kwargs.setdefault("check_finite", ivon._requested[1])
+        kwargs.setdefault("check_finite", ivon.check_finite)
         sd = ivon.state_dict()
-        groups = [dict(g) for g in ivon.param_groups]
+        # (a tensor lr is copied: a scheduler of the new optimizer leaves ivon's alone)
+        groups = [{k: (v.detach().clone() if isinstance(v, Tensor) else v)
+                   for k, v in g.items()} for g in ivon.param_groups]
         d = ivon.defaults
         opt = cls(groups, d["lr"], d["ess"], d["hess_init"], d["beta1"], d["beta2"],
                   d["weight_decay"], d["mc_samples"], d["clip_radius"], d["debias"],

@@ -414,9 +414,9 @@ class VONPoCo(BucketedOptimizer):
         return sum(losses) / n
 
     # ------------------------------------------------------------------ state dict
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def _plan_load(self, state_dict: Dict[str, Any]):
         """As the base class, and the saved precisions must be symmetric positive definite
-        (checked before anything changes)."""
+        (checked before anything changes, after the load pre-hooks)."""
         extra = state_dict.get("poco", {}).get("bucket_buffers", {}) \
             if isinstance(state_dict, dict) and isinstance(state_dict.get("poco"), dict) else {}
         for b in self._buckets:
@@ -428,4 +428,4 @@ class VONPoCo(BucketedOptimizer):
                        f"state dict's precision of bucket {b.index} is not finite and symmetric")
                 check(int(torch.linalg.cholesky_ex(S)[1]) == 0,
                        f"state dict's precision of bucket {b.index} is not positive definite")
-        super().load_state_dict(state_dict)
+        return super()._plan_load(state_dict)

@@ -330,3 +330,79 @@ def test_torch_flags_are_refused(flag):
     with pytest.raises(TypeError, match=f"'{flag}'"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], flag: False})
     assert len(opt.param_groups) == 1
+
+
+# ---------------------------------------------------------------- review findings
+@pytest.mark.parametrize("be", CPU_BACKENDS)
+def test_state_dicts_and_copies_follow_requires_grad_changes(be):
+    """A state dict (or copy) taken after a requires_grad change has the new layout, and
+    freezing a parameter keeps its group's correction (the others' outer state holds)."""
+    import copy
+    prob = Problem()
+    model = mlp()
+    opt = pk.IVONPoCo(model.parameters(), lr=0.05, ess=50.0, seed=2, backend=be)
+    opt.step(_closure(opt, model, prob, torch.arange(8)))
+    opt.refresh(_closure(opt, model, prob, torch.arange(16)))
+    model[2].bias.requires_grad_(False)
+    sd = opt.state_dict()
+    assert opt.correction_active()
+    opt.load_state_dict(sd)
+    model[2].bias.requires_grad_(True)
+    m2, o2 = copy.deepcopy((model, opt))
+    for o, m in ((opt, model), (o2, m2)):
+        o.step(_closure(o, m, prob, torch.arange(8)))
+    for a, b in zip(params_of(model), params_of(m2)):
+        assert torch.equal(a, b)
+
+
+def test_bf16_parameters_taken_by_another_optimizer_keep_its_changes():
+    if "cpp" not in CPU_BACKENDS:
+        pytest.skip("needs the C++ extension")
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    a = pk.SVRG([w], lr=0.5, backend="cpp")
+    b = pk.SVRG([w], lr=0.25, backend="cpp")
+    for opt in (a, b, a):
+        w.grad = torch.ones(3, dtype=torch.bfloat16)
+        opt.step()
+    assert w.tolist() == [-0.25] * 3
+
+
+@pytest.mark.parametrize("be", CPU_BACKENDS)
+def test_a_first_momentum_step_not_taken_leaves_no_buffer(be):
+    """SGD's momentum buffer is made at the first step taken: a refused or skipped first
+    step leaves none (the next step starts it as torch.optim.SGD does)."""
+    ws = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    opts = [pk.SVRG([w], lr=0.1, momentum=0.9, dampening=0.5, backend=be) for w in ws]
+    ws[1].grad = torch.tensor([1.0, float("nan"), 1.0])
+    with pytest.raises(ValueError, match="non-finite"):
+        opts[1].step()
+    ws[1].grad = torch.ones(3)
+    opts[1].step(found_inf=torch.tensor(1.0))
+    assert "momentum_buffer" not in opts[1].state[ws[1]]
+    for w, o in zip(ws, opts):
+        for _ in range(2):
+            w.grad = torch.ones(3)
+            o.step()
+    assert torch.equal(ws[0], ws[1])
+
+
+def test_param_group_update_and_setdefault_go_through_the_alias():
+    g = pk.IVON([torch.nn.Parameter(torch.randn(2))], lr=0.1, ess=1.0).param_groups[0]
+    g.update({"betas": (0.5, 0.6)})
+    assert (g["beta1"], g["beta2"]) == (0.5, 0.6) and "betas" not in g.keys()
+    assert g.setdefault("betas", (0.1, 0.2)) == (0.5, 0.6)
+    g |= {"betas": (0.7, 0.8)}
+    assert g["beta1"] == 0.7
+
+
+def test_von_poco_checks_a_precision_a_load_pre_hook_returns():
+    model = torch.nn.Linear(3, 1)
+    opt = pk.VONPoCo(model.parameters(), ess=10.0, seed=0)
+    good = opt.state_dict()
+    bad = {**good, "poco": {**good["poco"], "bucket_buffers": {
+        k: -torch.eye(v.shape[0]) for k, v in good["poco"]["bucket_buffers"].items()}}}
+    opt.register_load_state_dict_pre_hook(lambda o, sd: bad)
+    before = opt.flat_state("mean")[0].clone()
+    with pytest.raises(ValueError, match="positive definite"):
+        opt.load_state_dict(good)
+    assert torch.equal(opt.flat_state("mean")[0], before)

@@ -150,6 +150,12 @@ class FusedBackend(Backend):
                     flat = b.flat_param[off:off + p.numel()]
                     flat.copy_(p.detach().reshape(-1))
                     p.data = flat.view_as(view)
+                if b.param_dtype != b.dtype and self.params_hold_mean:
+                    # low precision: the float32 master copy keeps what the parameters
+                    # still round to, and takes the values changed elsewhere
+                    mean = b.buffers["mean"]
+                    moved = mean.to(b.param_dtype) != b.flat_param
+                    mean.copy_(torch.where(moved, b.flat_param.to(mean.dtype), mean))
 
     def _changed(self, b) -> Optional[str]:
         """What keeps a bucket's parameters from being re-linked (None: nothing)."""
