@@ -55,12 +55,19 @@ def _trajectory(name, backend, dtype, steps=STEPS):
     return m, opt, losses
 
 
+#: the slowest configurations under the Triton interpreter: float32 only there
+_TRITON_FLOAT32_ONLY = {"IVONPoCo-antithetic-floor-mc2", "IVON-mc2-nodebias"}
+
+
 @fused
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_backends_agree_on_whole_trajectories(name, dtype, fused):
     """Tens of steps, refreshes included, two parameter groups: a fused backend against
     the torch backend, state buffer by buffer."""
+    if fused == "triton" and dtype == torch.bfloat16 and name in _TRITON_FLOAT32_ONLY:
+        pytest.skip("CI time (the Triton interpreter): bf16 on Triton runs the other "
+                    "configurations; this one runs bf16 on C++")
     m_ref, ref, l_ref = _trajectory(name, "torch", dtype)
     m_tri, tri, l_tri = _trajectory(name, fused, dtype)
     assert tri.backend == fused and ref.backend == "torch"
@@ -217,8 +224,9 @@ def test_nonfinite_gradients_raise_with_check_finite(fused):
 
 
 # --------------------------------------------------------------------------- state dicts
-PAIRS = sorted({tuple(sorted(p)) for p in [("torch", f) for f in FUSED_BACKENDS]
-                + [(a, b) for a in FUSED_BACKENDS for b in FUSED_BACKENDS if a != b]})
+# every fused backend with the torch backend (the state dict has its layout; C++ <-> Triton
+# goes through the same layout, and is left out for CI time)
+PAIRS = sorted({tuple(sorted(p)) for p in [("torch", f) for f in FUSED_BACKENDS]})
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=["-".join(p) for p in PAIRS])

@@ -307,7 +307,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name,backend", [(n, "auto") for n in CONFIGS] + [("IVONPoCo", "torch")])
+@pytest.mark.parametrize("name,backend", [(n, "auto") for n in ("IVONPoCo", "SVRG", "VONPoCo")]
+                         + [("IVONPoCo", "torch")])
 def test_compiled_training_step_with_a_closure(name, backend, fresh_dynamo, one_thread):
     """``torch.compile`` (inductor) of a function that calls ``opt.step(closure)`` (and
     ``opt.refresh(closures)``) gives the eager results: the optimizer's protocol runs

@@ -177,9 +177,9 @@ def test_resume_mid_inner_loop_reproduces_the_run(tmp_path, opt):
     assert a["data_pos"] == b["data_pos"]
 
 
-_LOOP_ARGS = SMALL[:] + ["--optimizer", "ivon-pocomo", "--max-steps", "8", "--poco-start",
+_LOOP_ARGS = SMALL[:] + ["--optimizer", "ivon-pocomo", "--max-steps", "6", "--poco-start",
                          "2", "--refresh-every", "3", "--mega-batches", "2", "--eval-every",
-                         "8", "--save-rank-states"] + SMOOTH
+                         "6", "--save-rank-states"] + SMOOTH
 
 
 @pytest.fixture(scope="module")
