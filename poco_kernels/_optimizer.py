@@ -324,13 +324,11 @@ class BucketedOptimizer(torch.optim.Optimizer):
                         "trainable parameters")
         old = self._buckets
         before = {id(p): self.state[p] for b in old for p in b.params}
-        buckets = build_buckets(self._groups, _noise.MAX_BUCKETS)
+        buckets = self._new_buckets(self._groups, [])      # fresh buffers, initial state
         self._backend.check_buckets(buckets)
         changed = set()
         with torch.no_grad():
             for b in buckets:
-                group = self._groups[b.group_index]
-                b.buffers = {"mean": b.flat_params(), **self._init_buffers(b, group)}
                 for i, p in enumerate(b.params):
                     prev = before.get(id(p))
                     if prev is None:
@@ -488,8 +486,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         self._check_trainable()           # (the layout of the current requires_grad flags)
-        self._backend.check_layout()      # (parameters another optimizer took: re-linked)
-        self._sync_mean()                 # the parameters are the truth (float32 ones)
+        self._sync_mean()                 # the parameters are the truth (fused: re-linked)
         self._backend.prepare_state_dict()
         self._read_counters()
         sd = self._packed_state()
