@@ -128,7 +128,38 @@ def b_accumulate_restore(P):
     return b_gather(P) + b_accumulate(P) + b_restore(P)
 
 
+
+
+def b_check(P):
+    """A gradient buffer adopted as its sum, checked for non-finite values: the accumulate
+    kernel run in place (reads P, writes the same P back)."""
+    return 2 * P
+
+
+def b_zero(P):
+    """A consumed gradient buffer zeroed before it is handed out again as ``.grad`` views
+    (one memset: writes P)."""
+    return P
+
+
+def b_iteration(name, provider, P=S):
+    """One training iteration, optimizer side (``iteration.py``), float32, the closure
+    zeroing with the optimizer's ``zero_grad()``:
+    AdamW: its step (the closure's zero_grad sets .grad to None: nothing moves);
+    ours, ``.grad`` views of the flat buffers (grad_views=True): per gradient a check
+    of the adopted buffer and a zeroing of it after the update; IVON: inner sample
+    (float32 parameters hold the mean: sync) + step; IVON-PoCoMo: inner sample + outer
+    sample + step with the correction."""
+    if name == "AdamW":
+        return b_adamw(P)
+    grads = 1 if name == "IVON" else 2
+    total = b_sample_inner(P, P == S) + grads * (b_check(P) + b_zero(P))
+    if name == "IVON":
+        return total + b_step_ivon(P)
+    return total + b_sample_outer(P) + b_step_poco(P)
+
+
 BYTE_MODELS = (b_step_poco, b_step_ivon, b_sample_inner, b_sample_outer, b_accumulate,
                b_gather, b_restore, b_refresh_kernel, b_poco_cycle, b_ivon_cycle, b_refresh,
                b_accumulate_restore, b_adamw, b_ivonopt_step, b_ivonopt_sample,
-               b_ivonopt_restore, b_ivonopt_cycle)
+               b_ivonopt_restore, b_ivonopt_cycle, b_check, b_zero, b_iteration)

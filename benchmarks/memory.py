@@ -6,8 +6,9 @@ backends).
   ``state``, its ``param_groups``, and the attributes of this package's and ivon-opt's
   own objects), counted once per storage, excluding the storages of the parameters and
   of their ``.grad``.  For the fused backends this includes the float32 master mean of
-  bf16 parameters, the gradient sums of the inner and outer samples, and the flat buffer
-  that ``.grad`` is gathered into (not needed when ``.grad`` are views of it).  On CUDA,
+  bf16 parameters and the flat gradient buffers beyond the one the parameters' ``.grad``
+  are views of (IVON-PoCoMo: the second, for the outer gradient; ``.grad`` are counted
+  only while they are set).  On CUDA,
   the allocator's own count (``memory_allocated`` after building the optimizer and
   taking steps, minus before) is given beside it, with the peak during a step.
 * **Allocations per step**: the allocator events one steady-state iteration makes
@@ -209,7 +210,7 @@ def _one(dev, dt, name, provider, factory, kind, n, numel):
     held, per = held_bytes(opt, params)
     row["state_bytes_per_param"] = round(held / numel, 3)
     # in opt.state (torch.optim's per-parameter state) vs elsewhere: ivon-opt's
-    # param_groups; the fused engines' gradient-sum pool, gather buffer, control words
+    # param_groups; the fused engines' gradient buffers and sums, control words
     st = sum(v for k, v in per.items() if k.startswith("opt.state["))
     row["opt_state_bytes_per_param"] = round(st / numel, 3)
     row["other_bytes_per_param"] = round((held - st) / numel, 3)

@@ -52,6 +52,12 @@ COMMON_ARGUMENTS = """\
       (``True``), or skip such an update on the device and count it in
       ``skipped_updates`` (``False``).  Default ``None``: True on the torch and C++
       backends, False on Triton, where the check costs a device-to-host read per update.
+    * ``grad_views``: on the fused backends, each sample hands the trainable parameters a
+      ``.grad`` that is a view of a zeroed flat gradient buffer, so the backward pass
+      accumulates straight into what the kernels read (no copy), and ``zero_grad()``
+      zeroes those buffers in place, keeping the views (default True).  A ``.grad``
+      replaced since (``p.grad = t``, ``zero_grad(set_to_none=True)``, a hook) still works:
+      it is copied in once.  False: ``.grad`` is left to autograd and always copied in.
 """
 
 
@@ -176,7 +182,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
         self._groups = groups
 
     def __init__(self, params, defaults: Dict[str, Any], *, seed: Optional[int] = None,
-                 backend: str = "auto", check_finite: Optional[bool] = None):
+                 backend: str = "auto", check_finite: Optional[bool] = None, grad_views: bool = True):
         check(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)
                                and 0 <= seed < 2 ** 63),
               f"seed must be None or an int in [0, 2**63), got {seed!r}")
@@ -184,6 +190,10 @@ class BucketedOptimizer(torch.optim.Optimizer):
               f"{backend!r}")
         check(check_finite is None or isinstance(check_finite, bool),
               f"check_finite must be None or a bool, got {check_finite!r}")
+        check(isinstance(grad_views, bool), f"grad_views must be a bool, got {grad_views!r}")
+        #: fused backends: the parameters' ``.grad`` are views of the flat gradient buffers
+        #: the kernels read (see ``zero_grad``); False: autograd's own tensors, copied in
+        self.grad_views = grad_views
         super().__init__(params, self._group_type(defaults))
         for gi, g in enumerate(self._groups):
             self._check_group(g, gi, new=True)
@@ -356,7 +366,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ copy and pickle
     #: the attributes that __setstate__ rebuilds (the other public ones are copied)
-    _REBUILT = frozenset({"defaults", "state", "param_groups", "seed", "backend", "check_finite"})
+    _REBUILT = frozenset({"defaults", "state", "param_groups", "seed", "backend", "check_finite",
+                          "grad_views"})
 
     def __getstate__(self) -> Dict[str, Any]:
         """``copy.deepcopy`` and pickle: the parameter groups (with the parameters), the
@@ -382,7 +393,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
             check_finite = self.check_finite        # set by hand since
         return {"poco_copy": 1, "param_groups": self.param_groups, "defaults": self.defaults,
                 "seed": self.seed, "backend": backend, "check_finite": check_finite,
-                "state_dict": sd, "skipped": self._read_counters()[2],
+                "grad_views": self.grad_views, "state_dict": sd, "skipped": self._read_counters()[2],
                 "attributes": {k: v for k, v in self.__dict__.items()
                                if not k.startswith("_") and k not in self._REBUILT}}
 
@@ -396,7 +407,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
         bare = [{"params": g["params"], **{k: g[k] for k in state["defaults"] if k in g}}
                 for g in groups]
         BucketedOptimizer.__init__(self, bare, state["defaults"], seed=state["seed"],
-                                   backend=state["backend"], check_finite=state["check_finite"])
+                                   backend=state["backend"], check_finite=state["check_finite"],
+                                   grad_views=state.get("grad_views", True))
         self._plan_load(state["state_dict"])()
         with torch.no_grad():                   # the parameters as they were (the truth)
             for p, v in zip((p for g in self.param_groups for p in g["params"]), values):
@@ -738,6 +750,29 @@ class BucketedOptimizer(torch.optim.Optimizer):
         (the torch backend skips AMP overflows and raises on non-finite gradients)."""
         return self._read_counters()[2]
 
+    @torch._disable_dynamo
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """Reset the gradients.  ``.grad`` that are views of the fused backends' flat
+        gradient buffers (``grad_views``) are zeroed in place and stay views (one memset
+        per bucket, none when the buffer is known to hold zeros); the others are set to
+        None, as ``torch.optim`` does.  ``set_to_none=True``: every ``.grad`` to None
+        (the next backward's gradients are then copied into the buffers once);
+        ``False``: every ``.grad`` zeroed in place."""
+        done = self._backend.zero_grads() if set_to_none is not True else set()
+        with torch.no_grad():
+            for group in self._groups:
+                for p in group["params"]:
+                    if p.grad is None or id(p) in done:
+                        continue
+                    if set_to_none is False:
+                        if p.grad.grad_fn is not None:
+                            p.grad.detach_()
+                        else:
+                            p.grad.requires_grad_(False)
+                        p.grad.zero_()
+                    else:
+                        p.grad = None
+
     def flat_state(self, name: str) -> List[Tensor]:
         """The flat buffer ``name`` of every bucket (read-only use, for tests and tools)."""
         return [b.buffers[name] for b in self._buckets]
@@ -860,8 +895,9 @@ class PosteriorOptimizer(BucketedOptimizer):
         if self._active is None:
             raise RuntimeError("accumulate() needs an active sample: call sample() first")
         k, draw = self._active
-        missing = frozenset((b.index, i) for b in self._buckets
-                            for i, p in enumerate(b.params) if p.grad is None)
+        missing = frozenset({(b.index, i) for b in self._buckets
+                             for i, p in enumerate(b.params) if p.grad is None}
+                            | self._backend.unwritten())
         self._backend.accumulate(k, draw)
         self._pending.note_grads(k, missing)
         self._pending.count[k] += 1
@@ -1020,6 +1056,7 @@ class PosteriorOptimizer(BucketedOptimizer):
             self._eps_cache.clear()
             if saved:
                 self._put_back(saved)
+            self._backend.after_update()
         if taken:
             self._step += 1
         elif taken is False:
@@ -1138,6 +1175,7 @@ class PosteriorOptimizer(BucketedOptimizer):
         finally:
             pend.clear((KIND_REFRESH,))
             self._eps_cache.clear()
+            self._backend.after_update()
         if not taken:
             return None
         self._refresh_taken()

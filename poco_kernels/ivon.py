@@ -127,10 +127,10 @@ class IVON(PosteriorOptimizer):
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
                  clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True,
                  *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None):
+                 check_finite: Optional[bool] = None, grad_views: bool = True):
         super().__init__(params, _ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay,
                                              mc_samples, clip_radius, debias, rescale_lr),
-                         seed=seed, backend=backend, check_finite=check_finite)
+                         seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views)
 
     def _validate_group(self, group):
         check_range(group, "lr", lo=0.0, tensor=True)
@@ -258,18 +258,19 @@ class IVONPoCo(IVON):
                  refresh_samples: int = 1, refresh_antithetic: bool = False,
                  hess_floor: Optional[float] = None,
                  *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None):
+                 check_finite: Optional[bool] = None, grad_views: bool = True):
         defaults = dict(_ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
                                     clip_radius, debias, rescale_lr),
                         alpha=alpha, rho1=rho1, rho2=rho2, hess_corr_scale=hess_corr_scale,
                         outer_noise=outer_noise, refresh_samples=refresh_samples,
                         refresh_antithetic=refresh_antithetic, hess_floor=hess_floor)
         PosteriorOptimizer.__init__(self, params, defaults, seed=seed, backend=backend,
-                                    check_finite=check_finite)
+                                    check_finite=check_finite, grad_views=grad_views)
 
     #: the keywords :meth:`from_ivon` takes (IVON's hyperparameters come from the IVON run)
     _POCO_KEYS = ("alpha", "rho1", "rho2", "hess_corr_scale", "outer_noise", "refresh_samples",
-                  "refresh_antithetic", "hess_floor", "seed", "backend", "check_finite")
+                  "refresh_antithetic", "hess_floor", "seed", "backend", "check_finite",
+                  "grad_views")
 
     @classmethod
     def from_ivon(cls, ivon: IVON, **kwargs) -> "IVONPoCo":
@@ -297,6 +298,7 @@ class IVONPoCo(IVON):
         kwargs.setdefault("seed", ivon.seed)
         kwargs.setdefault("backend", ivon._requested[0])
         kwargs.setdefault("check_finite", ivon.check_finite)
+        kwargs.setdefault("grad_views", ivon.grad_views)
         sd = ivon.state_dict()
         # (a tensor lr is copied: a scheduler of the new optimizer leaves ivon's alone)
         groups = [{k: (v.detach().clone() if isinstance(v, Tensor) else v)
@@ -386,7 +388,7 @@ class IVONPoCoMo(IVONPoCo):
     ``weight_decay``, ``mc_samples``, ``clip_radius``, ``debias``, ``rescale_lr``,
     ``alpha``, ``rho1`` (default 0.6), ``rho2`` (default 0.1), ``hess_corr_scale``,
     ``outer_noise``, ``refresh_samples``, ``refresh_antithetic``, ``hess_floor``, ``seed``,
-    ``backend``, ``check_finite``."""
+    ``backend``, ``check_finite``, ``grad_views``."""
 
     _loads_from = ("IVONPoCo",)
 
@@ -398,8 +400,8 @@ class IVONPoCoMo(IVONPoCo):
                  refresh_samples: int = 1, refresh_antithetic: bool = False,
                  hess_floor: Optional[float] = None,
                  *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None):
+                 check_finite: Optional[bool] = None, grad_views: bool = True):
         super().__init__(params, lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
                          clip_radius, debias, rescale_lr, alpha, rho1, rho2, hess_corr_scale,
                          outer_noise, refresh_samples, refresh_antithetic, hess_floor,
-                         seed=seed, backend=backend, check_finite=check_finite)
+                         seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views)

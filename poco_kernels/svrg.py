@@ -128,10 +128,10 @@ class SVRG(_SVRGBase):
     def __init__(self, params, lr: float = 1e-3, alpha: float = 1.0, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None):
+                 check_finite: Optional[bool] = None, grad_views: bool = True):
         defaults = dict(lr=lr, alpha=alpha, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite)
+        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views)
 
     def _validate_group(self, group):
         super()._validate_group(group)
@@ -180,12 +180,12 @@ class VSGDPoCo(SVRG):
     def __init__(self, params, lr: float = 1e-3, sigma: float = 1e-3, alpha: float = 1.0,
                  momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False, mc_samples: int = 1, *, seed: Optional[int] = None,
-                 backend: str = "auto", check_finite: Optional[bool] = None):
+                 backend: str = "auto", check_finite: Optional[bool] = None, grad_views: bool = True):
         defaults = dict(lr=lr, alpha=alpha, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, sigma=sigma,
                         mc_samples=mc_samples)
         PosteriorOptimizer.__init__(self, params, defaults, seed=seed, backend=backend,
-                                    check_finite=check_finite)
+                                    check_finite=check_finite, grad_views=grad_views)
 
     def _validate_group(self, group):
         super()._validate_group(group)
@@ -212,10 +212,10 @@ class SVRGAdamW(_SVRGBase):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, alpha: float = 1.0, *, seed: Optional[int] = None,
-                 backend: str = "auto", check_finite: Optional[bool] = None):
+                 backend: str = "auto", check_finite: Optional[bool] = None, grad_views: bool = True):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         alpha=alpha)
-        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite)
+        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views)
 
     def _validate_group(self, group):
         super()._validate_group(group)

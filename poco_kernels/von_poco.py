@@ -150,12 +150,12 @@ class VONPoCo(BucketedOptimizer):
                  alpha: float = 1.0, prior_precision: float = 1.0, min_eig: float = 1e-4,
                  noise_scale: float = 1.0, rho1: float = 0.0, rho2: float = 0.0,
                  precision_update: str = "blr", *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None):
+                 check_finite: Optional[bool] = None, grad_views: bool = True):
         defaults = dict(lr=lr, beta=beta, ess=ess, alpha=alpha,
                         prior_precision=prior_precision, min_eig=min_eig,
                         noise_scale=noise_scale, rho1=rho1, rho2=rho2,
                         precision_update=precision_update)
-        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite)
+        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views)
 
     # ------------------------------------------------------------------ construction
     def _validate_group(self, group):

@@ -217,7 +217,10 @@ def test_sparse_and_complex_parameters_are_refused():
 
 def test_sparse_gradient_is_refused_and_changes_nothing(backend):
     emb = torch.nn.Embedding(10, 3, sparse=True)
-    o = pk.SVRG(emb.parameters(), lr=0.1, backend=backend)
+    # (with grad_views, the fused backends' default, a sparse gradient accumulates into
+    # the dense .grad view like any other: test_sparse_gradient_into_a_grad_view)
+    kw = {} if backend == "torch" else {"grad_views": False}
+    o = pk.SVRG(emb.parameters(), lr=0.1, backend=backend, **kw)
     before = snapshot(o, emb)
 
     def closure():
@@ -228,6 +231,28 @@ def test_sparse_gradient_is_refused_and_changes_nothing(backend):
     with pytest.raises(RuntimeError, match="sparse"):
         o.step(closure)
     assert_unchanged(before, o, emb)
+
+
+@pytest.mark.parametrize("fused", ["cpp", "triton"])
+def test_sparse_gradient_into_a_grad_view(fused):
+    """A ``.grad`` that is a view of the flat gradient buffer is dense: autograd adds a
+    sparse gradient into it, and the step is that of the dense gradient."""
+    outs = []
+    for sparse, kw in ((True, {}), (False, {"backend": "torch"})):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=sparse)
+        o = pk.SVRG(emb.parameters(), lr=0.1, momentum=0.9,
+                    **({"backend": fused} if sparse else kw))
+
+        def closure():
+            o.zero_grad()
+            loss = (emb(torch.tensor([1, 2, 2])) ** 2).sum()
+            loss.backward()
+            return loss
+        for _ in range(3):
+            o.step(closure)
+        outs.append(emb.weight.detach().clone())
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("corrupt", ["groups", "shape", "class", "missing", "count"])

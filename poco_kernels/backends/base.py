@@ -19,7 +19,7 @@ HOST = frozenset({
     # layout and protocol state
     "_buckets", "_pending", "param_groups", "seed", "backend", "check_finite", "_step",
     "_kernel_capable",
-    "_refreshes", "uses_hessian", "_divergence_hint",
+    "_refreshes", "uses_hessian", "_divergence_hint", "grad_views",
     # the optimizer's family: its samples, its reference update, its kernel records
     "_group", "_spec", "_first_refresh", "_inner_update", "_refresh_update", "_kernel_step",
     "_kernel_refresh",
@@ -97,6 +97,19 @@ class Backend(ABC):
     def check_layout(self) -> None:
         """Bring back parameters that are no longer where the backend keeps them (the
         fused backends' flat buffers), or raise where that cannot be done."""
+
+    def zero_grads(self) -> set:
+        """``zero_grad()`` for the ``.grad`` the backend handed out (views of its buffers):
+        zeroed in place; returns the ids of the parameters handled (none here)."""
+        return set()
+
+    def unwritten(self) -> set:
+        """``(bucket, index)`` of parameters whose ``.grad`` the backend handed out and no
+        backward wrote: they count as without a gradient (none here)."""
+        return set()
+
+    def after_update(self) -> None:
+        """An update consumed (or a failure dropped) the pending sums of its kinds."""
 
     def discard(self) -> None:
         """Pending sums were dropped without an update (a closure raised): forget what

@@ -56,6 +56,47 @@ def bucket_reasons(backend: str, buckets) -> List[str]:
     return list(dict.fromkeys(reasons))
 
 
+class GradBuffer:
+    """A flat gradient buffer of a bucket (the parameter dtype) and, per parameter, a
+    tensor over its part of the storage that is handed to the parameter as its ``.grad``.
+
+    Those tensors alias the buffer without being autograd views of it, so each keeps its
+    own version counter: every in-place write to one (autograd accumulating a gradient
+    into ``.grad``, ``zero_()``, a copy) moves that parameter's counter only.  ``clean``:
+    the counters at which the buffer was last known to hold zeros (None: not known), so
+    the engine knows without reading the buffer whether it is still zero and which
+    parameters received a gradient since."""
+
+    __slots__ = ("flat", "views", "clean")
+
+    def __init__(self, b):
+        self.flat = torch.zeros(b.numel, device=b.device, dtype=b.param_dtype)
+        st = self.flat.untyped_storage()
+        self.views = [torch.empty(0, device=b.device, dtype=b.param_dtype).set_(
+                          st, off, p.shape, p.stride() if p.is_contiguous() else
+                          torch.empty(p.shape).stride())
+                      for p, off in zip(b.params, b.offsets)]
+        self.clean = self._versions()
+
+    def _versions(self) -> List[int]:
+        return [v._version for v in self.views]
+
+    def is_clean(self) -> bool:
+        return self.clean is not None and self.clean == self._versions()
+
+    def written(self) -> List[bool]:
+        """Per parameter: written since the buffer was zeroed (True where not known)."""
+        if self.clean is None:
+            return [True] * len(self.views)
+        return [v._version != c for v, c in zip(self.views, self.clean)]
+
+    def zero(self) -> None:
+        """Make it hold zeros (one memset, skipped when it is known to)."""
+        if not self.is_clean():
+            self.flat.zero_()
+            self.clean = self._versions()
+
+
 class FusedBackend(Backend):
     """Owns the flat parameter/gradient buffers, the gradient sums and the control
     tensors of one optimizer.  ``ops``: the kernels' wrapper module (``triton_ops`` or
@@ -87,9 +128,9 @@ class FusedBackend(Backend):
                     for p, off in zip(b.params, b.offsets):
                         p.data = flat[off:off + p.numel()].view_as(p)
                 b.flat_param = flat
-                b.grad_flat = torch.zeros(b.numel, device=b.device, dtype=b.param_dtype)
-                b.grad_views = [b.grad_flat[off:off + p.numel()].view_as(p)
-                                for p, off in zip(b.params, b.offsets)]
+                b.grad_bufs = [GradBuffer(b)]
+                b.handed = None
+                b.grad_flat, b.grad_views = b.grad_bufs[0].flat, b.grad_bufs[0].views
             if b.device not in self.ctl:      # a new device starts from the counters
                 src = next(iter(self.ctl.values()), None)
                 self.ctl[b.device] = (src.to(b.device, copy=True) if src is not None else
@@ -207,6 +248,7 @@ class FusedBackend(Backend):
     @torch.no_grad()
     def sample(self, kind: int, draw: int) -> None:
         self.check_layout()
+        self.hand_out()
         opt = self.opt
         for b in opt._buckets:
             spec = opt._spec(b, kind, draw)
@@ -255,27 +297,109 @@ class FusedBackend(Backend):
         return self.pool[key]
 
     def _acc(self, kind: int, b, name: str) -> Tensor:
-        """The pool buffer of a pending sum, holding the pending value (a state dict
-        loaded since may have put another tensor there)."""
+        """The buffer of a pending sum, holding the pending value: the sum itself when it
+        is one (a gradient buffer adopted by :meth:`accumulate`, a pool buffer, or the
+        float vector a loaded state dict put there, owned by the pending sums), else a
+        pool buffer allocated at first use and reused."""
+        sums = self.opt._pending.sums
+        cur = sums.get((kind, b.index, name))
+        if (cur is not None and cur.dtype == b.dtype and cur.device == b.device
+                and cur.is_contiguous() and cur.numel() == b.numel):
+            return cur
         bufs = self._buffers(kind, b)
         i = 0 if name == "g" else 1
         if bufs[i] is None:
             bufs[i] = torch.empty(b.numel, device=b.device, dtype=b.dtype)
-        sums = self.opt._pending.sums
-        cur = sums.get((kind, b.index, name))
-        if cur is not None and cur is not bufs[i]:
+        if cur is not None:
             bufs[i].copy_(cur)
             sums[(kind, b.index, name)] = bufs[i]
         return bufs[i]
 
-    def _gather_grads(self, b) -> Tensor:
-        """The bucket's gradients as one flat buffer of the parameter dtype: free when the
-        gradients already are views of it, one foreach copy otherwise."""
+    # ------------------------------------------------------------------ gradient buffers
+    def _lent(self) -> set:
+        """ids of the tensors the pending sums are (a gradient buffer adopted as a sum is
+        lent until the update that consumes it)."""
+        return {id(t) for t in self.opt._pending.sums.values()}
+
+    def _free_buffer(self, b, lent: set, prefer: Optional[int] = None) -> int:
+        """The index of a gradient buffer of ``b`` not lent to a pending sum (``prefer``
+        if it is free); a new one when all are lent."""
+        if prefer is not None and id(b.grad_bufs[prefer].flat) not in lent:
+            return prefer
+        for i, gb in enumerate(b.grad_bufs):
+            if id(gb.flat) not in lent:
+                return i
+        b.grad_bufs.append(GradBuffer(b))
+        return len(b.grad_bufs) - 1
+
+    def hand_out(self, cleared_only: bool = False) -> None:
+        """Give every trainable parameter a ``.grad`` that is a view of a zeroed, free
+        flat gradient buffer of its bucket, so that the coming backward pass accumulates
+        straight into the buffer the kernels read (before a sample's backward, and after
+        an update for the buckets whose ``.grad`` were cleared by ``accumulate``:
+        ``cleared_only``)."""
+        if not self.opt.grad_views or torch.compiler.is_compiling():
+            return
+        lent = self._lent()
+        for b in self.opt._buckets:
+            if cleared_only and any(p.grad is not None for p in b.params):
+                continue
+            i = self._free_buffer(b, lent, b.handed)
+            gb = b.grad_bufs[i]
+            gb.zero()
+            for p, v in zip(b.params, gb.views):
+                if p.grad is not v:
+                    p.grad = v
+            b.handed = i
+
+    def zero_grads(self) -> set:
+        """``zero_grad()`` for the parameters whose ``.grad`` is a view handed out by
+        :meth:`hand_out`: zero the buffer in place (nothing to do when it is known to be
+        zero), keeping the views.  Returns the ids of the parameters handled."""
+        done = set()
+        if torch.compiler.is_compiling():
+            return done
+        lent = self._lent()
+        for b in self.opt._buckets:
+            if b.handed is None:
+                continue
+            gb = b.grad_bufs[b.handed]
+            if id(gb.flat) in lent:
+                continue
+            ours = [p.grad is v for p, v in zip(b.params, gb.views)]
+            if any(ours):
+                gb.zero()
+                done.update(id(p) for p, o in zip(b.params, ours) if o)
+        return done
+
+    def unwritten(self) -> set:
+        """``(bucket, index)`` of the parameters whose ``.grad`` is a view handed out by
+        :meth:`hand_out` that no backward pass (nor anything else) has written since: they
+        received no gradient, as a ``.grad`` of None says with ``torch.optim``."""
+        out = set()
+        if torch.compiler.is_compiling():
+            return out
+        for b in self.opt._buckets:
+            if b.handed is None:
+                continue
+            gb = b.grad_bufs[b.handed]
+            if gb.clean is None:
+                continue
+            for i, (p, v, w) in enumerate(zip(b.params, gb.views, gb.written())):
+                if p.grad is v and not w:
+                    out.add((b.index, i))
+        return out
+
+    def _gather_grads(self, b, lent: set) -> GradBuffer:
+        """The bucket's gradients in one free flat buffer of the parameter dtype: free
+        when the ``.grad`` are the views handed out, one foreach copy for those that are
+        not (replaced, or made by autograd after ``zero_grad(set_to_none=True)``), zeros
+        for those that are None."""
         compiling = torch.compiler.is_compiling()
-        base = 0 if compiling else b.grad_flat.data_ptr()
-        size = b.grad_flat.element_size()
+        i = self._free_buffer(b, lent, b.handed)
+        gb = b.grad_bufs[i]
         srcs, dsts, zero = [], [], []
-        for p, off, view in zip(b.params, b.offsets, b.grad_views):
+        for p, view in zip(b.params, gb.views):
             g = p.grad
             if g is None:
                 zero.append(view)
@@ -283,14 +407,14 @@ class FusedBackend(Backend):
             if g.is_sparse:
                 raise RuntimeError("poco_kernels optimizers do not support sparse gradients "
                                    "(e.g. nn.Embedding(sparse=True)): nothing was accumulated")
-            if compiling or g.data_ptr() != base + off * size or g.dtype != b.param_dtype:
+            if compiling or g is not view:
                 srcs.append(g.detach())
                 dsts.append(view)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         if zero:
             torch._foreach_zero_(zero)
-        return b.grad_flat
+        return gb
 
     def noise_of(self, kind: int, b, draw: int = 0) -> Optional[Tuple[int, int, float]]:
         """(stream, counter slot, sign) of draw ``draw`` of a kind, or None (no noise)."""
@@ -304,16 +428,28 @@ class FusedBackend(Backend):
     def accumulate(self, kind: int, draw: int) -> None:
         opt = self.opt
         sums = opt._pending.sums
+        lent = self._lent()
         # gather every bucket first: a refused gradient (sparse) raises before a sum changes
-        grads = [self._gather_grads(b) for b in opt._buckets]
-        for b, grad in zip(opt._buckets, grads):
+        bufs = [self._gather_grads(b, lent) for b in opt._buckets]
+        compiling = torch.compiler.is_compiling()
+        for b, gb in zip(opt._buckets, bufs):
+            grad = gb.flat
             first = (kind, b.index, "g") not in sums
-            acc_g = self._acc(kind, b, "g")
             noise = self.active_noise.get(b.index)
             want_ge = opt.uses_hessian and noise is not None
             ge_live = (kind, b.index, "ge") in sums
+            needs_ge = want_ge and (draw >= 1 or ge_live)
+            gb.clean = None                    # it holds a gradient now
+            if first and not needs_ge and b.param_dtype == b.dtype and not compiling:
+                # the sum of one gradient is the gradient: the buffer itself becomes the
+                # pending sum (lent until the update), checked for non-finite values
+                self.ops.accumulate(grad, grad, None, self._ctl(b), opt.seed, 0, 0, 1.0,
+                                    True, False)
+                sums[(kind, b.index, "g")] = grad
+                continue
+            acc_g = self._acc(kind, b, "g")
             acc_ge = None
-            if want_ge and (draw >= 1 or ge_live):
+            if needs_ge:
                 acc_ge = self._acc(kind, b, "ge")
                 if not ge_live:
                     if first:
@@ -324,7 +460,7 @@ class FusedBackend(Backend):
                     sums[(kind, b.index, "ge")] = acc_ge
             stream, slot, sign = noise if noise is not None else (0, 0, 1.0)
             self.ops.accumulate(grad, acc_g, acc_ge, self._ctl(b), opt.seed, stream, slot, sign,
-                           first, acc_ge is not None)
+                                first, acc_ge is not None)
             sums[(kind, b.index, "g")] = acc_g
 
     @torch.no_grad()
@@ -415,6 +551,12 @@ class FusedBackend(Backend):
         self._finish(COUNTER_STEPS, found_inf)
         return taken
 
+    def after_update(self) -> None:
+        """The pending sums of an update are gone (consumed or dropped): the gradient
+        buffers lent to them are free, and parameters whose ``.grad`` ``accumulate``
+        cleared get views of a zeroed one again."""
+        self.hand_out(cleared_only=True)
+
     def refresh(self, grad_scale, found_inf) -> bool:
         opt = self.opt
         pend = opt._pending
@@ -458,7 +600,7 @@ class FusedBackend(Backend):
 
     def rebuilt(self, old_buckets) -> None:
         for b_new, b_old in zip(self.opt._buckets, old_buckets):
-            for attr in ("flat_param", "grad_flat", "grad_views"):
+            for attr in ("flat_param", "grad_flat", "grad_views", "grad_bufs", "handed"):
                 if hasattr(b_old, attr):
                     setattr(b_new, attr, getattr(b_old, attr))
         self.flatten()

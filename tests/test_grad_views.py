@@ -1,0 +1,199 @@
+"""``.grad`` as views of the fused backends' flat gradient buffers (``grad_views``, the
+default; docs/design.md, 'Gradients straight into the flat buffers'): what autograd
+writes is what the kernels read, and every other way of producing gradients still gives
+the same steps, bit for bit."""
+import pytest
+import torch
+
+import poco_kernels as pk
+from helpers import FUSED_BACKENDS, Problem, mlp, params_of
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not FUSED_BACKENDS, reason="no fused backend here")]
+
+fused = pytest.mark.parametrize("fused", FUSED_BACKENDS)
+
+
+def _opt(model, fused, cls=pk.IVONPoCoMo, **kw):
+    kw = dict(dict(lr=0.05, ess=200.0, seed=5, backend=fused), **kw)
+    return cls(model.parameters(), **kw)
+
+
+def _closure(opt, model, prob, idx, zero):
+    def c():
+        if zero == "opt":
+            opt.zero_grad()
+        elif zero == "model":
+            model.zero_grad()                      # set_to_none: autograd's own tensors
+        elif zero == "assign":
+            for p in model.parameters():
+                p.grad = None
+        loss = prob.loss(model, idx)
+        if zero == "assign":                       # .grad replaced by new tensors
+            gs = torch.autograd.grad(loss, list(model.parameters()))
+            for p, g in zip(model.parameters(), gs):
+                p.grad = g.clone()
+        else:
+            loss.backward()
+        return loss
+    return c
+
+
+def _train(fused, zero, grad_views=True, steps=7, cls=pk.IVONPoCoMo, **kw):
+    prob = Problem()
+    m = mlp()
+    opt = _opt(m, fused, cls, grad_views=grad_views, **kw)
+    for t in range(steps):
+        if cls is not pk.IVON and t in (1, 4):
+            opt.refresh([_closure(opt, m, prob, t % 3, zero),
+                         _closure(opt, m, prob, (t + 1) % 3, zero)])
+        opt.step(_closure(opt, m, prob, t % 3, zero))
+    return m, opt
+
+
+@fused
+@pytest.mark.parametrize("zero", ["opt", "model", "assign", "none"])
+def test_every_way_of_producing_gradients_takes_the_same_steps(fused, zero):
+    """Views zeroed by the optimizer's zero_grad, autograd's own tensors after
+    model.zero_grad(), .grad replaced by new tensors, a closure that zeroes nothing (the
+    optimizer clears between samples), and grad_views=False: bit-identical parameters
+    and state."""
+    ref_m, ref_o = _train(fused, "opt", grad_views=False)
+    m, o = _train(fused, zero)
+    for a, b in zip(params_of(m), params_of(ref_m)):
+        assert torch.equal(a, b)
+    for name in ("mean", "momentum", "h", "g_out", "h_out"):
+        for a, b in zip(o.flat_state(name), ref_o.flat_state(name)):
+            assert torch.equal(a, b), name
+
+
+@fused
+def test_backward_writes_into_the_buffers_the_kernels_read(fused, monkeypatch):
+    """With the optimizer's zero_grad in the closure, a steady-state IVON-PoCoMo iteration
+    copies no gradient (no foreach copy) and keeps two gradient buffers per bucket (one
+    for the inner gradient, one for the outer); IVON keeps one."""
+    for cls, n_bufs in ((pk.IVONPoCoMo, 2), (pk.IVON, 1)):
+        prob = Problem()
+        m = mlp()
+        opt = _opt(m, fused, cls)
+        if cls is pk.IVONPoCoMo:
+            opt.step(_closure(opt, m, prob, 0, "opt"))
+            opt.refresh(_closure(opt, m, prob, 1, "opt"))
+        opt.step(_closure(opt, m, prob, 2, "opt"))
+        copies = []
+        real = torch._foreach_copy_
+        monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: (copies.append(1),
+                                                                       real(*a, **k)))
+        for t in range(3):
+            opt.step(_closure(opt, m, prob, t, "opt"))
+        monkeypatch.setattr(torch, "_foreach_copy_", real)
+        assert copies == [], cls.__name__
+        for b in opt._buckets:
+            assert len(b.grad_bufs) == n_bufs, cls.__name__
+            gb = b.grad_bufs[b.handed]
+            for p, v in zip(b.params, gb.views):    # between steps: zeroed views
+                assert p.grad is v and not bool(v.any())
+                assert p.grad.untyped_storage().data_ptr() == gb.flat.untyped_storage().data_ptr()
+
+
+@fused
+def test_zero_grad_keeps_the_views_and_skips_a_buffer_known_to_be_zero(fused):
+    prob = Problem()
+    m = mlp()
+    opt = _opt(m, fused, pk.IVON)
+    opt.step(_closure(opt, m, prob, 0, "opt"))
+    b = opt._buckets[0]
+    gb = b.grad_bufs[b.handed]
+    v0 = gb.flat._version
+    opt.zero_grad()                                 # known zero: no memset
+    assert gb.flat._version == v0
+    prob.loss(m, 1).backward()                      # a backward outside the protocol
+    opt.zero_grad()
+    assert gb.flat._version == v0 + 1               # one memset
+    assert all(p.grad is v and not bool(v.any()) for p, v in zip(b.params, gb.views))
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in m.parameters())
+
+
+@fused
+def test_a_parameter_the_backward_does_not_reach_is_skipped_as_with_none(fused):
+    """A view no backward wrote counts as a None gradient (torch.optim's skip), not as a
+    zero gradient: the same steps as with grad_views=False and .grad left None."""
+    outs = []
+    for gv in (True, False):
+        prob = Problem()
+        m = mlp()
+        frozen_in_loss = list(m.parameters())[-1]
+        opt = _opt(m, fused, pk.IVON, grad_views=gv, weight_decay=0.1)
+
+        def c():
+            opt.zero_grad()
+            loss = prob.loss(m, 0) + 0.0 * frozen_in_loss.detach().sum()
+            params = [p for p in m.parameters() if p is not frozen_in_loss]
+            gs = torch.autograd.grad(loss, params)
+            for p, g in zip(params, gs):
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.add_(g)
+            return loss
+        before = frozen_in_loss.detach().clone()
+        for _ in range(3):
+            opt.step(c)
+        assert torch.equal(frozen_in_loss.detach(), before)
+        outs.append([p.detach().clone() for p in m.parameters()])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@fused
+def test_a_closure_without_backward_is_still_an_error_that_changes_nothing(fused):
+    prob = Problem()
+    m = mlp()
+    opt = _opt(m, fused, pk.IVON)
+    opt.step(_closure(opt, m, prob, 0, "opt"))
+    before = [p.detach().clone() for p in m.parameters()]
+
+    def forgot():
+        opt.zero_grad()
+        return prob.loss(m, 1)
+    with pytest.raises(RuntimeError, match="backward"):
+        opt.step(forgot)
+    assert all(torch.equal(p.detach(), q) for p, q in zip(m.parameters(), before))
+
+
+@fused
+def test_a_non_finite_gradient_in_a_view_is_refused_with_nothing_changed(fused):
+    prob = Problem()
+    m = mlp()
+    opt = _opt(m, fused, pk.IVONPoCoMo, check_finite=True)
+    opt.step(_closure(opt, m, prob, 0, "opt"))
+    opt.refresh(_closure(opt, m, prob, 1, "opt"))
+    opt.step(_closure(opt, m, prob, 2, "opt"))
+    before = ([p.detach().clone() for p in m.parameters()],
+              {k: [t.clone() for t in opt.flat_state(k)] for k in ("mean", "momentum", "h")})
+    calls = []
+
+    def bad():
+        opt.zero_grad()
+        loss = prob.loss(m, 0) * (float("inf") if len(calls) == 1 else 1.0)
+        calls.append(1)
+        loss.backward()
+        return loss
+    with pytest.raises(ValueError, match="non-finite"):
+        opt.step(bad)                               # the outer gradient is inf
+    assert all(torch.equal(p.detach(), q) for p, q in zip(m.parameters(), before[0]))
+    for k, ts in before[1].items():
+        assert all(torch.equal(a, b) for a, b in zip(opt.flat_state(k), ts)), k
+    opt.step(_closure(opt, m, prob, 1, "opt"))      # and it goes on
+
+
+@fused
+def test_grad_views_survives_copies_and_from_ivon(fused):
+    import copy
+    m = mlp()
+    opt = _opt(m, fused, pk.IVON, grad_views=False)
+    assert copy.deepcopy(opt).grad_views is False
+    assert pk.IVONPoCoMo.from_ivon(opt).grad_views is False
+    with pytest.raises(ValueError, match="grad_views"):
+        _opt(mlp(), fused, pk.IVON, grad_views=1)
