@@ -136,6 +136,22 @@ bool accumulate_pt(const AccumulateArgs& a, int64_t t0, int64_t t1) {
               : accumulate_impl<PT, false, false>(a, t0, t1);
 }
 
+// ------------------------------------------------------------------ check
+// Whether a gradient element is inf or NaN (a gradient buffer adopted as its own sum:
+// read only).
+template <typename PT>
+bool check_pt(const void* grad, int64_t n, int64_t t0, int64_t t1) {
+  uint32_t bad = 0;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t i0 = t * kTile, len = tile_len(t, n);
+    const PT* __restrict g = (const PT*)grad + i0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t j = 0; j < len; ++j)
+      bad |= (uint32_t)((f2u(to_f32(g[j])) & 0x7F800000u) == 0x7F800000u);
+  }
+  return bad != 0;
+}
+
 // ------------------------------------------------------------------ fold_ge
 // acc_ge = acc_g * eps of draw 0 (when a second draw of a kind starts).
 void fold_ge_impl(const FoldArgs& a, int64_t t0, int64_t t1) {
@@ -474,6 +490,7 @@ void write_params_pt(void* param, const float* mean, int64_t n, int64_t t0, int6
 
 void sample(const SampleArgs& a, int64_t t0, int64_t t1) { POCO_BY_PDTYPE(a.pdtype, sample_pt, a, t0, t1) }
 bool accumulate(const AccumulateArgs& a, int64_t t0, int64_t t1) { POCO_BY_PDTYPE(a.pdtype, accumulate_pt, a, t0, t1) }
+bool check(const void* grad, int pdtype, int64_t n, int64_t t0, int64_t t1) { POCO_BY_PDTYPE(pdtype, check_pt, grad, n, t0, t1) }
 void fold_ge(const FoldArgs& a, int64_t t0, int64_t t1) { fold_ge_impl(a, t0, t1); }
 void step(const StepArgs& a, int64_t t0, int64_t t1) { POCO_BY_PDTYPE(a.pdtype, step_pt, a, t0, t1) }
 void refresh(const RefreshArgs& a, int64_t t0, int64_t t1) {
@@ -496,7 +513,8 @@ void randn(float* out, int64_t n, uint64_t offset, const Noise& noise, int64_t t
 }  // namespace POCO_ISA
 
 extern const KernelTable POCO_TABLE = {
-    POCO_ISA_NAME,          POCO_ISA::sample, POCO_ISA::accumulate,   POCO_ISA::fold_ge,
+    POCO_ISA_NAME,          POCO_ISA::sample, POCO_ISA::accumulate,   POCO_ISA::check,
+    POCO_ISA::fold_ge,
     POCO_ISA::step,         POCO_ISA::refresh, POCO_ISA::write_params, POCO_ISA::randn};
 
 }  // namespace poco

@@ -231,6 +231,19 @@ void accumulate_op(const at::Tensor& grad, const at::Tensor& acc_g,
   if (bad.load()) c[2] = 1;     // the update that follows is skipped (or raises)
 }
 
+void check_op(const at::Tensor& grad, const at::Tensor& ctl) {
+  const int64_t n = grad.numel();
+  const int pd = pdtype_of(grad, n, "grad");
+  int64_t* c = ctl_ptr(ctl);
+  const void* g = grad.data_ptr();
+  const KernelTable& k = kernels();
+  std::atomic<bool> bad{false};
+  for_tiles(n, [&](int64_t t0, int64_t t1) {
+    if (k.check(g, pd, n, t0, t1)) bad.store(true);
+  });
+  if (bad.load()) c[2] = 1;     // the update that follows is skipped (or raises)
+}
+
 void fold_ge_op(const at::Tensor& acc_g, const at::Tensor& acc_ge, const at::Tensor& ctl,
                 int64_t seed, int64_t stream, int64_t counter_slot, double sign) {
   const int64_t n = acc_g.numel();
@@ -454,6 +467,7 @@ TORCH_LIBRARY(poco_kernels_cpp, m) {
         "float sigma_const, float sign, int sigma_mode, bool sync) -> ()");
   m.def("accumulate(Tensor grad, Tensor(a!) acc_g, Tensor(b!)? acc_ge, Tensor(c!) ctl, "
         "int seed, int stream, int counter_slot, float sign, bool first, bool ge) -> ()");
+  m.def("check(Tensor grad, Tensor(a!) ctl) -> ()");
   m.def("fold_ge(Tensor acc_g, Tensor(a!) acc_ge, Tensor ctl, int seed, int stream, "
         "int counter_slot, float sign) -> ()");
   m.def("step(Tensor(a!) mean, Tensor(b!) param, Tensor(c!)? s1, Tensor(d!)? s2, Tensor g_in, "
@@ -475,6 +489,7 @@ TORCH_LIBRARY(poco_kernels_cpp, m) {
 TORCH_LIBRARY_IMPL(poco_kernels_cpp, CPU, m) {
   m.impl("sample", &poco::sample_op);
   m.impl("accumulate", &poco::accumulate_op);
+  m.impl("check", &poco::check_op);
   m.impl("fold_ge", &poco::fold_ge_op);
   m.impl("step", &poco::step_op);
   m.impl("refresh", &poco::refresh_op);

@@ -1,7 +1,7 @@
 // The C++ (CPU) kernels of poco_kernels: what the torch glue (ops.cpp) hands to them.
 //
 // The kernels are the CPU twins of poco_kernels/kernels/triton_kernels.py: the same
-// operations (sample, accumulate, fold_ge, step, refresh), the same noise stream and the
+// operations (sample, accumulate, check, fold_ge, step, refresh), the same noise stream and the
 // same code paths, over flat buffers.  They hold no torch types: ops.cpp validates the
 // tensors, reads the control tensor, turns the hyperparameters into the float32 constants
 // below (in double first, as the reference's Python floats are) and splits the buffer into
@@ -145,6 +145,7 @@ struct KernelTable {
   const char* isa;
   void (*sample)(const SampleArgs&, int64_t t0, int64_t t1);
   bool (*accumulate)(const AccumulateArgs&, int64_t t0, int64_t t1);   // true: non-finite seen
+  bool (*check)(const void* grad, int pdtype, int64_t n, int64_t t0, int64_t t1);  // the same
   void (*fold_ge)(const FoldArgs&, int64_t t0, int64_t t1);
   void (*step)(const StepArgs&, int64_t t0, int64_t t1);
   void (*refresh)(const RefreshArgs&, int64_t t0, int64_t t1);

@@ -116,6 +116,22 @@ def test_accumulate_flags_nonfinite_gradients(bad, ops):
     assert int(ok[K.CTL_BAD]) == 0
 
 
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
+def test_check_flags_nonfinite_gradients_and_reads_only(bad, pdtype, ops):
+    """The check of a gradient buffer adopted as its own sum: the flag set exactly when an
+    element (here one near the end of an odd size) is inf or NaN, the buffer untouched."""
+    n = 3001
+    g = torch.randn(n).to(pdtype)
+    g[-2] = 3.0e38 if bad is None else bad       # (the largest finite values pass)
+    before = g.clone()
+    ctl = _ctl()
+    ops.check(g, ctl)
+    assert bool(torch.isfinite(g).all()) == (bad is None)
+    assert int(ctl[K.CTL_BAD]) == (0 if bad is None else 1)
+    assert torch.equal(g.view(torch.uint8), before.view(torch.uint8))   # bits (NaN != NaN)
+
+
 # --------------------------------------------------------------------------- IVON step
 def _ivon_group(**kw):
     g = dict(lr=0.07, ess=50.0, hess_init=0.3, beta1=0.9, beta2=0.995, weight_decay=2e-3,
@@ -493,6 +509,7 @@ def test_operators_pass_opcheck(ops):
         "sample": (r().bfloat16(), r(), r(), r().abs() + 0.1, None, ctl, SEED, 5, 0, 50.0,
                    1e-4, 0.0, 1.0, K.SIGMA_IVON, False),
         "accumulate": (r(), r(), r(), ctl.clone(), SEED, 5, 0, 1.0, False, True),
+        "check": (r(), ctl.clone()),
         "fold_ge": (r(), r(), ctl, SEED, 5, 0, 1.0),
         "step": (r(), r().bfloat16(), r(), r().abs() + 0.5, r(), None, r(), None, r(), r(),
                  r(), r().abs() + 0.1, ctl, None, None, *streams, *step_tail),

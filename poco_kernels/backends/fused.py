@@ -443,8 +443,7 @@ class FusedBackend(Backend):
             if first and not needs_ge and b.param_dtype == b.dtype and not compiling:
                 # the sum of one gradient is the gradient: the buffer itself becomes the
                 # pending sum (lent until the update), checked for non-finite values
-                self.ops.accumulate(grad, grad, None, self._ctl(b), opt.seed, 0, 0, 1.0,
-                                    True, False)
+                self.ops.check(grad, self._ctl(b))
                 sums[(kind, b.index, "g")] = grad
                 continue
             acc_g = self._acc(kind, b, "g")

@@ -135,6 +135,7 @@ def variants() -> List[Variant]:
     # gradient sums (FIRST=False: the read-modify-write of acc_g, the heavier path)
     add("accumulate[ge,bf16]", K.accumulate_kernel, "bf16", FIRST=False, GE=True)
     add("accumulate[ge,fp32]", K.accumulate_kernel, "fp32", FIRST=False, GE=True)
+    add("check[fp32]", K.check_kernel, "fp32")
     add("fold_ge", K.fold_ge_kernel)
     # steps
     ivon_full = dict(_STEP_OFF, FAMILY=K.FAMILY_IVON, CORR=True, HESS_CORR=True, FLOOR=True,

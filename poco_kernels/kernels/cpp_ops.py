@@ -19,14 +19,14 @@ import poco_kernels._C  # noqa: F401  (registers torch.ops.poco_kernels_cpp)
 from .interface import (RefreshFlags, RefreshHyper, StepFlags, StepHyper, StepStreams,
                         require)
 
-__all__ = ["sample", "accumulate", "fold_ge", "step", "refresh", "finish", "randn", "isa",
+__all__ = ["sample", "accumulate", "check", "fold_ge", "step", "refresh", "finish", "randn", "isa",
            "set_isa", "available_isas"]
 
 _ops = torch.ops.poco_kernels_cpp
 
 # The operators mutate their arguments in place (declared in their schemas) and return
 # nothing: under torch.compile their fake kernels have nothing to compute.
-for _name in ("sample", "accumulate", "fold_ge", "step", "refresh", "finish", "randn"):
+for _name in ("sample", "accumulate", "check", "fold_ge", "step", "refresh", "finish", "randn"):
     torch.library.register_fake(f"poco_kernels_cpp::{_name}")(lambda *args, **kwargs: None)
 
 
@@ -43,6 +43,11 @@ def accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tenso
                stream: int, counter_slot: int, sign: float, first: bool, ge: bool) -> None:
     """``acc_g (+)= g`` (and ``acc_ge += g * eps``); flags non-finite gradients in ``ctl``."""
     _ops.accumulate(grad, acc_g, acc_ge, ctl, seed, stream, counter_slot, float(sign), first, ge)
+
+
+def check(grad: Tensor, ctl: Tensor) -> None:
+    """Flag a non-finite element of ``grad`` in ``ctl`` (reads ``grad`` only)."""
+    _ops.check(grad, ctl)
 
 
 def fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, stream: int,

@@ -140,6 +140,18 @@ def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, n, seed, stream,
         tl.store(acc_ge_ptr + idx, tl.load(acc_ge_ptr + idx, mask=mask) + g * eps, mask=mask)
 
 
+@triton.jit
+def check_kernel(grad_ptr, ctl_ptr, n, BLOCK: tl.constexpr):
+    """Flag a non-finite gradient element in the control tensor (a gradient buffer adopted
+    as its own sum: read only; one atomic per block that has one)."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(grad_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    nonfinite = tl.sum(((g != g) | (tl.abs(g) == float("inf"))).to(tl.int32), axis=0)
+    if nonfinite > 0:
+        tl.atomic_max(ctl_ptr + 2, 1)
+
+
 @triton.jit(do_not_specialize=_NO_SPEC)
 def fold_ge_kernel(acc_g_ptr, acc_ge_ptr, ctl_ptr, n, seed, stream, counter_slot, sign,
                    BLOCK: tl.constexpr):

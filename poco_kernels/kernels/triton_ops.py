@@ -19,7 +19,7 @@ from . import triton_kernels as K
 from .interface import (RefreshFlags, RefreshHyper, StepFlags, StepHyper, StepStreams,
                         require)
 
-__all__ = ["sample", "accumulate", "fold_ge", "step", "refresh", "finish"]
+__all__ = ["sample", "accumulate", "check", "fold_ge", "step", "refresh", "finish"]
 
 def _grid(n: int):
     return (triton.cdiv(n, K.BLOCK),)
@@ -51,6 +51,13 @@ def _accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tens
     K.accumulate_kernel[_grid(n)](
         grad, acc_g, acc_ge if acc_ge is not None else acc_g, ctl, n, seed, stream,
         counter_slot, sign, FIRST=first, GE=ge, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+
+
+def _check(grad: Tensor, ctl: Tensor) -> None:
+    n = grad.numel()
+    if n == 0:
+        return
+    K.check_kernel[_grid(n)](grad, ctl, n, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
 
 def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, stream: int,
@@ -125,6 +132,11 @@ def _accumulate_op(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: T
     _accumulate(grad, acc_g, acc_ge, ctl, seed, stream, counter_slot, sign, first, ge)
 
 
+@torch.library.custom_op("poco_kernels::check", mutates_args=("ctl",))
+def _check_op(grad: Tensor, ctl: Tensor) -> None:
+    _check(grad, ctl)
+
+
 @torch.library.custom_op("poco_kernels::fold_ge", mutates_args=("acc_ge",))
 def _fold_ge_op(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, stream: int,
                 counter_slot: int, sign: float) -> None:
@@ -160,7 +172,7 @@ def _finish_op(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:
     _finish(ctl, found_inf, slot)
 
 
-for _op in (_sample_op, _accumulate_op, _fold_ge_op, _step_op, _refresh_op, _finish_op):
+for _op in (_sample_op, _accumulate_op, _check_op, _fold_ge_op, _step_op, _refresh_op, _finish_op):
     _op.register_fake(lambda *args, **kwargs: None)
 
 
@@ -194,6 +206,7 @@ def _record_args(direct, op, records):
 
 sample = _dispatch(_sample, _sample_op)
 accumulate = _dispatch(_accumulate, _accumulate_op)
+check = _dispatch(_check, _check_op)
 fold_ge = _dispatch(_fold_ge, _fold_ge_op)
 step = _record_args(_step, _step_op, {15: (StepStreams, "streams"), 16: (StepHyper, "hp"),
                                       17: (StepFlags, "flags")})
