@@ -149,11 +149,14 @@ def b_iteration(name, provider, P=S):
     ours, ``.grad`` views of the flat buffers (grad_views=True): per gradient a check
     of the adopted buffer and a zeroing of it after the update; IVON: inner sample
     (float32 parameters hold the mean: sync) + step; IVON-PoCoMo: inner sample + outer
-    sample + step with the correction."""
+    sample + step with the correction.  ``sample_ahead`` in ``provider``: no inner
+    sample (the step wrote it; its parameter write is the step's)."""
     if name == "AdamW":
         return b_adamw(P)
     grads = 1 if name == "IVON" else 2
-    total = b_sample_inner(P, P == S) + grads * (b_check(P) + b_zero(P))
+    total = grads * (b_check(P) + b_zero(P))
+    if "sample_ahead" not in provider:
+        total += b_sample_inner(P, P == S)
     if name == "IVON":
         return total + b_step_ivon(P)
     return total + b_sample_outer(P) + b_step_poco(P)

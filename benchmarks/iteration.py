@@ -6,7 +6,7 @@ The model: three parameters of odd sizes, ``numel`` elements in all (2^24 by def
 closure ``zero_grad(); loss = sum(p * c); loss.backward()`` (a linear loss: its backward
 writes one gradient tensor per parameter, as any model's does).  Rows, for fused and
 foreach AdamW (``closure(); step()``), IVON and IVON-PoCoMo (``step(closure)``; IVON-PoCoMo
-with the correction active, its refresh timed apart):
+with the correction active, its refresh timed apart), each also with ``sample_ahead=True``:
 
 * ``iter_cycle``: the whole iteration, closure calls included;
 * ``iter_closure``: the closure calls inside those iterations (timed each time, summed);
@@ -14,18 +14,22 @@ with the correction active, its refresh timed apart):
   differences), with the byte model of ``byte_models.b_iteration``;
 * ``iter_refresh`` (IVON-PoCoMo): ``refresh([closure])``, closure included.
 
-Memory: the process's resident set (``/proc/self/statm``) after warm-up iterations, minus
-what it was with the parameters and one gradient each before the optimizer was built, per
-parameter (on CUDA: ``torch.cuda.memory_allocated``); allocations per iteration from the
-profiler (:func:`memory.count_allocations`).
+Memory: each optimizer runs in a fresh process; its resident set (``/proc/self/statm``)
+after warm-up iterations, minus what it was with the parameters and one gradient each
+before the optimizer was built, per parameter (on CUDA: ``torch.cuda.memory_allocated``);
+beside it the bytes the optimizer object holds (:func:`memory.held_bytes`); allocations
+per iteration from the profiler (:func:`memory.count_allocations`), those of the closure
+calls subtracted.
 
     .venv/bin/python benchmarks/iteration.py [--numel 16777216] [--reps 10] [--out F.csv]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -51,6 +55,13 @@ def _params(dev, numel, seed=0):
 
 
 def _rss() -> int:
+    """The resident set, after glibc gave back the heap memory freed so far (malloc_trim:
+    freed parameter and gradient storages would otherwise count)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -73,6 +84,11 @@ def candidates(backend):
          lambda ps: pk.IVON(ps, lr=1e-3, ess=1.0, backend=backend), "ours"),
         ("IVONPoCoMo", f"poco_kernels.{backend}",
          lambda ps: pk.IVONPoCoMo(ps, lr=1e-3, ess=1.0, backend=backend), "ours"),
+        ("IVON", f"poco_kernels.{backend}(sample_ahead)",
+         lambda ps: pk.IVON(ps, lr=1e-3, ess=1.0, backend=backend, sample_ahead=True), "ours"),
+        ("IVONPoCoMo", f"poco_kernels.{backend}(sample_ahead)",
+         lambda ps: pk.IVONPoCoMo(ps, lr=1e-3, ess=1.0, backend=backend, sample_ahead=True),
+         "ours"),
     ]
 
 
@@ -203,12 +219,26 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--backend", default=None, help="cpp (CPU) or triton (CUDA)")
     ap.add_argument("--out", default="bench_out/iteration.csv")
+    ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = a.backend or ("triton" if dev.type == "cuda" else "cpp")
+    cands = candidates(backend)
+    if a.one is not None:            # a child: one candidate, its rows as JSON on stdout
+        name, provider, make, kind = cands[a.one]
+        print("ROWS " + json.dumps(measure(dev, name, provider, make, kind, a.numel, a.reps)))
+        return
     rows = []
-    for name, provider, make, kind in candidates(backend):
-        rows += measure(dev, name, provider, make, kind, a.numel, a.reps)
+    for i, (name, provider, _, _) in enumerate(cands):
+        # each in a fresh process: its resident memory is its own, not the allocator's
+        # leftovers of the ones before
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", str(i),
+                              "--numel", str(a.numel), "--reps", str(a.reps),
+                              "--backend", backend], capture_output=True, text=True)
+        line = next((x for x in out.stdout.splitlines() if x.startswith("ROWS ")), None)
+        if line is None:
+            raise RuntimeError(f"{name} {provider}: {out.stderr[-2000:]}")
+        rows += json.loads(line[5:])
         r = next(r for r in rows if r["kernel"] == f"iter_optimizer_{name}"
                  and r["provider"] == provider)
         print(f"{name:11s} {provider:22s} optimizer {r['median'] * 1e3:8.2f} ms  resident "

@@ -52,7 +52,7 @@ def step_launcher(ops, b, corr, ess=1.0, wd=1e-4):
     from poco_kernels.kernels import interface as K
     flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=corr, floor=False,
                                                           clip=False, debias=True),
-                           corr=corr, ge_in=False, ge_o=False, shared_noise=corr)
+                           corr=corr, ge_in=False, ge_o=False, shared_noise=corr, next_sample=False)
     hp = K.StepHyper.of(K.StepHP.ivon(lr=1e-3, beta1=0.9, beta2=0.99999, wd=wd, ess=ess,
                                       alpha=1.0 if corr else 0.0,
                                       hess_corr=0.01 if corr else 0.0, floor=0.0, clip=0.0),

@@ -179,6 +179,7 @@ void fold_ge_impl(const FoldArgs& a, int64_t t0, int64_t t1) {
 // unconditionally (a select on a flag would keep it from vectorising).
 struct StepTile {
   alignas(64) float eps[kTile];
+  alignas(64) float eps_next[kTile];    // the next inner sample's noise (next_sample)
   alignas(64) float ge_in[kTile];
   alignas(64) float ge_o[kTile];
 };
@@ -244,7 +245,7 @@ POCO_INLINE void step_prelude(const StepArgs& a, const PhiloxKey& key, int64_t i
 // ivon_mean (lr already ivon_lr).  Two divisions of the reference are multiplications
 // here (g eps / sigma = g eps sqrt(ess (h + wd)); g / (1 - beta1^t) by its reciprocal):
 // within an ulp, and the divider is what this pass waits for on the CPU.
-template <typename PT, bool CORR, bool HC>
+template <typename PT, bool CORR, bool HC, bool NEXT>
 void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
   const PhiloxKey key(a.seed);
   StepTile st;
@@ -255,6 +256,9 @@ void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t i0 = t * kTile, len = tile_len(t, a.n);
     step_prelude<PT>(a, key, i0, len, st);
+    if (NEXT)      // the next step's inner sample: draw 0 of the inner stream, counter + 1
+      noise_tile(st.eps_next, len, (uint64_t)i0, key, a.counter + 1u, a.stream_in, 1.0f);
+    const float* __restrict eps_next = st.eps_next;
     float* __restrict mean = a.mean + i0;
     PT* __restrict param = (PT*)a.param + i0;
     float* __restrict gm = a.s1 + i0;
@@ -296,7 +300,12 @@ void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
       gm[j] = g_new;
       hh[j] = h_new;
       mean[j] = m_new;
-      param[j] = from_f32<PT>(m_new);
+      if (NEXT) {    // as sample_impl<PT, kSigmaIvon> computes it from the new m and h
+        const float sigma = 1.0f / __builtin_sqrtf(ess * (h_new + wd));
+        param[j] = from_f32<PT>(m_new + sigma * eps_next[j]);
+      } else {
+        param[j] = from_f32<PT>(m_new);
+      }
     }
   }
 }
@@ -372,9 +381,14 @@ void step_adamw(const StepArgs& a, int64_t t0, int64_t t1) {
 template <typename PT>
 void step_pt(const StepArgs& a, int64_t t0, int64_t t1) {
   if (a.family == kFamilyIvon) {
-    if (!a.corr) return step_ivon<PT, false, false>(a, t0, t1);
-    return a.hess_corr_on ? step_ivon<PT, true, true>(a, t0, t1)
-                          : step_ivon<PT, true, false>(a, t0, t1);
+    if (a.next_sample) {
+      if (!a.corr) return step_ivon<PT, false, false, true>(a, t0, t1);
+      return a.hess_corr_on ? step_ivon<PT, true, true, true>(a, t0, t1)
+                            : step_ivon<PT, true, false, true>(a, t0, t1);
+    }
+    if (!a.corr) return step_ivon<PT, false, false, false>(a, t0, t1);
+    return a.hess_corr_on ? step_ivon<PT, true, true, false>(a, t0, t1)
+                          : step_ivon<PT, true, false, false>(a, t0, t1);
   }
   if (a.family == kFamilySgd) {
     if (a.corr) return a.momentum_on ? step_sgd<PT, true, true>(a, t0, t1)

@@ -328,6 +328,7 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
   a.ge_in_sum = f.ge_in;
   a.ge_o_sum = f.ge_o;
   a.shared_noise = f.shared_noise;
+  a.next_sample = f.next_sample;
   a.hess_corr_on = f.hess_corr;
   a.momentum_on = f.momentum;
   a.nesterov = f.nesterov;
@@ -350,8 +351,25 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
   const int64_t* c = ctl_ptr(ctl);
   a.n = n;
   const KernelTable& k = kernels();
-  if (skip_update(c, found_inf)) {      // AMP overflow or bad gradient: the old mean back
-    for_tiles(n, [&](int64_t t0, int64_t t1) { k.write_params(a.param, a.pdtype, a.mean, n, t0, t1); });
+  TORCH_CHECK(!a.next_sample || ivon, "poco_kernels_cpp::step: next_sample is IVON's");
+  if (skip_update(c, found_inf)) {      // AMP overflow or bad gradient: state unchanged
+    if (a.next_sample) {                // the parameters get this step's inner sample back
+      SampleArgs s{};
+      s.param = a.param;
+      s.pdtype = a.pdtype;
+      s.centre = a.mean;
+      s.mean = a.mean;
+      s.h = a.s2;
+      s.n = n;
+      s.noise = Noise{(uint64_t)seed, u32(c[0], "step counter"), u32(stream, "stream"), 1.0f};
+      s.ess = (float)hp.ess;
+      s.wd = (float)hp.wd;
+      s.mode = kSigmaIvon;
+      s.sync = false;
+      for_tiles(n, [&](int64_t t0, int64_t t1) { k.sample(s, t0, t1); });
+    } else {                            // the old mean back
+      for_tiles(n, [&](int64_t t0, int64_t t1) { k.write_params(a.param, a.pdtype, a.mean, n, t0, t1); });
+    }
     return;
   }
   const int64_t steps = c[0];

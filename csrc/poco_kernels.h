@@ -41,7 +41,8 @@ enum Family : int { kFamilyIvon = 0, kFamilySgd = 1, kFamilyAdamw = 2 };
   X(sign_o) X(inv_n_in) X(inv_n_o) X(lr) X(beta1) X(beta2) X(wd) X(ess) X(alpha) \
   X(hess_corr) X(floor) X(clip) X(momentum) X(dampening) X(eps) X(mom_first)
 #define POCO_STEP_FLAGS(X) \
-  X(corr) X(ge_in) X(ge_o) X(shared_noise) X(hess_corr) X(floor) X(clip) X(debias) \
+  X(corr) X(ge_in) X(ge_o) X(shared_noise) X(next_sample) X(hess_corr) X(floor) X(clip) \
+  X(debias) \
   X(momentum) X(nesterov)
 #define POCO_REFRESH_HYPER(X) X(inv_n) X(ess) X(wd) X(rho1) X(rho2) X(sigma)
 #define POCO_REFRESH_FLAGS(X) X(ge) X(noisy)
@@ -110,6 +111,7 @@ struct StepArgs {
   float scale_in, scale_o;    // 1/count * 1/grad_scale
   int family;
   bool corr, ge_in_sum, ge_o_sum, shared_noise, hess_corr_on;
+  bool next_sample;           // IVON: write the next inner sample (counter + 1), not the mean
   bool momentum_on, nesterov, mom_first;
   // float32 constants (computed in double on the host)
   float alpha;                // alpha once a refresh has been taken, else 0

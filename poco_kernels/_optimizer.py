@@ -182,7 +182,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
         self._groups = groups
 
     def __init__(self, params, defaults: Dict[str, Any], *, seed: Optional[int] = None,
-                 backend: str = "auto", check_finite: Optional[bool] = None, grad_views: bool = True):
+                 backend: str = "auto", check_finite: Optional[bool] = None,
+                 grad_views: bool = True, sample_ahead: bool = False):
         check(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)
                                and 0 <= seed < 2 ** 63),
               f"seed must be None or an int in [0, 2**63), got {seed!r}")
@@ -194,6 +195,10 @@ class BucketedOptimizer(torch.optim.Optimizer):
         #: fused backends: the parameters' ``.grad`` are views of the flat gradient buffers
         #: the kernels read (see ``zero_grad``); False: autograd's own tensors, copied in
         self.grad_views = grad_views
+        check(isinstance(sample_ahead, bool),
+              f"sample_ahead must be a bool, got {sample_ahead!r}")
+        #: the step leaves the next step's inner sample in the parameters (IVON family)
+        self.sample_ahead = sample_ahead
         super().__init__(params, self._group_type(defaults))
         for gi, g in enumerate(self._groups):
             self._check_group(g, gi, new=True)
@@ -293,6 +298,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
             del self._groups[gi:]
             raise
         # ---- commit (nothing below raises on valid input)
+        if not self._backend.params_hold_mean:
+            self._backend.restore()          # (sample_ahead: the mean back, laid out anew)
         old = self._buckets
         self._buckets = buckets
         for b in buckets:
@@ -333,6 +340,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
                         "bucket, so it cannot follow; build the optimizer again over the "
                         "trainable parameters")
         old = self._buckets
+        if self._active is None and not self._backend.params_hold_mean:
+            self._backend.restore()          # (sample_ahead: the mean back, laid out anew)
         before = {id(p): self.state[p] for b in old for p in b.params}
         buckets = self._new_buckets(self._groups, [])      # fresh buffers, initial state
         self._backend.check_buckets(buckets)
@@ -367,7 +376,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ copy and pickle
     #: the attributes that __setstate__ rebuilds (the other public ones are copied)
     _REBUILT = frozenset({"defaults", "state", "param_groups", "seed", "backend", "check_finite",
-                          "grad_views"})
+                          "grad_views", "sample_ahead"})
 
     def __getstate__(self) -> Dict[str, Any]:
         """``copy.deepcopy`` and pickle: the parameter groups (with the parameters), the
@@ -393,7 +402,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
             check_finite = self.check_finite        # set by hand since
         return {"poco_copy": 1, "param_groups": self.param_groups, "defaults": self.defaults,
                 "seed": self.seed, "backend": backend, "check_finite": check_finite,
-                "grad_views": self.grad_views, "state_dict": sd, "skipped": self._read_counters()[2],
+                "grad_views": self.grad_views, "sample_ahead": self.sample_ahead,
+                "ahead": not self._backend.params_hold_mean, "state_dict": sd, "skipped": self._read_counters()[2],
                 "attributes": {k: v for k, v in self.__dict__.items()
                                if not k.startswith("_") and k not in self._REBUILT}}
 
@@ -408,13 +418,17 @@ class BucketedOptimizer(torch.optim.Optimizer):
                 for g in groups]
         BucketedOptimizer.__init__(self, bare, state["defaults"], seed=state["seed"],
                                    backend=state["backend"], check_finite=state["check_finite"],
-                                   grad_views=state.get("grad_views", True))
+                                   grad_views=state.get("grad_views", True),
+                                   sample_ahead=state.get("sample_ahead", False))
         self._plan_load(state["state_dict"])()
         with torch.no_grad():                   # the parameters as they were (the truth)
             for p, v in zip((p for g in self.param_groups for p in g["params"]), values):
                 p.copy_(v)
         self._backend.set_skipped(state["skipped"])
         self.__dict__.update(state["attributes"])
+        if state.get("ahead"):   # the original's parameters held its next sample: so do these
+            self._backend.restore()
+            self._backend.prefetch()
 
     # ------------------------------------------------------------------ noise
     def _eps(self, b: Bucket, kind: int, draw: int, counter: int) -> Tensor:
@@ -898,7 +912,7 @@ class PosteriorOptimizer(BucketedOptimizer):
         missing = frozenset({(b.index, i) for b in self._buckets
                              for i, p in enumerate(b.params) if p.grad is None}
                             | self._backend.unwritten())
-        self._backend.accumulate(k, draw)
+        self._backend.accumulate(k, draw, lend=clear_grads)
         self._pending.note_grads(k, missing)
         self._pending.count[k] += 1
         if clear_grads:
@@ -934,11 +948,15 @@ class PosteriorOptimizer(BucketedOptimizer):
 
     def _drop_pending(self, kinds) -> None:
         """A call failed after collecting gradients of ``kinds``: drop them and what
-        collecting them noted, and put the mean back in the parameters."""
+        collecting them noted, and put back what the parameters held before the call: the
+        mean, or the next sample a step left there (``sample_ahead``)."""
         self._pending.clear(kinds)
         self._backend.discard()
-        if not self._backend.params_hold_mean:
+        was_ahead = getattr(self, "_was_ahead", False) and KIND_INNER in kinds
+        if not self._backend.params_hold_mean or was_ahead:
             self.restore()
+            if was_ahead:
+                self._backend.prefetch()
 
     def _closure_samples(self, group_key: str = "mc_samples") -> int:
         return max(int(g.get(group_key, 1)) for g in self._groups)
@@ -1006,6 +1024,8 @@ class PosteriorOptimizer(BucketedOptimizer):
         self._check_trainable()
         corr = self._corrected()
         loss = None
+        #: the parameters held the next sample: a failure puts it back, not the mean
+        self._was_ahead = self._backend.ahead is not None
         if closure is not None:
             if pend.count[KIND_INNER] or pend.count[KIND_OUTER]:
                 raise RuntimeError("step(closure) with gradients already accumulated by "
@@ -1061,7 +1081,18 @@ class PosteriorOptimizer(BucketedOptimizer):
             self._step += 1
         elif taken is False:
             self._drop_new_buffers(had)
+        if self._ahead_family() and (saved or self._backend.ahead is None):
+            # the torch backend, or parameters put back without a gradient: the next
+            # sample by a sample pass (the fused kernels wrote it in the step's pass)
+            self._backend.restore()
+            self._backend.prefetch()
         return loss
+
+    def _ahead_family(self) -> bool:
+        """The step leaves the next inner sample in the parameters (``sample_ahead``, and
+        every bucket's inner sample is IVON's, from ``h``)."""
+        return (self.sample_ahead and bool(self._buckets)
+                and all(self._spec(b, KIND_INNER, 0).h is not None for b in self._buckets))
 
     def _drop_new_buffers(self, had) -> None:
         """An update not taken leaves no buffer made at its first use (SGD's momentum)."""

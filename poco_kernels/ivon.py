@@ -115,6 +115,12 @@ class IVON(PosteriorOptimizer):
       ``inf``: none; the paper's GPT-2: 1e-3).
     * ``debias``: divide ``g`` by ``1 - beta1^t`` (default True).
     * ``rescale_lr``: multiply lr by ``hess_init + wd``, as ivon-opt (default True).
+    * ``sample_ahead``: the step leaves the NEXT step's inner posterior sample in the
+      parameters (computed in the same pass as the update, so no separate sample pass
+      and no restore between iterations; default False).  Between steps the parameters
+      then hold that sample, not the mean: call :meth:`restore` before evaluating at the
+      mean or saving ``model.state_dict()`` (the optimizer's state dict always has the
+      mean).  False: the step writes the mean into the parameters.
     {common_arguments}
     """
 
@@ -127,10 +133,12 @@ class IVON(PosteriorOptimizer):
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
                  clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True,
                  *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None, grad_views: bool = True):
+                 check_finite: Optional[bool] = None, grad_views: bool = True,
+                 sample_ahead: bool = False):
         super().__init__(params, _ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay,
                                              mc_samples, clip_radius, debias, rescale_lr),
-                         seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views)
+                         seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views,
+                         sample_ahead=sample_ahead)
 
     def _validate_group(self, group):
         check_range(group, "lr", lo=0.0, tensor=True)
@@ -240,6 +248,7 @@ class IVONPoCo(IVON):
     * ``refresh_antithetic``: draw the refresh samples as mirrored pairs (default False;
       needs an even ``refresh_samples``).
     * ``hess_floor``: ``None`` (default, no floor) or ``c >= 0``.
+    * ``sample_ahead``: as :class:`IVON` (default False).
     {common_arguments}
     """
 
@@ -258,19 +267,21 @@ class IVONPoCo(IVON):
                  refresh_samples: int = 1, refresh_antithetic: bool = False,
                  hess_floor: Optional[float] = None,
                  *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None, grad_views: bool = True):
+                 check_finite: Optional[bool] = None, grad_views: bool = True,
+                 sample_ahead: bool = False):
         defaults = dict(_ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
                                     clip_radius, debias, rescale_lr),
                         alpha=alpha, rho1=rho1, rho2=rho2, hess_corr_scale=hess_corr_scale,
                         outer_noise=outer_noise, refresh_samples=refresh_samples,
                         refresh_antithetic=refresh_antithetic, hess_floor=hess_floor)
         PosteriorOptimizer.__init__(self, params, defaults, seed=seed, backend=backend,
-                                    check_finite=check_finite, grad_views=grad_views)
+                                    check_finite=check_finite, grad_views=grad_views,
+                         sample_ahead=sample_ahead)
 
     #: the keywords :meth:`from_ivon` takes (IVON's hyperparameters come from the IVON run)
     _POCO_KEYS = ("alpha", "rho1", "rho2", "hess_corr_scale", "outer_noise", "refresh_samples",
                   "refresh_antithetic", "hess_floor", "seed", "backend", "check_finite",
-                  "grad_views")
+                  "grad_views", "sample_ahead")
 
     @classmethod
     def from_ivon(cls, ivon: IVON, **kwargs) -> "IVONPoCo":
@@ -299,7 +310,10 @@ class IVONPoCo(IVON):
         kwargs.setdefault("backend", ivon._requested[0])
         kwargs.setdefault("check_finite", ivon.check_finite)
         kwargs.setdefault("grad_views", ivon.grad_views)
-        sd = ivon.state_dict()
+        kwargs.setdefault("sample_ahead", ivon.sample_ahead)
+        sd = ivon.state_dict()           # (refused while a sample is in the parameters)
+        if ivon._active is None and not ivon._backend.params_hold_mean:
+            ivon.restore()   # sample_ahead: its parameters held its next sample: the mean
         # (a tensor lr is copied: a scheduler of the new optimizer leaves ivon's alone)
         groups = [{k: (v.detach().clone() if isinstance(v, Tensor) else v)
                    for k, v in g.items()} for g in ivon.param_groups]
@@ -388,7 +402,7 @@ class IVONPoCoMo(IVONPoCo):
     ``weight_decay``, ``mc_samples``, ``clip_radius``, ``debias``, ``rescale_lr``,
     ``alpha``, ``rho1`` (default 0.6), ``rho2`` (default 0.1), ``hess_corr_scale``,
     ``outer_noise``, ``refresh_samples``, ``refresh_antithetic``, ``hess_floor``, ``seed``,
-    ``backend``, ``check_finite``, ``grad_views``."""
+    ``backend``, ``check_finite``, ``grad_views``, ``sample_ahead``."""
 
     _loads_from = ("IVONPoCo",)
 
@@ -400,8 +414,10 @@ class IVONPoCoMo(IVONPoCo):
                  refresh_samples: int = 1, refresh_antithetic: bool = False,
                  hess_floor: Optional[float] = None,
                  *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None, grad_views: bool = True):
+                 check_finite: Optional[bool] = None, grad_views: bool = True,
+                 sample_ahead: bool = False):
         super().__init__(params, lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
                          clip_radius, debias, rescale_lr, alpha, rho1, rho2, hess_corr_scale,
                          outer_noise, refresh_samples, refresh_antithetic, hess_floor,
-                         seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views)
+                         seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views,
+                         sample_ahead=sample_ahead)

@@ -61,7 +61,7 @@ def test_triton_kernels_take_the_records_by_name_in_order():
 
 def test_optimizer_records_are_the_tails_of_the_kernel_records():
     assert I.StepHyper._fields[3:] == I.StepHP._fields
-    assert I.StepFlags._fields[5:] == I.StepPath._fields
+    assert I.StepFlags._fields[6:] == I.StepPath._fields
     assert I.RefreshHyper._fields[1:] == I.RefreshHP._fields
 
 
@@ -80,13 +80,13 @@ def test_a_missing_hyperparameter_is_an_error_not_a_default():
                          torch.zeros(4, dtype=torch.int64), None, None,
                          I.StepStreams(0, 0, 0), [1.0] * 16,
                          I.StepFlags.of(0, I.StepPath.adamw(), corr=False, ge_in=False,
-                                        ge_o=False, shared_noise=False))
+                                        ge_o=False, shared_noise=False, next_sample=False))
 
 
 def test_flag_bits_follow_field_order():
     f = I.StepFlags.of(I.FAMILY_SGD, I.StepPath.sgd(momentum=True, nesterov=True), corr=True,
-                       ge_in=False, ge_o=False, shared_noise=False)
-    assert f.bits() == (1 << 0) | (1 << 8) | (1 << 9)
+                       ge_in=False, ge_o=False, shared_noise=False, next_sample=False)
+    assert f.bits() == (1 << 0) | (1 << 9) | (1 << 10)
     assert f.constexprs()["FAMILY"] == I.FAMILY_SGD and f.constexprs()["NESTEROV"] is True
 
 

@@ -95,7 +95,7 @@ def _kernel_run(n, ops, steps=5):
     ctl = torch.tensor([steps, 2, 0, 0])
     flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=True, floor=True, clip=True,
                                                           debias=True),
-                           corr=True, ge_in=False, ge_o=False, shared_noise=False)
+                           corr=True, ge_in=False, ge_o=False, shared_noise=False, next_sample=False)
     hp = K.StepHyper.of(K.StepHP.ivon(lr=0.01, beta1=0.9, beta2=0.999, wd=1e-4, ess=50.0,
                                       alpha=0.7, hess_corr=0.01, floor=0.5, clip=0.4),
                         sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0)

@@ -51,13 +51,14 @@ def _train(fused, zero, grad_views=True, steps=7, cls=pk.IVONPoCoMo, **kw):
     return m, opt
 
 
-@fused
-@pytest.mark.parametrize("zero", ["opt", "model", "assign", "none"])
+@pytest.mark.parametrize("fused,zero", [(f, z) for f in FUSED_BACKENDS
+                                         for z in ("opt", "model", "assign", "none")
+                                         if f == "cpp" or z in ("opt", "model")])
 def test_every_way_of_producing_gradients_takes_the_same_steps(fused, zero):
     """Views zeroed by the optimizer's zero_grad, autograd's own tensors after
     model.zero_grad(), .grad replaced by new tensors, a closure that zeroes nothing (the
     optimizer clears between samples), and grad_views=False: bit-identical parameters
-    and state."""
+    and state (Triton: the engine is shared, two of the ways, for CI time)."""
     ref_m, ref_o = _train(fused, "opt", grad_views=False)
     m, o = _train(fused, zero)
     for a, b in zip(params_of(m), params_of(ref_m)):
@@ -197,3 +198,66 @@ def test_grad_views_survives_copies_and_from_ivon(fused):
     assert pk.IVONPoCoMo.from_ivon(opt).grad_views is False
     with pytest.raises(ValueError, match="grad_views"):
         _opt(mlp(), fused, pk.IVON, grad_views=1)
+
+
+class _TwoHeads(torch.nn.Module):
+    """A model with a layer the loss never uses (its gradient never comes from autograd)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = torch.nn.Linear(4, 2)
+        self.unused = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.skipif("cpp" not in FUSED_BACKENDS, reason="no C++ backend")
+@pytest.mark.parametrize("inside", ["clip", "zero_grad_false", "data_write"])
+def test_what_counts_as_a_gradient_is_what_it_is_without_views(inside):
+    """A view autograd never reached is a None gradient even after clipping or zeroing
+    in place (skipped, as with grad_views=False); a gradient written another way (a
+    collective into p.grad.data) is one."""
+    X = torch.randn(16, 4)
+    moved = []
+    for gv in (False, True):
+        m = _TwoHeads()
+        w0 = m.unused.weight.detach().clone()
+        opt = pk.IVON(m.parameters(), lr=0.1, ess=100.0, seed=1, backend="cpp", grad_views=gv)
+        with opt.sampled():
+            if inside == "zero_grad_false":
+                m.zero_grad(set_to_none=False)
+            m(X).pow(2).mean().backward()
+            if inside == "clip":
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+            if inside == "data_write":
+                for p in m.unused.parameters():
+                    if p.grad is None:
+                        p.grad = torch.ones_like(p)
+                    else:
+                        p.grad.data.copy_(torch.ones_like(p))
+        opt.step()
+        moved.append(not torch.equal(m.unused.weight.detach(), w0))
+    assert moved[0] == moved[1] == (inside == "data_write")
+
+
+@pytest.mark.skipif("cpp" not in FUSED_BACKENDS, reason="no C++ backend")
+def test_accumulate_keeping_grads_lends_no_buffer():
+    """accumulate(clear_grads=False) leaves .grad in place: the sum is not that buffer, so
+    zeroing .grad before the next chunk does not change it."""
+    outs = []
+    for gv in (False, True):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 2)
+        X = torch.randn(8, 3)
+        opt = pk.IVONPoCoMo(m.parameters(), lr=0.1, ess=100.0, seed=1, backend="cpp",
+                            grad_views=gv)
+        with opt.sampled("refresh", accumulate=False):
+            for chunk in X.chunk(2):
+                opt.zero_grad(set_to_none=False)
+                m(chunk).pow(2).mean().backward()
+                opt.accumulate(clear_grads=False)
+        opt.refresh()
+        outs.append(torch.cat(opt.flat_state("g_out")))
+    assert torch.equal(outs[0], outs[1])

@@ -176,7 +176,7 @@ def _step_args(case, group, n, pdtype, seed):
                 refreshes=refreshes, s_in=s_in, s_o=s_o, independent=independent, group=group)
 
 
-def _run_ivon_step(ops, a, found_inf=None, bad=0):
+def _run_ivon_step(ops, a, found_inf=None, bad=0, next_sample=False):
     st, grp, outer = a["st"], a["group"], a["outer"]
     wd = grp["weight_decay"]
     corr = outer is not None
@@ -185,7 +185,8 @@ def _run_ivon_step(ops, a, found_inf=None, bad=0):
                            clip=math.isfinite(grp["clip_radius"]), debias=grp["debias"])
     flags = K.StepFlags.of(K.FAMILY_IVON, path, corr=corr, ge_in=a["ge_in"] is not None,
                            ge_o=corr and outer["ge_o"] is not None,
-                           shared_noise=corr and not a["independent"] and a["mc"] == 1)
+                           shared_noise=corr and not a["independent"] and a["mc"] == 1,
+                           next_sample=next_sample)
     ctl = _ctl(steps=a["steps"], refreshes=a["refreshes"], bad=bad)
     o = outer or {}
     hp = K.StepHP.ivon(lr=R.ivon_lr(grp["lr"], grp["hess_init"], wd, grp["rescale_lr"]),
@@ -234,6 +235,51 @@ def test_step_kernel_ivon_family(n, pdtype, case, ops):
     assert int(ctl[0]) == a["steps"], "the step kernel does not advance the counter (finish does)"
 
 
+def _next_sample(mean, h, a, counter, pdtype):
+    """The inner sample (draw 0) at ``counter`` of the state (mean, h): what
+    ``sample_ahead`` leaves in the parameters."""
+    grp = a["group"]
+    sigma = R.ivon_sigma(h, grp["ess"], grp["weight_decay"])
+    return R.perturb(mean, sigma, _eps(mean.numel(), counter, a["s_in"])).to(pdtype)
+
+
+@pytest.mark.parametrize("n", SIZES[1:])
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["ivon", "poco-shared", "poco-mc2"])
+def test_step_kernel_writes_the_next_sample(n, pdtype, case, ops):
+    """``next_sample``: the state as without it, and in the parameters the next step's
+    inner sample of the new state (counter + 1) instead of the mean."""
+    a = _step_args(IVON_CASES[case], _ivon_group(), n, pdtype, seed=n * 5 + len(case))
+    a["mean_n"] = n
+    before = {k: v.clone() for k, v in a["st"].items()}
+    plain = dict(a, st={k: v.clone() for k, v in before.items()})
+    _run_ivon_step(ops, plain)
+    a["st"] = {k: v.clone() for k, v in before.items()}
+    _run_ivon_step(ops, a, next_sample=True)
+    for k in ("mean", "h", "momentum"):
+        assert torch.equal(a["st"][k], plain["st"][k]), k
+    exp = _next_sample(a["st"]["mean"], a["st"]["h"], a, a["steps"] + 1, pdtype)
+    assert_close(a["st"]["param"], exp, PARAM[pdtype], f"{case}: next sample")
+    # guard: not the mean, and not the sample of this step's counter
+    assert not torch.equal(a["st"]["param"], plain["st"]["param"])
+    this = _next_sample(a["st"]["mean"], a["st"]["h"], a, a["steps"], pdtype)
+    assert (a["st"]["param"].float() - this.float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("why", ["found_inf", "bad_gradient"])
+def test_step_kernel_skipped_with_next_sample_leaves_this_steps_sample(why, ops):
+    n = 2049
+    a = _step_args(IVON_CASES["poco-shared"], _ivon_group(), n, torch.float32, seed=6)
+    before = {k: v.clone() for k, v in a["st"].items()}
+    found_inf = torch.ones(1) if why == "found_inf" else torch.zeros(1)
+    _run_ivon_step(ops, a, found_inf=found_inf, bad=int(why == "bad_gradient"),
+                   next_sample=True)
+    for k in ("mean", "h", "momentum"):
+        assert torch.equal(a["st"][k], before[k]), k
+    exp = _next_sample(before["mean"], before["h"], a, a["steps"], torch.float32)
+    assert_close(a["st"]["param"], exp, PARAM[torch.float32], "this step's inner sample")
+
+
 @pytest.mark.parametrize("why", ["found_inf", "bad_gradient"])
 def test_step_kernel_skips_and_puts_the_mean_back(why, ops):
     n = 2049
@@ -265,7 +311,7 @@ def test_step_kernel_grad_scale_divides_the_gradients(ops):
     grp = a["group"]
     flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=True, floor=False, clip=True,
                                                           debias=True),
-                           corr=True, ge_in=False, ge_o=False, shared_noise=True)
+                           corr=True, ge_in=False, ge_o=False, shared_noise=True, next_sample=False)
     hp = K.StepHP.ivon(lr=R.ivon_lr(grp["lr"], grp["hess_init"], grp["weight_decay"], True),
                        beta1=grp["beta1"], beta2=grp["beta2"], wd=grp["weight_decay"],
                        ess=grp["ess"], alpha=grp["alpha"], hess_corr=grp["hess_corr_scale"],
@@ -304,7 +350,7 @@ def test_step_kernel_sgd_family(n, pdtype, case, corr, ops):
     m0, b0 = mean.clone(), buf.clone()
     flags = K.StepFlags.of(K.FAMILY_SGD, K.StepPath.sgd(momentum=c["momentum"] != 0,
                                                         nesterov=c["nesterov"]),
-                           corr=corr, ge_in=False, ge_o=False, shared_noise=False)
+                           corr=corr, ge_in=False, ge_o=False, shared_noise=False, next_sample=False)
     hp = K.StepHP.sgd(lr=lr, wd=c["weight_decay"], alpha=alpha, momentum=c["momentum"],
                       dampening=c["dampening"], mom_first=float(c["first"]))
     ops.step(mean, param, buf, None, g_in, None, g_o if corr else None, None,
@@ -333,7 +379,7 @@ def test_step_kernel_adamw_family(n, pdtype, corr, ops):
     m0, ea0, eas0 = mean.clone(), ea.clone(), eas.clone()
     hp = K.StepHP.adamw(lr=lr, beta1=b1, beta2=b2, wd=wd, eps=eps, alpha=alpha)
     flags = K.StepFlags.of(K.FAMILY_ADAMW, K.StepPath.adamw(), corr=corr, ge_in=False,
-                           ge_o=False, shared_noise=False)
+                           ge_o=False, shared_noise=False, next_sample=False)
     ops.step(mean, param, ea, eas, g_in, None, g_o if corr else None, None,
              g_out if corr else None, None, None, None, _ctl(steps, 2), None, None,
              K.StepStreams(SEED, 0, 0), K.StepHyper.of(hp, sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0),
@@ -494,7 +540,7 @@ def test_operators_pass_opcheck(ops):
     ctl = _ctl(3, 1)
     flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=True, floor=False,
                                                           clip=False, debias=True),
-                           corr=True, ge_in=False, ge_o=False, shared_noise=True)
+                           corr=True, ge_in=False, ge_o=False, shared_noise=True, next_sample=False)
     hp = K.StepHyper.of(K.StepHP.ivon(lr=0.01, beta1=0.9, beta2=0.999, wd=1e-4, ess=50.0,
                                       alpha=0.7, hess_corr=0.01, floor=0.0, clip=0.0),
                         sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0)

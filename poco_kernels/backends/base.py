@@ -19,7 +19,7 @@ HOST = frozenset({
     # layout and protocol state
     "_buckets", "_pending", "param_groups", "seed", "backend", "check_finite", "_step",
     "_kernel_capable",
-    "_refreshes", "uses_hessian", "_divergence_hint", "grad_views",
+    "_refreshes", "uses_hessian", "_divergence_hint", "grad_views", "sample_ahead",
     # the optimizer's family: its samples, its reference update, its kernel records
     "_group", "_spec", "_first_refresh", "_inner_update", "_refresh_update", "_kernel_step",
     "_kernel_refresh",
@@ -48,14 +48,36 @@ class Backend(ABC):
         self.opt = opt
         #: the parameters hold the posterior mean (no sample in them)
         self.params_hold_mean = True
+        #: the parameters hold the next step's inner sample (draw 0), left by the step
+        #: (``sample_ahead``): per bucket the (ess, wd) it was drawn with; None: they do not
+        self.ahead = None
+
+    def prefetch(self) -> None:
+        """Write the next step's inner sample (draw 0) into the parameters, as a step with
+        ``sample_ahead`` leaves it (the parameters hold the mean)."""
+        self.sample(0, 0)
+        self.ahead = self._ahead_key()
+
+    def _ahead_key(self):
+        """What the inner sample of each bucket depends on besides the state and counters
+        (a changed ``ess`` or ``weight_decay`` means the sample left by the step is stale)."""
+        return {b.index: (float(self.opt._spec(b, 0, 0).ess), float(self.opt._spec(b, 0, 0).wd))
+                for b in self.opt._buckets}
+
+    def takes_ahead(self, kind: int, draw: int) -> bool:
+        """The sample asked for is the one the step left in the parameters."""
+        return kind == 0 and draw == 0 and self.ahead is not None \
+            and self.ahead == self._ahead_key()
 
     @abstractmethod
     def sample(self, kind: int, draw: int) -> None:
         """Write draw ``draw`` of a ``kind`` sample into the parameters."""
 
     @abstractmethod
-    def accumulate(self, kind: int, draw: int) -> None:
-        """Fold the parameters' ``.grad`` into the pending sums of the active sample."""
+    def accumulate(self, kind: int, draw: int, lend: bool = True) -> None:
+        """Fold the parameters' ``.grad`` into the pending sums of the active sample.
+        ``lend``: the ``.grad`` are cleared after it (a gradient buffer may become the
+        sum); False: they stay, so they must not."""
 
     @abstractmethod
     def at_mean(self) -> None:

@@ -26,6 +26,7 @@ module with one function per operation, :mod:`poco_kernels.kernels.triton_ops` o
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -84,12 +85,6 @@ class GradBuffer:
     def is_clean(self) -> bool:
         return self.clean is not None and self.clean == self._versions()
 
-    def written(self) -> List[bool]:
-        """Per parameter: written since the buffer was zeroed (True where not known)."""
-        if self.clean is None:
-            return [True] * len(self.views)
-        return [v._version != c for v, c in zip(self.views, self.clean)]
-
     def zero(self) -> None:
         """Make it hold zeros (one memset, skipped when it is known to)."""
         if not self.is_clean():
@@ -112,6 +107,10 @@ class FusedBackend(Backend):
         self.ctl: Dict[torch.device, Tensor] = {}
         self.pool: Dict[Tuple[int, int], List[Optional[Tensor]]] = {}
         self.active_noise: Dict[int, Optional[Tuple[int, int, float]]] = {}
+        #: ids of the parameters autograd accumulated a gradient into since the last
+        #: hand-out (a post-accumulate-grad hook on each parameter given a view)
+        self.reached: set = set()
+        self._watched: set = set()
         self.flatten()
 
     # ------------------------------------------------------------------ layout
@@ -189,7 +188,13 @@ class FusedBackend(Backend):
                     if p.data_ptr() == base + off * size and p.is_contiguous():
                         continue
                     flat = b.flat_param[off:off + p.numel()]
-                    flat.copy_(p.detach().reshape(-1))
+                    new = p.detach().reshape(-1)
+                    if not self.params_hold_mean and not torch.equal(flat, new):
+                        # the parameters hold a sample and this one was given another
+                        # value: that value is its mean now (the parameters are the truth)
+                        b.buffers["mean"][off:off + p.numel()].copy_(new)
+                        self.ahead = None
+                    flat.copy_(new)
                     p.data = flat.view_as(view)
                 if b.param_dtype != b.dtype and self.params_hold_mean:
                     # low precision: the float32 master copy keeps what the parameters
@@ -240,6 +245,7 @@ class FusedBackend(Backend):
     def at_mean(self) -> None:
         self.check_layout()
         self.active_noise.clear()
+        self.ahead = None
 
     def discard(self) -> None:
         for c in self.ctl.values():
@@ -250,6 +256,12 @@ class FusedBackend(Backend):
         self.check_layout()
         self.hand_out()
         opt = self.opt
+        if self.takes_ahead(kind, draw):      # the step wrote it: nothing moves
+            for b in opt._buckets:
+                self.active_noise[b.index] = self.noise_of(kind, b, draw)
+            self.params_hold_mean = False
+            return
+        self.ahead = None
         for b in opt._buckets:
             spec = opt._spec(b, kind, draw)
             is_mean = spec.centre is b.buffers["mean"]
@@ -288,6 +300,7 @@ class FusedBackend(Backend):
         for b in self.opt._buckets:
             b.flat_param.copy_(b.buffers["mean"])
         self.params_hold_mean = True
+        self.ahead = None
 
     # ------------------------------------------------------------------ accumulation
     def _buffers(self, kind: int, b) -> List[Optional[Tensor]]:
@@ -350,7 +363,21 @@ class FusedBackend(Backend):
             for p, v in zip(b.params, gb.views):
                 if p.grad is not v:
                     p.grad = v
+                self.reached.discard(id(p))
+                if id(p) not in self._watched:
+                    self._watch(p)
             b.handed = i
+
+    def _watch(self, p) -> None:
+        """Note in :attr:`reached` every gradient autograd accumulates into ``p``."""
+        ref = weakref.ref(self)
+
+        def hook(param, ref=ref):
+            eng = ref()
+            if eng is not None:
+                eng.reached.add(id(param))
+        p.register_post_accumulate_grad_hook(hook)
+        self._watched.add(id(p))
 
     def zero_grads(self) -> set:
         """``zero_grad()`` for the parameters whose ``.grad`` is a view handed out by
@@ -374,20 +401,25 @@ class FusedBackend(Backend):
 
     def unwritten(self) -> set:
         """``(bucket, index)`` of the parameters whose ``.grad`` is a view handed out by
-        :meth:`hand_out` that no backward pass (nor anything else) has written since: they
-        received no gradient, as a ``.grad`` of None says with ``torch.optim``."""
+        :meth:`hand_out` that received no gradient: autograd accumulated nothing into it
+        since (:attr:`reached`) and it still holds zeros (a gradient written another way,
+        e.g. a collective into ``p.grad.data``, counts; clipping a zero one does not).
+        They are skipped, as a ``.grad`` of None is with ``torch.optim``.  Reads the
+        data of those parameters only (usually none), in one device read."""
         out = set()
         if torch.compiler.is_compiling():
             return out
+        cand = []
         for b in self.opt._buckets:
             if b.handed is None:
                 continue
             gb = b.grad_bufs[b.handed]
-            if gb.clean is None:
-                continue
-            for i, (p, v, w) in enumerate(zip(b.params, gb.views, gb.written())):
-                if p.grad is v and not w:
-                    out.add((b.index, i))
+            for i, (p, v) in enumerate(zip(b.params, gb.views)):
+                if p.grad is v and id(p) not in self.reached:
+                    cand.append(((b.index, i), v))
+        if cand:
+            nonzero = torch.stack([v.ne(0).any() for _, v in cand]).tolist()
+            out = {key for (key, _), nz in zip(cand, nonzero) if not nz}
         return out
 
     def _gather_grads(self, b, lent: set) -> GradBuffer:
@@ -425,7 +457,7 @@ class FusedBackend(Backend):
         return _noise.stream_id(b.index, nk, nd), slot, float(sign)
 
     @torch.no_grad()
-    def accumulate(self, kind: int, draw: int) -> None:
+    def accumulate(self, kind: int, draw: int, lend: bool = True) -> None:
         opt = self.opt
         sums = opt._pending.sums
         lent = self._lent()
@@ -440,7 +472,7 @@ class FusedBackend(Backend):
             ge_live = (kind, b.index, "ge") in sums
             needs_ge = want_ge and (draw >= 1 or ge_live)
             gb.clean = None                    # it holds a gradient now
-            if first and not needs_ge and b.param_dtype == b.dtype and not compiling:
+            if first and not needs_ge and b.param_dtype == b.dtype and lend and not compiling:
                 # the sum of one gradient is the gradient: the buffer itself becomes the
                 # pending sum (lent until the update), checked for non-finite values
                 self.ops.check(grad, self._ctl(b))
@@ -517,6 +549,10 @@ class FusedBackend(Backend):
         pend = opt._pending
         sums = pend.sums
         n_in = pend.count[KIND_INNER]
+        self.ahead = None
+        # sample_ahead: the kernel writes the next step's inner sample (IVON family)
+        nxt = (opt.sample_ahead and bool(opt._buckets)
+               and all(opt._spec(b, KIND_INNER, 0).h is not None for b in opt._buckets))
         for b in opt._buckets:
             t = opt._kernel_step(b, opt._group(b))
             c = b.index in corr
@@ -533,7 +569,8 @@ class FusedBackend(Backend):
             shared = (noise_in is not None and noise_o is not None and noise_in == noise_o
                       and ge_in is None and ge_o is None)
             flags = K.StepFlags.of(t.family, t.path, corr=c, ge_in=ge_in is not None,
-                                   ge_o=ge_o is not None, shared_noise=shared)
+                                   ge_o=ge_o is not None, shared_noise=shared,
+                                   next_sample=nxt)
             hyper = K.StepHyper.of(t.hp, sign_o=noise_o[2] if noise_o else 1.0,
                                    inv_n_in=1.0 / n_in, inv_n_o=1.0 / n_o if n_o else 0.0)
             streams = K.StepStreams(opt.seed, noise_in[0] if noise_in else 0,
@@ -545,7 +582,9 @@ class FusedBackend(Backend):
                           b.buffers.get("m_out") if c else None,
                           b.buffers.get("sigma_out") if c else None,
                           self._ctl(b), fi, gs, streams, hyper, flags)
-        self.params_hold_mean = True
+        self.params_hold_mean = not nxt
+        if nxt:
+            self.ahead = self._ahead_key()
         taken = self._raise_if_bad(COUNTER_STEPS, found_inf) if opt.check_finite else None
         self._finish(COUNTER_STEPS, found_inf)
         return taken
@@ -557,6 +596,7 @@ class FusedBackend(Backend):
         self.hand_out(cleared_only=True)
 
     def refresh(self, grad_scale, found_inf) -> bool:
+        self.ahead = None
         opt = self.opt
         pend = opt._pending
         n = pend.count[KIND_REFRESH]
@@ -586,9 +626,11 @@ class FusedBackend(Backend):
     # ------------------------------------------------------------------ bookkeeping
     def loaded(self) -> None:
         self.params_hold_mean = True
+        self.ahead = None
         self.set_counters(self.opt._step, self.opt._refreshes)
 
     def relayout(self) -> None:
+        self.ahead = None
         self.pool.clear()
         self.active_noise.clear()
         self.flatten()
@@ -598,6 +640,7 @@ class FusedBackend(Backend):
             c[K.CTL_SKIPPED].fill_(skipped)
 
     def rebuilt(self, old_buckets) -> None:
+        self.ahead = None
         for b_new, b_old in zip(self.opt._buckets, old_buckets):
             for attr in ("flat_param", "grad_flat", "grad_views", "grad_bufs", "handed"):
                 if hasattr(b_old, attr):

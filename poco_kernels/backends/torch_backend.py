@@ -29,12 +29,18 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------------ sampling
     def sync_mean(self) -> None:
+        if not self.params_hold_mean:
+            return
         with torch.no_grad():
             for b in self.opt._buckets:
                 if b.param_dtype == b.dtype:
                     b.buffers["mean"].copy_(b.flat_params())
 
     def sample(self, kind: int, draw: int) -> None:
+        if self.takes_ahead(kind, draw):      # the step left it there (its eps kept)
+            self.params_hold_mean = False
+            return
+        self.ahead = None
         opt = self.opt
         self.sync_mean()
         self.active_eps = {}
@@ -54,8 +60,9 @@ class TorchBackend(Backend):
 
     def at_mean(self) -> None:
         self.active_eps = {}
+        self.ahead = None
 
-    def accumulate(self, kind: int, draw: int) -> None:
+    def accumulate(self, kind: int, draw: int, lend: bool = True) -> None:
         opt = self.opt
         sums = opt._pending.sums
         with torch.no_grad():
@@ -76,6 +83,7 @@ class TorchBackend(Backend):
                 b.write_params(b.buffers["mean"])
         self.active_eps = {}
         self.params_hold_mean = True
+        self.ahead = None
 
     # ------------------------------------------------------------------ updates
     def estimate(self, kind: int, b, grad_scale: Optional[Tensor]
@@ -128,10 +136,24 @@ class TorchBackend(Backend):
     def host_readable(self, t: Tensor) -> bool:
         return True
 
+    def loaded(self) -> None:
+        self.active_eps = {}
+        self.params_hold_mean = True
+        self.ahead = None
+
+    def relayout(self) -> None:
+        self.active_eps = {}
+        self.ahead = None
+
+    def rebuilt(self, old_buckets) -> None:
+        self.active_eps = {}
+        self.ahead = None
+
     def skipped_on_host(self, found_inf: Optional[Tensor]) -> bool:
         return found_inf is not None and bool(found_inf.detach().float().sum() != 0)
 
     def step(self, corr, grad_scale, found_inf) -> bool:
+        self.ahead = None                 # (the optimizer draws the next sample after it)
         if self.skipped_on_host(found_inf):
             return False               # AMP overflow: skip, state untouched
         opt = self.opt
@@ -147,6 +169,7 @@ class TorchBackend(Backend):
         return True
 
     def refresh(self, grad_scale, found_inf) -> bool:
+        self.ahead = None
         if self.skipped_on_host(found_inf):
             return False
         opt = self.opt

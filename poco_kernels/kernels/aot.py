@@ -111,7 +111,7 @@ def signature(kernel, constexprs: Dict[str, Any], dtype: str = "fp32") -> Dict[s
 
 
 _STEP_OFF = dict(FAMILY=0, CORR=False, GE_IN=False, GE_O=False, SHARED_NOISE=False,
-                 HESS_CORR=False, FLOOR=False, CLIP=False, DEBIAS=False, MOMENTUM=False,
+                 NEXT_SAMPLE=False, HESS_CORR=False, FLOOR=False, CLIP=False, DEBIAS=False, MOMENTUM=False,
                  NESTEROV=False, HAS_FOUND_INF=True, HAS_SCALE=True)
 
 
@@ -142,6 +142,8 @@ def variants() -> List[Variant]:
                      CLIP=True, DEBIAS=True)
     add("step[ivon,full,fp32]", K.step_kernel, "fp32", **ivon_full)
     add("step[ivon,full,bf16]", K.step_kernel, "bf16", **ivon_full)
+    # sample_ahead: the next sample's noise and sigma on top of the heaviest path
+    add("step[ivon,full,next,fp32]", K.step_kernel, "fp32", **dict(ivon_full, NEXT_SAMPLE=True))
     # a launch types its ints by value: n and seed below 2**31 (the usual case) are i32
     add("step[ivon,full,fp32,i32]", K.step_kernel, "fp32", types={"n": "i32", "seed": "i32"},
         **ivon_full)

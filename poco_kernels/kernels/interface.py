@@ -117,7 +117,7 @@ class StepPath(NamedTuple):
 
 
 class StepFlags(NamedTuple):
-    """The step kernel's code path: the family, three switches set by the host engine per
+    """The step kernel's code path: the family, five switches set by the host engine per
     call, then :class:`StepPath`.  Triton takes each as a ``constexpr`` of the upper-case
     name; the C++ operator takes ``family`` and the rest packed by :meth:`bits`."""
     family: int
@@ -125,6 +125,7 @@ class StepFlags(NamedTuple):
     ge_in: bool          # the inner gradient * eps was summed (several draws)
     ge_o: bool           # the outer gradient * eps was summed
     shared_noise: bool   # the outer draw reuses the inner draw's eps
+    next_sample: bool    # IVON: write the next step's inner sample, not the mean
     hess_corr: bool
     floor: bool
     clip: bool
@@ -133,8 +134,10 @@ class StepFlags(NamedTuple):
     nesterov: bool
 
     @classmethod
-    def of(cls, family: int, path: StepPath, *, corr, ge_in, ge_o, shared_noise) -> "StepFlags":
-        return cls(int(family), bool(corr), bool(ge_in), bool(ge_o), bool(shared_noise), *path)
+    def of(cls, family: int, path: StepPath, *, corr, ge_in, ge_o, shared_noise,
+           next_sample) -> "StepFlags":
+        return cls(int(family), bool(corr), bool(ge_in), bool(ge_o), bool(shared_noise),
+                   bool(next_sample), *path)
 
     def bits(self) -> int:
         """The switches (all fields but ``family``) as bits 0, 1, ... in field order."""

@@ -188,7 +188,8 @@ def step_kernel(
         mom_first,
         # StepFlags
         FAMILY: tl.constexpr, CORR: tl.constexpr, GE_IN: tl.constexpr, GE_O: tl.constexpr,
-        SHARED_NOISE: tl.constexpr, HESS_CORR: tl.constexpr, FLOOR: tl.constexpr,
+        SHARED_NOISE: tl.constexpr, NEXT_SAMPLE: tl.constexpr, HESS_CORR: tl.constexpr,
+        FLOOR: tl.constexpr,
         CLIP: tl.constexpr, DEBIAS: tl.constexpr, MOMENTUM: tl.constexpr,
         NESTEROV: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr,
         BLOCK: tl.constexpr):
@@ -203,6 +204,9 @@ def step_kernel(
     Hessian-correction term, clipping, the mean; write the mean into the parameters.
     Reference: price_hessian, control_variate, hessian_floor, ivon_momentum, ivon_hessian,
     ivon_direction, ivon_hessian_correction, ivon_mean (``lr`` already ``ivon_lr``).
+    ``NEXT_SAMPLE``: the parameters get the next step's inner sample (draw 0 of the inner
+    stream at the new step count; this step's again when the update is skipped) instead
+    of the mean, as ``sample_kernel`` computes it (reference: perturb, ivon_sigma).
 
     ``FAMILY_SGD`` (SVRG, alpha-SVRG, VSGD-PoCo; ``s1`` = momentum buffer): control
     variate, then torch.optim.SGD's update.  Reference: control_variate, sgd_step.
@@ -215,6 +219,7 @@ def step_kernel(
     counter; ``t = ctl[0] + 1`` debiases).
     """
     tl.static_assert(not (SHARED_NOISE and GE_IN), "shared noise is regenerated, not summed")
+    tl.static_assert(not NEXT_SAMPLE or FAMILY == 0, "the next sample is IVON's")
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
@@ -278,6 +283,7 @@ def step_kernel(
         m_new = m - lr * u
         tl.store(s1_ptr + idx, g_new, mask=wmask)
         tl.store(s2_ptr + idx, h_new, mask=wmask)
+        h_param = tl.where(wmask, h_new, h)
     elif FAMILY == 1:
         d_p = ghat + wd * m
         if MOMENTUM:
@@ -289,6 +295,7 @@ def step_kernel(
             else:
                 d_p = buf
         m_new = m - lr * d_p
+        h_param = m
     else:
         ea = tl.load(s1_ptr + idx, mask=mask, other=0.0)
         eas = tl.load(s2_ptr + idx, mask=mask, other=0.0)
@@ -301,9 +308,14 @@ def step_kernel(
         m_new = m_dec - (lr / bc1) * ea / denom
         tl.store(s1_ptr + idx, ea, mask=wmask)
         tl.store(s2_ptr + idx, eas, mask=wmask)
+        h_param = m
     tl.store(mean_ptr + idx, m_new, mask=wmask)
-    # the parameters always get the mean back (the old one when the update is skipped)
+    # the parameters always get the mean back (the old one when the update is skipped), or
+    # with NEXT_SAMPLE the inner sample of the state they keep
     m_param = tl.where(wmask, m_new, m)
+    if NEXT_SAMPLE:
+        eps_next = _randn(seed, idx, steps + 1 - skip, stream)
+        m_param = m_param + _ivon_sigma(h_param, ess, wd) * eps_next
     tl.store(param_ptr + idx, _to_param(m_param, param_ptr), mask=mask)
 
 
