@@ -16,15 +16,6 @@ BACKENDS = ["torch"] + FUSED_BACKENDS
 STATE = ("mean", "momentum", "h", "g_out", "h_out", "m_out", "sigma_out")
 
 
-def _closure(opt, model, prob, idx):
-    def c():
-        opt.zero_grad()
-        loss = prob.loss(model, idx)
-        loss.backward()
-        return loss
-    return c
-
-
 def _train(backend, ahead, steps=7, cls=pk.IVONPoCoMo, dtype=torch.float32, protocol="closure",
            **kw):
     prob = Problem()
@@ -33,9 +24,9 @@ def _train(backend, ahead, steps=7, cls=pk.IVONPoCoMo, dtype=torch.float32, prot
     opt = cls(m.parameters(), **kw)
     for t in range(steps):
         if cls is not pk.IVON and t in (1, 4):
-            opt.refresh([_closure(opt, m, prob, t % 3), _closure(opt, m, prob, (t + 1) % 3)])
+            opt.refresh([prob.closure(opt, m, t % 3), prob.closure(opt, m, (t + 1) % 3)])
         if protocol == "closure":
-            opt.step(_closure(opt, m, prob, t % 3))
+            opt.step(prob.closure(opt, m, t % 3))
         else:
             for kind in ("inner", "outer") if opt.correction_active() else ("inner",):
                 with opt.sampled(kind):
@@ -90,7 +81,7 @@ def test_the_fused_step_writes_it_and_the_next_step_samples_nothing(monkeypatch)
         calls = []
         real = cpp_ops.sample
         monkeypatch.setattr(cpp_ops, "sample", lambda *a: (calls.append(1), real(*a)))
-        opt.step(_closure(opt, m, prob, 0))
+        opt.step(prob.closure(opt, m, 0))
         monkeypatch.setattr(cpp_ops, "sample", real)
         assert len(calls) == launches, cls.__name__
 
@@ -104,7 +95,7 @@ def test_a_changed_ess_draws_the_sample_again(backend):
         prob = Problem()
         m, opt = _train(backend, ahead, steps=3, cls=pk.IVON)
         opt.param_groups[0]["ess"] = 50.0
-        opt.step(_closure(opt, m, prob, 1))
+        opt.step(prob.closure(opt, m, 1))
         outs.append(_state(opt))
     for k in outs[0]:
         assert all(torch.equal(a, b) for a, b in zip(outs[0][k], outs[1][k])), k
@@ -128,8 +119,8 @@ def test_a_refused_step_leaves_the_sample_a_twin_holds(backend):
         opt.step(bad)
     assert all(torch.equal(a, b) for a, b in zip(params_of(m), params_of(twin_m)))
     for t in range(2):
-        opt.step(_closure(opt, m, prob, t))
-        twin.step(_closure(twin, twin_m, prob, t))
+        opt.step(prob.closure(opt, m, t))
+        twin.step(prob.closure(twin, twin_m, t))
     assert all(torch.equal(a, b) for a, b in zip(params_of(m), params_of(twin_m)))
 
 
@@ -152,7 +143,7 @@ def test_copies_state_dicts_and_from_ivon(backend):
     opt3.load_state_dict(sd)
     for t in range(2):
         for mm, oo in ((m, opt), (m2, opt2), (m3, opt3)):
-            oo.step(_closure(oo, mm, prob, t))
+            oo.step(prob.closure(oo, mm, t))
     for mm in (m2, m3):
         assert all(torch.equal(a, b) for a, b in zip(params_of(m), params_of(mm)))
     mi, ivon = _train(backend, True, steps=2, cls=pk.IVON)
@@ -192,7 +183,7 @@ def test_layout_changes_between_steps(backend, event):
                     m, opt = copy.deepcopy((m, opt))
                 elif event == "relink":
                     ps[1].data = ps[1].data.clone()
-            opt.step(_closure(opt, m, prob, t % 3))
+            opt.step(prob.closure(opt, m, t % 3))
         opt.restore()
         outs.append([p.detach().clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*outs))
