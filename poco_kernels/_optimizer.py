@@ -222,6 +222,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
         self._awaiting: Set[int] = set()
         self._pending = Pending()
         self._active: Optional[Tuple[int, int]] = None   # (kind, draw) of the sample in params
+        #: (step) the parameters held the next sample when the call began (sample_ahead)
+        self._was_ahead = False
         self._eps_cache: Dict[int, Tuple[Tuple[int, ...], Tensor]] = {}
         self._backend = _backends.create(self.backend, self)
         #: raise on non-finite gradients (the triton backend then reads one flag from the
@@ -952,7 +954,7 @@ class PosteriorOptimizer(BucketedOptimizer):
         mean, or the next sample a step left there (``sample_ahead``)."""
         self._pending.clear(kinds)
         self._backend.discard()
-        was_ahead = getattr(self, "_was_ahead", False) and KIND_INNER in kinds
+        was_ahead = self._was_ahead and KIND_INNER in kinds
         if not self._backend.params_hold_mean or was_ahead:
             self.restore()
             if was_ahead:
@@ -1081,18 +1083,13 @@ class PosteriorOptimizer(BucketedOptimizer):
             self._step += 1
         elif taken is False:
             self._drop_new_buffers(had)
-        if self._ahead_family() and (saved or self._backend.ahead is None):
+        if self._backend.ahead_family() and (saved or self._backend.ahead is None):
             # the torch backend, or parameters put back without a gradient: the next
             # sample by a sample pass (the fused kernels wrote it in the step's pass)
             self._backend.restore()
             self._backend.prefetch()
         return loss
 
-    def _ahead_family(self) -> bool:
-        """The step leaves the next inner sample in the parameters (``sample_ahead``, and
-        every bucket's inner sample is IVON's, from ``h``)."""
-        return (self.sample_ahead and bool(self._buckets)
-                and all(self._spec(b, KIND_INNER, 0).h is not None for b in self._buckets))
 
     def _drop_new_buffers(self, had) -> None:
         """An update not taken leaves no buffer made at its first use (SGD's momentum)."""

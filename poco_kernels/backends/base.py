@@ -58,11 +58,18 @@ class Backend(ABC):
         self.sample(0, 0)
         self.ahead = self._ahead_key()
 
+    def ahead_family(self) -> bool:
+        """The step leaves the next inner sample in the parameters: ``sample_ahead``, and
+        every bucket's inner sample is IVON's (from ``h``)."""
+        opt = self.opt
+        return (opt.sample_ahead and bool(opt._buckets)
+                and all(opt._spec(b, 0, 0).h is not None for b in opt._buckets))
+
     def _ahead_key(self):
         """What the inner sample of each bucket depends on besides the state and counters
         (a changed ``ess`` or ``weight_decay`` means the sample left by the step is stale)."""
-        return {b.index: (float(self.opt._spec(b, 0, 0).ess), float(self.opt._spec(b, 0, 0).wd))
-                for b in self.opt._buckets}
+        specs = {b.index: self.opt._spec(b, 0, 0) for b in self.opt._buckets}
+        return {i: (float(s.ess), float(s.wd)) for i, s in specs.items()}
 
     def takes_ahead(self, kind: int, draw: int) -> bool:
         """The sample asked for is the one the step left in the parameters."""

@@ -74,8 +74,7 @@ class GradBuffer:
         self.flat = torch.zeros(b.numel, device=b.device, dtype=b.param_dtype)
         st = self.flat.untyped_storage()
         self.views = [torch.empty(0, device=b.device, dtype=b.param_dtype).set_(
-                          st, off, p.shape, p.stride() if p.is_contiguous() else
-                          torch.empty(p.shape).stride())
+                          st, off, p.shape)            # (contiguous strides)
                       for p, off in zip(b.params, b.offsets)]
         self.clean = self._versions()
 
@@ -550,9 +549,7 @@ class FusedBackend(Backend):
         sums = pend.sums
         n_in = pend.count[KIND_INNER]
         self.ahead = None
-        # sample_ahead: the kernel writes the next step's inner sample (IVON family)
-        nxt = (opt.sample_ahead and bool(opt._buckets)
-               and all(opt._spec(b, KIND_INNER, 0).h is not None for b in opt._buckets))
+        nxt = self.ahead_family()   # the kernel writes the next step's inner sample
         for b in opt._buckets:
             t = opt._kernel_step(b, opt._group(b))
             c = b.index in corr
