@@ -13,19 +13,20 @@ from __future__ import annotations
 S = 4
 
 
-def b_step_poco(P):
+def b_step_poco(P, L=S):
     """step kernel, FAMILY_IVON, CORR, HESS_CORR (hess_corr_scale 0.01 != 0), shared noise,
     one draw (GE_IN = GE_O = False: eps regenerated, not read), no AMP:
-    reads  mean, g_in sum, g_o sum, g_out, momentum (s1), h (s2), sigma_out, h_out, m_out
-           (9 x S; the parameters are NOT read),
-    writes momentum, h, mean (3 x S) and the parameters (P)."""
-    return 9 * S + 3 * S + P
+    reads  mean, g_in sum, g_o sum, h (s2) (4 x S) and g_out, momentum (s1), sigma_out,
+           h_out, m_out (5 x L; the parameters are NOT read),
+    writes momentum (L), h, mean (2 x S) and the parameters (P).
+    L: bytes of the low-precision state (S; 2 with state_dtype=bfloat16)."""
+    return 4 * S + 5 * L + L + 2 * S + P
 
 
-def b_step_ivon(P):
-    """step kernel, FAMILY_IVON, no CORR: reads mean, g_in sum, momentum, h (4 x S);
-    writes momentum, h, mean (3 x S) and the parameters (P)."""
-    return 4 * S + 3 * S + P
+def b_step_ivon(P, L=S):
+    """step kernel, FAMILY_IVON, no CORR: reads mean, g_in sum, h (3 x S), momentum (L);
+    writes momentum (L), h, mean (2 x S) and the parameters (P)."""
+    return 3 * S + L + L + 2 * S + P
 
 
 def b_sample_inner(P, sync):
@@ -35,9 +36,9 @@ def b_sample_inner(P, sync):
     return (P + S + S + P) if sync else (2 * S + P)
 
 
-def b_sample_outer(P):
-    """sample kernel, SIGMA_BUFFER: reads m_out, sigma_out (2 x S), writes the sample (P)."""
-    return 2 * S + P
+def b_sample_outer(P, L=S):
+    """sample kernel, SIGMA_BUFFER: reads m_out, sigma_out (2 x L), writes the sample (P)."""
+    return 2 * L + P
 
 
 def b_accumulate(P):
@@ -150,16 +151,18 @@ def b_iteration(name, provider, P=S):
     of the adopted buffer and a zeroing of it after the update; IVON: inner sample
     (float32 parameters hold the mean: sync) + step; IVON-PoCoMo: inner sample + outer
     sample + step with the correction.  ``sample_ahead`` in ``provider``: no inner
-    sample (the step wrote it; its parameter write is the step's)."""
+    sample (the step wrote it; its parameter write is the step's); ``bf16_state``:
+    state_dtype=bfloat16 (momentum and outer buffers 2 bytes)."""
     if name == "AdamW":
         return b_adamw(P)
+    L = 2 if "bf16_state" in provider else S
     grads = 1 if name == "IVON" else 2
     total = grads * (b_check(P) + b_zero(P))
     if "sample_ahead" not in provider:
         total += b_sample_inner(P, P == S)
     if name == "IVON":
-        return total + b_step_ivon(P)
-    return total + b_sample_outer(P) + b_step_poco(P)
+        return total + b_step_ivon(P, L)
+    return total + b_sample_outer(P, L) + b_step_poco(P, L)
 
 
 BYTE_MODELS = (b_step_poco, b_step_ivon, b_sample_inner, b_sample_outer, b_accumulate,

@@ -6,7 +6,8 @@ The model: three parameters of odd sizes, ``numel`` elements in all (2^24 by def
 closure ``zero_grad(); loss = sum(p * c); loss.backward()`` (a linear loss: its backward
 writes one gradient tensor per parameter, as any model's does).  Rows, for fused and
 foreach AdamW (``closure(); step()``), IVON and IVON-PoCoMo (``step(closure)``; IVON-PoCoMo
-with the correction active, its refresh timed apart), each also with ``sample_ahead=True``:
+with the correction active, its refresh timed apart), each also with ``sample_ahead=True``
+and with ``sample_ahead=True, state_dtype=torch.bfloat16``:
 
 * ``iter_cycle``: the whole iteration, closure calls included;
 * ``iter_closure``: the closure calls inside those iterations (timed each time, summed);
@@ -89,6 +90,12 @@ def candidates(backend):
         ("IVONPoCoMo", f"poco_kernels.{backend}(sample_ahead)",
          lambda ps: pk.IVONPoCoMo(ps, lr=1e-3, ess=1.0, backend=backend, sample_ahead=True),
          "ours"),
+        ("IVON", f"poco_kernels.{backend}(sample_ahead,bf16_state)",
+         lambda ps: pk.IVON(ps, lr=1e-3, ess=1.0, backend=backend, sample_ahead=True,
+                            state_dtype=torch.bfloat16), "ours"),
+        ("IVONPoCoMo", f"poco_kernels.{backend}(sample_ahead,bf16_state)",
+         lambda ps: pk.IVONPoCoMo(ps, lr=1e-3, ess=1.0, backend=backend, sample_ahead=True,
+                                  state_dtype=torch.bfloat16), "ours"),
     ]
 
 

@@ -36,28 +36,39 @@ POCO_INLINE int64_t tile_len(int64_t t, int64_t n) { return min_<int64_t>(kTile,
 // ------------------------------------------------------------------ sample
 // Reference: perturb, ivon_sigma.  SYNC: the parameters hold the mean (float32
 // parameters, torch.optim convention): copy it to the mean buffer first; it is the centre.
-template <typename PT, int MODE, bool SYNC>
+template <typename PT, int MODE, bool SYNC, bool LOW = false>
 void sample_impl(const SampleArgs& a, int64_t t0, int64_t t1) {
+  static_assert(!LOW || (MODE == kSigmaBuffer && !SYNC), "a bfloat16 centre is the outer sample's");
   const PhiloxKey key(a.noise.seed);
   alignas(64) float eps[kTile];
+  alignas(64) float low_centre[LOW ? kTile : 1], low_sigma[LOW ? kTile : 1];
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t i0 = t * kTile, len = tile_len(t, a.n);
     if (MODE != kSigmaNone) {
       auto prefetch = [&](int64_t j) {
         const int64_t i = i0 + j;
         pf_w((PT*)a.param + i);
-        if (SYNC) pf_w(a.mean + i); else pf_r(a.centre + i);
-        if (MODE == kSigmaIvon) pf_r(a.h + i);
-        if (MODE == kSigmaBuffer) pf_r(a.sigma + i);
+        if (LOW) {
+          pf_r((const uint16_t*)a.centre + i);
+          pf_r((const uint16_t*)a.sigma + i);
+        } else {
+          if (SYNC) pf_w(a.mean + i); else pf_r(a.centre + i);
+          if (MODE == kSigmaIvon) pf_r(a.h + i);
+          if (MODE == kSigmaBuffer) pf_r(a.sigma + i);
+        }
       };
       noise_tile(eps, len, (uint64_t)i0, key, a.noise.counter, a.noise.stream, a.noise.sign,
                  prefetch);
     }
+    if (LOW) {       // widen the tile's bfloat16 centre and sigma into L1 first
+      load_bf16(low_centre, (const uint16_t*)a.centre + i0, len);
+      load_bf16(low_sigma, (const uint16_t*)a.sigma + i0, len);
+    }
     PT* __restrict p = (PT*)a.param + i0;
-    const float* __restrict centre = a.centre + i0;
+    const float* __restrict centre = LOW ? low_centre : a.centre + i0;
     float* __restrict mean = a.mean + i0;
     const float* __restrict h = a.h + i0;
-    const float* __restrict sig = a.sigma + i0;
+    const float* __restrict sig = LOW ? low_sigma : a.sigma + i0;
     const float ess = a.ess, wd = a.wd, sigma_const = a.sigma_const;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) {
@@ -83,6 +94,7 @@ void sample_impl(const SampleArgs& a, int64_t t0, int64_t t1) {
 
 template <typename PT>
 void sample_pt(const SampleArgs& a, int64_t t0, int64_t t1) {
+  if (a.low) return sample_impl<PT, kSigmaBuffer, false, true>(a, t0, t1);
   switch (a.mode * 2 + (a.sync ? 1 : 0)) {
     case kSigmaNone * 2: return sample_impl<PT, kSigmaNone, false>(a, t0, t1);
     case kSigmaNone * 2 + 1: return sample_impl<PT, kSigmaNone, true>(a, t0, t1);
@@ -179,6 +191,13 @@ void fold_ge_impl(const FoldArgs& a, int64_t t0, int64_t t1) {
 // unconditionally (a select on a flag would keep it from vectorising).
 struct StepTile {
   alignas(64) float eps[kTile];
+  // state_dtype=bfloat16: the tile's low-precision buffers widened (and the new
+  // momentum, rounded back after the pass)
+  alignas(64) float s1[kTile];
+  alignas(64) float g_out[kTile];
+  alignas(64) float h_out[kTile];
+  alignas(64) float m_out[kTile];
+  alignas(64) float sigma_out[kTile];
   alignas(64) float eps_next[kTile];    // the next inner sample's noise (next_sample)
   alignas(64) float ge_in[kTile];
   alignas(64) float ge_o[kTile];
@@ -206,16 +225,26 @@ struct StepPrefetch {
   POCO_INLINE void operator()(int64_t j) const {
     const int64_t i = i0 + j;
     pf_w(a.mean + i);
-    pf_w(a.s1 + i);
     pf_w(a.s2 + i);
     pf_w((const PT*)a.param + i);
     pf_r(a.g_in + i);
-    if (a.corr) {
-      pf_r(a.g_o + i);
-      pf_r(a.g_out + i);
-      pf_r(a.h_out + i);
-      pf_r(a.sigma_out + i);
-      if (a.hess_corr_on) pf_r(a.m_out + i);
+    if (a.corr) pf_r(a.g_o + i);
+    if (a.low) {       // bfloat16 buffers (state_dtype)
+      pf_w((const uint16_t*)a.s1 + i);
+      if (a.corr) {
+        pf_r((const uint16_t*)a.g_out + i);
+        pf_r((const uint16_t*)a.h_out + i);
+        pf_r((const uint16_t*)a.sigma_out + i);
+        if (a.hess_corr_on) pf_r((const uint16_t*)a.m_out + i);
+      }
+    } else {
+      pf_w(a.s1 + i);
+      if (a.corr) {
+        pf_r(a.g_out + i);
+        pf_r(a.h_out + i);
+        pf_r(a.sigma_out + i);
+        if (a.hess_corr_on) pf_r(a.m_out + i);
+      }
     }
   }
 };
@@ -245,7 +274,7 @@ POCO_INLINE void step_prelude(const StepArgs& a, const PhiloxKey& key, int64_t i
 // ivon_mean (lr already ivon_lr).  Two divisions of the reference are multiplications
 // here (g eps / sigma = g eps sqrt(ess (h + wd)); g / (1 - beta1^t) by its reciprocal):
 // within an ulp, and the divider is what this pass waits for on the CPU.
-template <typename PT, bool CORR, bool HC, bool NEXT>
+template <typename PT, bool CORR, bool HC, bool NEXT, bool LOW>
 void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
   const PhiloxKey key(a.seed);
   StepTile st;
@@ -258,17 +287,26 @@ void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
     step_prelude<PT>(a, key, i0, len, st);
     if (NEXT)      // the next step's inner sample: draw 0 of the inner stream, counter + 1
       noise_tile(st.eps_next, len, (uint64_t)i0, key, a.counter + 1u, a.stream_in, 1.0f);
+    if (LOW) {
+      load_bf16(st.s1, (const uint16_t*)a.s1 + i0, len);
+      if (CORR) {
+        load_bf16(st.g_out, (const uint16_t*)a.g_out + i0, len);
+        load_bf16(st.h_out, (const uint16_t*)a.h_out + i0, len);
+        load_bf16(st.sigma_out, (const uint16_t*)a.sigma_out + i0, len);
+        if (HC) load_bf16(st.m_out, (const uint16_t*)a.m_out + i0, len);
+      }
+    }
     const float* __restrict eps_next = st.eps_next;
     float* __restrict mean = a.mean + i0;
     PT* __restrict param = (PT*)a.param + i0;
-    float* __restrict gm = a.s1 + i0;
+    float* __restrict gm = LOW ? st.s1 : a.s1 + i0;
     float* __restrict hh = a.s2 + i0;
     const float* __restrict g_in_p = a.g_in + i0;
     const float* __restrict g_o_p = a.g_o + i0;
-    const float* __restrict g_out = a.g_out + i0;
-    const float* __restrict h_out = a.h_out + i0;
-    const float* __restrict m_out = a.m_out + i0;
-    const float* __restrict sigma_out = a.sigma_out + i0;
+    const float* __restrict g_out = LOW ? st.g_out : a.g_out + i0;
+    const float* __restrict h_out = LOW ? st.h_out : a.h_out + i0;
+    const float* __restrict m_out = LOW ? st.m_out : a.m_out + i0;
+    const float* __restrict sigma_out = LOW ? st.sigma_out : a.sigma_out + i0;
     const float* __restrict ge_in_t = st.ge_in;
     const float* __restrict ge_o_t = st.ge_o;
 #pragma omp simd
@@ -307,6 +345,9 @@ void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
         param[j] = from_f32<PT>(m_new);
       }
     }
+    if (LOW)
+      store_sr((uint16_t*)a.s1 + i0, st.s1, len, i0, a.seed, a.counter, a.stream_in >> 16,
+               kTagMomentum);
   }
 }
 
@@ -378,18 +419,22 @@ void step_adamw(const StepArgs& a, int64_t t0, int64_t t1) {
   }
 }
 
+template <typename PT, bool LOW>
+void step_ivon_low(const StepArgs& a, int64_t t0, int64_t t1) {
+  if (a.next_sample) {
+    if (!a.corr) return step_ivon<PT, false, false, true, LOW>(a, t0, t1);
+    return a.hess_corr_on ? step_ivon<PT, true, true, true, LOW>(a, t0, t1)
+                          : step_ivon<PT, true, false, true, LOW>(a, t0, t1);
+  }
+  if (!a.corr) return step_ivon<PT, false, false, false, LOW>(a, t0, t1);
+  return a.hess_corr_on ? step_ivon<PT, true, true, false, LOW>(a, t0, t1)
+                        : step_ivon<PT, true, false, false, LOW>(a, t0, t1);
+}
+
 template <typename PT>
 void step_pt(const StepArgs& a, int64_t t0, int64_t t1) {
-  if (a.family == kFamilyIvon) {
-    if (a.next_sample) {
-      if (!a.corr) return step_ivon<PT, false, false, true>(a, t0, t1);
-      return a.hess_corr_on ? step_ivon<PT, true, true, true>(a, t0, t1)
-                            : step_ivon<PT, true, false, true>(a, t0, t1);
-    }
-    if (!a.corr) return step_ivon<PT, false, false, false>(a, t0, t1);
-    return a.hess_corr_on ? step_ivon<PT, true, true, false>(a, t0, t1)
-                          : step_ivon<PT, true, false, false>(a, t0, t1);
-  }
+  if (a.family == kFamilyIvon)
+    return a.low ? step_ivon_low<PT, true>(a, t0, t1) : step_ivon_low<PT, false>(a, t0, t1);
   if (a.family == kFamilySgd) {
     if (a.corr) return a.momentum_on ? step_sgd<PT, true, true>(a, t0, t1)
                                      : step_sgd<PT, true, false>(a, t0, t1);
@@ -403,10 +448,12 @@ void step_pt(const StepArgs& a, int64_t t0, int64_t t1) {
 // IVON family: the mega-batch gradient and its Price Hessian folded into the outer
 // estimates with outer momentum (the first refresh takes them as they are), snapshot of
 // the outer posterior.  Reference: ivon_sigma, price_hessian, outer_fold.
-template <bool GE>
+template <bool GE, bool LOW>
 void refresh_ivon(const RefreshArgs& a, int64_t t0, int64_t t1) {
   const PhiloxKey key(a.noise.seed);
   alignas(64) float eps[kTile];
+  // state_dtype=bfloat16: the outer buffers of the tile in float32, rounded back after
+  alignas(64) float low[4][LOW ? kTile : 1];
   const float ess = a.ess, wd = a.wd, scale = a.scale;
   const float rho1 = a.rho1, one_m_rho1 = a.one_m_rho1, rho2 = a.rho2, one_m_rho2 = a.one_m_rho2;
   const bool keep_g = a.first || rho1 == 0.0f, keep_h = a.first || rho2 == 0.0f;
@@ -418,21 +465,32 @@ void refresh_ivon(const RefreshArgs& a, int64_t t0, int64_t t1) {
         pf_r(a.mean + i);
         pf_r(a.h + i);
         pf_r(a.acc_g + i);
-        pf_w(a.g_out + i);
-        pf_w(a.h_out + i);
-        pf_w(a.m_out + i);
-        pf_w(a.sigma_out + i);
+        if (LOW) {
+          pf_w((const uint16_t*)a.g_out + i);
+          pf_w((const uint16_t*)a.h_out + i);
+          pf_w((const uint16_t*)a.m_out + i);
+          pf_w((const uint16_t*)a.sigma_out + i);
+        } else {
+          pf_w(a.g_out + i);
+          pf_w(a.h_out + i);
+          pf_w(a.m_out + i);
+          pf_w(a.sigma_out + i);
+        }
       };
       noise_tile(eps, len, (uint64_t)i0, key, a.noise.counter, a.noise.stream, 1.0f, prefetch);
+    }
+    if (LOW) {
+      load_bf16(low[0], (const uint16_t*)a.g_out + i0, len);
+      load_bf16(low[1], (const uint16_t*)a.h_out + i0, len);
     }
     const float* __restrict mean = a.mean + i0;
     const float* __restrict hh = a.h + i0;
     const float* __restrict acc_g = a.acc_g + i0;
     const float* __restrict acc_ge = a.acc_ge + i0;
-    float* __restrict g_out = a.g_out + i0;
-    float* __restrict h_out = a.h_out + i0;
-    float* __restrict m_out = a.m_out + i0;
-    float* __restrict sigma_out = a.sigma_out + i0;
+    float* __restrict g_out = LOW ? low[0] : a.g_out + i0;
+    float* __restrict h_out = LOW ? low[1] : a.h_out + i0;
+    float* __restrict m_out = LOW ? low[2] : a.m_out + i0;
+    float* __restrict sigma_out = LOW ? low[3] : a.sigma_out + i0;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) {
       const float gM = acc_g[j] * scale;
@@ -445,6 +503,14 @@ void refresh_ivon(const RefreshArgs& a, int64_t t0, int64_t t1) {
       h_out[j] = h_new;
       m_out[j] = mean[j];
       sigma_out[j] = sigma;
+    }
+    if (LOW) {
+      const uint32_t bucket = a.noise.stream >> 16;
+      float* const outs[4] = {a.g_out, a.h_out, a.m_out, a.sigma_out};
+      const uint32_t tags[4] = {kTagGOut, kTagHOut, kTagMOut, kTagSigmaOut};
+      for (int k = 0; k < 4; ++k)
+        store_sr((uint16_t*)outs[k] + i0, low[k], len, i0, a.noise.seed, a.noise.counter, bucket,
+                 tags[k]);
     }
   }
 }
@@ -508,7 +574,10 @@ bool check(const void* grad, int pdtype, int64_t n, int64_t t0, int64_t t1) { PO
 void fold_ge(const FoldArgs& a, int64_t t0, int64_t t1) { fold_ge_impl(a, t0, t1); }
 void step(const StepArgs& a, int64_t t0, int64_t t1) { POCO_BY_PDTYPE(a.pdtype, step_pt, a, t0, t1) }
 void refresh(const RefreshArgs& a, int64_t t0, int64_t t1) {
-  if (a.family == kFamilyIvon) return a.ge ? refresh_ivon<true>(a, t0, t1) : refresh_ivon<false>(a, t0, t1);
+  if (a.family == kFamilyIvon) {
+    if (a.low) return a.ge ? refresh_ivon<true, true>(a, t0, t1) : refresh_ivon<false, true>(a, t0, t1);
+    return a.ge ? refresh_ivon<true, false>(a, t0, t1) : refresh_ivon<false, false>(a, t0, t1);
+  }
   return a.noisy ? refresh_sgd<true>(a, t0, t1) : refresh_sgd<false>(a, t0, t1);
 }
 void write_params(void* param, int pdtype, const float* mean, int64_t n, int64_t t0, int64_t t1) {

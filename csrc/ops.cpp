@@ -120,6 +120,23 @@ float* state_ptr(const c10::optional<at::Tensor>& t, int64_t n, const char* name
   return state_ptr(*t, n, name);
 }
 
+// A state buffer that state_dtype may keep in bfloat16: its pointer (as float*: the
+// kernels read it as uint16 when `low`).  `low` is -1 until the first such buffer fixes
+// it; the others must agree.
+float* low_state_ptr(const c10::optional<at::Tensor>& t, int64_t n, const char* name,
+                     bool needed, int& low) {
+  if (!needed) return nullptr;
+  TORCH_CHECK(t.has_value(), "poco_kernels_cpp: '", name, "' is required on this code path");
+  check_cpu_contiguous(*t, n, name);
+  const auto st = t->scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16, "poco_kernels_cpp: '", name,
+              "' must be float32 or bfloat16 (optimizer state), got ", st);
+  const int is_low = st == at::kBFloat16 ? 1 : 0;
+  TORCH_CHECK(low < 0 || low == is_low, "poco_kernels_cpp: '", name, "' is ", st,
+              ": the low-precision state buffers (state_dtype) must share one dtype");
+  low = is_low;
+  return static_cast<float*>(t->data_ptr());
+}
 int pdtype_of(const at::Tensor& t, int64_t n, const char* name) {
   check_cpu_contiguous(t, n, name);
   switch (t.scalar_type()) {
@@ -190,10 +207,14 @@ void sample_op(const at::Tensor& param, const at::Tensor& centre, const at::Tens
   a.pdtype = pdtype_of(param, n, "param");
   a.param = param.data_ptr();
   TORCH_CHECK(!sync || a.pdtype == kF32, "poco_kernels_cpp: sync needs float32 parameters");
-  a.centre = sync ? nullptr : state_ptr(centre, n, "centre");
+  int low = -1;
+  a.centre = sync ? nullptr : low_state_ptr(centre, n, "centre", true, low);
   a.mean = state_ptr(mean, n, "mean");
   a.h = state_ptr(h, n, "h", sigma_mode == kSigmaIvon);
-  a.sigma = state_ptr(sigma, n, "sigma", sigma_mode == kSigmaBuffer);
+  a.sigma = low_state_ptr(sigma, n, "sigma", sigma_mode == kSigmaBuffer, low);
+  a.low = low == 1;
+  TORCH_CHECK(!a.low || sigma_mode == kSigmaBuffer, "poco_kernels_cpp::sample: a bfloat16 "
+              "centre needs a bfloat16 sigma buffer (the outer sample)");
   const int64_t* c = ctl_ptr(ctl);
   a.n = n;
   a.noise = Noise{(uint64_t)seed, u32(counter_of(c, counter_slot), "counter"),
@@ -338,16 +359,23 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
   a.mean = state_ptr(mean, n, "mean");
   a.pdtype = pdtype_of(param, n, "param");
   a.param = param.data_ptr();
-  a.s1 = state_ptr(s1, n, "s1", !sgd || a.momentum_on);
   a.s2 = state_ptr(s2, n, "s2", !sgd);
   a.g_in = state_ptr(g_in, n, "g_in");
   a.ge_in = state_ptr(ge_in, n, "ge_in", ivon && a.ge_in_sum);
   a.g_o = state_ptr(g_o, n, "g_o", a.corr);
   a.ge_o = state_ptr(ge_o, n, "ge_o", ivon && a.corr && a.ge_o_sum);
-  a.g_out = state_ptr(g_out, n, "g_out", a.corr);
-  a.h_out = state_ptr(h_out, n, "h_out", ivon && a.corr);
-  a.m_out = state_ptr(m_out, n, "m_out", ivon && a.corr && a.hess_corr_on);
-  a.sigma_out = state_ptr(sigma_out, n, "sigma_out", ivon && a.corr);
+  if (ivon) {          // momentum and outer buffers: float32, or all bfloat16 (state_dtype)
+    int low = -1;
+    a.s1 = low_state_ptr(s1, n, "s1", true, low);
+    a.g_out = low_state_ptr(g_out, n, "g_out", a.corr, low);
+    a.h_out = low_state_ptr(h_out, n, "h_out", a.corr, low);
+    a.m_out = low_state_ptr(m_out, n, "m_out", a.corr && a.hess_corr_on, low);
+    a.sigma_out = low_state_ptr(sigma_out, n, "sigma_out", a.corr, low);
+    a.low = low == 1;
+  } else {
+    a.s1 = state_ptr(s1, n, "s1", !sgd || a.momentum_on);
+    a.g_out = state_ptr(g_out, n, "g_out", a.corr);
+  }
   const int64_t* c = ctl_ptr(ctl);
   a.n = n;
   const KernelTable& k = kernels();
@@ -428,10 +456,17 @@ void refresh_op(const at::Tensor& mean, const c10::optional<at::Tensor>& h,
   a.h = state_ptr(h, n, "h", ivon);
   a.acc_g = state_ptr(acc_g, n, "acc_g");
   a.acc_ge = state_ptr(acc_ge, n, "acc_ge", ivon && f.ge);
-  a.g_out = state_ptr(g_out, n, "g_out");
-  a.h_out = state_ptr(h_out, n, "h_out", ivon);
-  a.m_out = state_ptr(m_out, n, "m_out");
-  a.sigma_out = state_ptr(sigma_out, n, "sigma_out", ivon);
+  if (ivon) {          // float32, or all bfloat16 (state_dtype)
+    int low = -1;
+    a.g_out = low_state_ptr(g_out, n, "g_out", true, low);
+    a.h_out = low_state_ptr(h_out, n, "h_out", true, low);
+    a.m_out = low_state_ptr(m_out, n, "m_out", true, low);
+    a.sigma_out = low_state_ptr(sigma_out, n, "sigma_out", true, low);
+    a.low = low == 1;
+  } else {
+    a.g_out = state_ptr(g_out, n, "g_out");
+    a.m_out = state_ptr(m_out, n, "m_out");
+  }
   const int64_t* c = ctl_ptr(ctl);
   if (skip_update(c, found_inf)) return;
   const int64_t refreshes = c[1];

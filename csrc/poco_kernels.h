@@ -23,7 +23,8 @@ namespace poco {
 
 constexpr int64_t kTile = 128;
 
-// dtypes of parameters and gradients (state is float32)
+// dtypes of parameters and gradients (state is float32; with state_dtype=bfloat16 the
+// IVON family's momentum and outer buffers are bfloat16: the `low` flags below)
 enum PDtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // sigma of a sample (= triton_kernels.SIGMA_*)
 enum SigmaMode : int { kSigmaNone = 0, kSigmaIvon = 1, kSigmaBuffer = 2, kSigmaConst = 3 };
@@ -76,6 +77,7 @@ struct SampleArgs {
   float ess, wd, sigma_const;
   int mode;
   bool sync;
+  bool low;                   // centre and sigma are bfloat16 (the outer sample, state_dtype)
 };
 
 struct AccumulateArgs {
@@ -112,6 +114,7 @@ struct StepArgs {
   int family;
   bool corr, ge_in_sum, ge_o_sum, shared_noise, hess_corr_on;
   bool next_sample;           // IVON: write the next inner sample (counter + 1), not the mean
+  bool low;                   // IVON: s1, g_out, h_out, m_out, sigma_out are bfloat16
   bool momentum_on, nesterov, mom_first;
   // float32 constants (computed in double on the host)
   float alpha;                // alpha once a refresh has been taken, else 0
@@ -139,6 +142,7 @@ struct RefreshArgs {
   float scale;                // 1/count * 1/grad_scale
   int family;
   bool ge, noisy, first;
+  bool low;                   // IVON: g_out, h_out, m_out, sigma_out are bfloat16
   float ess, wd, rho1, one_m_rho1, rho2, one_m_rho2, sigma_const;
 };
 

@@ -275,3 +275,55 @@ template <> POCO_INLINE f16 from_f32<f16>(float v) {
   return f16{(uint16_t)(sign | mag)};
 }
 
+
+// ------------------------------------------------------------------ low-precision state
+// Stochastic rounding of float32 state to bfloat16 (state_dtype=torch.bfloat16):
+// poco_kernels.reference.stochastic_round with the bits of poco_kernels.noise.rounding_bits
+// (a salt per call and index high word, the index's low word times an odd constant,
+// MurmurHash3's finaliser; 32-bit lanes, so the loops below vectorise).
+constexpr uint32_t kRoundMulIndex = 0x9E3779B1u;
+constexpr uint32_t kRoundMulSeed = 0x85EBCA6Bu;
+constexpr uint32_t kRoundMulCounter = 0xC2B2AE35u;
+constexpr uint32_t kRoundMulWhich = 0x27D4EB2Fu;
+constexpr uint32_t kRoundMulIndexHi = 0x165667B1u;
+// the tags of poco_kernels.noise.ROUND_TAGS
+enum RoundTag : uint32_t { kTagMomentum = 0, kTagGOut = 1, kTagHOut = 2, kTagMOut = 3, kTagSigmaOut = 4 };
+
+POCO_INLINE uint32_t round_salt(uint64_t seed, uint32_t counter, uint32_t bucket, uint32_t tag,
+                                uint32_t index_hi) {
+  const uint32_t which = ((bucket << 3) | tag) + 1u;
+  return (uint32_t)seed ^ ((uint32_t)(seed >> 32) * kRoundMulSeed) ^ (counter * kRoundMulCounter) ^
+         (which * kRoundMulWhich) ^ (index_hi * kRoundMulIndexHi);
+}
+POCO_INLINE uint32_t round_bits(uint32_t index_lo, uint32_t salt) {
+  uint32_t x = (index_lo * kRoundMulIndex) ^ salt;
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x >> 16;
+}
+// float32 -> bfloat16 bits, rounded up (away from zero) when the dropped 16 bits plus
+// `bits` carry: probability = the dropped fraction of an ulp.  inf stays, NaN stays quiet.
+POCO_INLINE uint16_t round_bf16_sr(float v, uint32_t bits) {
+  const uint32_t u = f2u(v);
+  const bool finite = (u & 0x7F800000u) != 0x7F800000u;
+  const uint32_t special = (u >> 16) | ((u & 0x007FFFFFu) != 0u ? 0x40u : 0u);
+  return (uint16_t)(finite ? (u + bits) >> 16 : special);
+}
+// dst[j] <- stochastic rounding of src[j], element index i0 + j of the buffer (j < len;
+// a tile never crosses a multiple of 2^32)
+POCO_INLINE void store_sr(uint16_t* __restrict dst, const float* __restrict src, int64_t len,
+                          int64_t i0, uint64_t seed, uint32_t counter, uint32_t bucket,
+                          uint32_t tag) {
+  const uint32_t salt = round_salt(seed, counter, bucket, tag, (uint32_t)((uint64_t)i0 >> 32));
+  const uint32_t lo0 = (uint32_t)i0;
+#pragma omp simd
+  for (int64_t j = 0; j < len; ++j) dst[j] = round_bf16_sr(src[j], round_bits(lo0 + (uint32_t)j, salt));
+}
+// dst[j] <- bfloat16 src[j], widened exactly
+POCO_INLINE void load_bf16(float* __restrict dst, const uint16_t* __restrict src, int64_t len) {
+#pragma omp simd
+  for (int64_t j = 0; j < len; ++j) dst[j] = u2f((uint32_t)src[j] << 16);
+}

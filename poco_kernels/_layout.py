@@ -111,6 +111,12 @@ class Bucket:
                 loc = self.local(i)
                 loc.copy_(flat[off:off + loc.numel()].view_as(loc))
 
+    def f32(self, name: str) -> Tensor:
+        """Buffer ``name`` in the state dtype (a low-precision buffer, ``state_dtype``,
+        widened exactly; otherwise the buffer itself)."""
+        buf = self.buffers[name]
+        return buf if buf.dtype == self.dtype else buf.to(self.dtype)
+
     def is_flat_buffer(self, buf: Tensor) -> bool:
         """True for a per-parameter buffer (one element per parameter element)."""
         return buf.dim() == 1 and buf.numel() == self.numel

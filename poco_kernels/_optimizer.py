@@ -58,6 +58,12 @@ COMMON_ARGUMENTS = """\
       zeroes those buffers in place, keeping the views (default True).  A ``.grad``
       replaced since (``p.grad = t``, ``zero_grad(set_to_none=True)``, a hook) still works:
       it is copied in once.  False: ``.grad`` is left to autograd and always copied in.
+    * ``state_dtype``: ``None`` (default: float32 state; float64 for float64 parameters)
+      or ``torch.bfloat16``: the optimizer's low-precision buffers (IVON: the momentum;
+      IVON-PoCo(Mo): also ``g_out``, ``h_out``, ``m_out``, ``sigma_out``) are kept in
+      bfloat16 and written with stochastic rounding (unbiased; bits from a counter-based
+      hash, the same on every backend); the mean and ``h`` stay float32.  See
+      docs/design.md, 'Low-precision state'.
 """
 
 
@@ -183,7 +189,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: Dict[str, Any], *, seed: Optional[int] = None,
                  backend: str = "auto", check_finite: Optional[bool] = None,
-                 grad_views: bool = True, sample_ahead: bool = False):
+                 grad_views: bool = True, sample_ahead: bool = False,
+                 state_dtype: Optional[torch.dtype] = None):
         check(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)
                                and 0 <= seed < 2 ** 63),
               f"seed must be None or an int in [0, 2**63), got {seed!r}")
@@ -199,6 +206,15 @@ class BucketedOptimizer(torch.optim.Optimizer):
               f"sample_ahead must be a bool, got {sample_ahead!r}")
         #: the step leaves the next step's inner sample in the parameters (IVON family)
         self.sample_ahead = sample_ahead
+        if state_dtype == torch.float32:
+            state_dtype = None
+        check(state_dtype is None or state_dtype == torch.bfloat16,
+              f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype!r}")
+        check(state_dtype is None or self._low_state_buffers,
+              f"{type(self).__name__} has no state that state_dtype={state_dtype} applies to "
+              "(it is for the IVON family's momentum and outer buffers)")
+        #: dtype of the buffers named in ``_low_state_buffers`` (None: the state dtype)
+        self.state_dtype = state_dtype
         super().__init__(params, self._group_type(defaults))
         for gi, g in enumerate(self._groups):
             self._check_group(g, gi, new=True)
@@ -240,6 +256,18 @@ class BucketedOptimizer(torch.optim.Optimizer):
     def _init_buffers(self, bucket: Bucket, group: Dict[str, Any]) -> Dict[str, Tensor]:
         raise NotImplementedError
 
+    #: the buffers that ``state_dtype`` stores in low precision (stochastic rounding)
+    _low_state_buffers: Tuple[str, ...] = ()
+
+    def _initial_buffers(self, b: Bucket, group: Dict[str, Any]) -> Dict[str, Tensor]:
+        """``_init_buffers``, the ``_low_state_buffers`` in ``state_dtype``."""
+        bufs = self._init_buffers(b, group)
+        if self.state_dtype is not None:
+            for name in self._low_state_buffers:
+                if name in bufs:
+                    bufs[name] = bufs[name].to(self.state_dtype)
+        return bufs
+
     def _check_group(self, group: Dict[str, Any], gi: int, new: bool = False) -> None:
         """Validate group ``gi``'s hyperparameters (``new``: also refuse a key that looks
         like a misspelled hyperparameter); errors name the group."""
@@ -264,7 +292,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
                 b.buffers = old[b.index].buffers
             else:
                 b.buffers = {"mean": b.flat_params(),
-                             **self._init_buffers(b, groups[b.group_index])}
+                             **self._initial_buffers(b, groups[b.group_index])}
         return buckets
 
     def _expose(self, b: Bucket) -> None:
@@ -378,7 +406,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ copy and pickle
     #: the attributes that __setstate__ rebuilds (the other public ones are copied)
     _REBUILT = frozenset({"defaults", "state", "param_groups", "seed", "backend", "check_finite",
-                          "grad_views", "sample_ahead"})
+                          "grad_views", "sample_ahead", "state_dtype"})
 
     def __getstate__(self) -> Dict[str, Any]:
         """``copy.deepcopy`` and pickle: the parameter groups (with the parameters), the
@@ -405,6 +433,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
         return {"poco_copy": 1, "param_groups": self.param_groups, "defaults": self.defaults,
                 "seed": self.seed, "backend": backend, "check_finite": check_finite,
                 "grad_views": self.grad_views, "sample_ahead": self.sample_ahead,
+                "state_dtype": self.state_dtype,
                 "ahead": not self._backend.params_hold_mean, "state_dict": sd, "skipped": self._read_counters()[2],
                 "attributes": {k: v for k, v in self.__dict__.items()
                                if not k.startswith("_") and k not in self._REBUILT}}
@@ -421,7 +450,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
         BucketedOptimizer.__init__(self, bare, state["defaults"], seed=state["seed"],
                                    backend=state["backend"], check_finite=state["check_finite"],
                                    grad_views=state.get("grad_views", True),
-                                   sample_ahead=state.get("sample_ahead", False))
+                                   sample_ahead=state.get("sample_ahead", False),
+                                   state_dtype=state.get("state_dtype"))
         self._plan_load(state["state_dict"])()
         with torch.no_grad():                   # the parameters as they were (the truth)
             for p, v in zip((p for g in self.param_groups for p in g["params"]), values):
@@ -667,7 +697,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
                 elif not any(have) and name in b.buffers:
                     drop.add((b.index, name))     # saved before its first use
             if fill:        # buffers the source class lacks start at their initial values
-                init = self._init_buffers(b, group)
+                init = self._initial_buffers(b, group)
                 names = [n for n in init if b.is_flat_buffer(b.buffers.get(n, init[n]))
                          and not any(n in saved for _, saved in saved_of)]
                 fresh += [(b.index, n, init[n]) for n in names]

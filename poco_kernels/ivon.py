@@ -128,17 +128,18 @@ class IVON(PosteriorOptimizer):
     uses_hessian = True
     _has_correction = False
     _group_type = IVONGroup
+    _low_state_buffers = ("momentum",)
 
     def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
                  clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True,
                  *, seed: Optional[int] = None, backend: str = "auto",
                  check_finite: Optional[bool] = None, grad_views: bool = True,
-                 sample_ahead: bool = False):
+                 sample_ahead: bool = False, state_dtype: Optional[torch.dtype] = None):
         super().__init__(params, _ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay,
                                              mc_samples, clip_radius, debias, rescale_lr),
                          seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views,
-                         sample_ahead=sample_ahead)
+                         sample_ahead=sample_ahead, state_dtype=state_dtype)
 
     def _validate_group(self, group):
         check_range(group, "lr", lo=0.0, tensor=True)
@@ -180,7 +181,7 @@ class IVON(PosteriorOptimizer):
 
     def _inner_update(self, b, group, g_in, ge_in, outer, t):
         return ivon_inner_update(mean=b.buffers["mean"], h=b.buffers["h"],
-                                 g=b.buffers["momentum"], g_in=g_in, ge_in=ge_in, outer=None,
+                                 g=b.f32("momentum"), g_in=g_in, ge_in=ge_in, outer=None,
                                  group=group, step=t)
 
     def _kernel_step(self, b, group) -> KernelStep:
@@ -253,6 +254,7 @@ class IVONPoCo(IVON):
     """
 
     _has_correction = True
+    _low_state_buffers = ("momentum", "g_out", "h_out", "m_out", "sigma_out")
     _loads_from = ("IVONPoCoMo",)
     _continues_from = ("IVON",)
     _divergence_hint = ("See docs/logreg-study.md, 'Stability of IVON-PoCo', for the settings that keep "
@@ -268,7 +270,7 @@ class IVONPoCo(IVON):
                  hess_floor: Optional[float] = None,
                  *, seed: Optional[int] = None, backend: str = "auto",
                  check_finite: Optional[bool] = None, grad_views: bool = True,
-                 sample_ahead: bool = False):
+                 sample_ahead: bool = False, state_dtype: Optional[torch.dtype] = None):
         defaults = dict(_ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
                                     clip_radius, debias, rescale_lr),
                         alpha=alpha, rho1=rho1, rho2=rho2, hess_corr_scale=hess_corr_scale,
@@ -276,12 +278,12 @@ class IVONPoCo(IVON):
                         refresh_antithetic=refresh_antithetic, hess_floor=hess_floor)
         PosteriorOptimizer.__init__(self, params, defaults, seed=seed, backend=backend,
                                     check_finite=check_finite, grad_views=grad_views,
-                         sample_ahead=sample_ahead)
+                                    sample_ahead=sample_ahead, state_dtype=state_dtype)
 
     #: the keywords :meth:`from_ivon` takes (IVON's hyperparameters come from the IVON run)
     _POCO_KEYS = ("alpha", "rho1", "rho2", "hess_corr_scale", "outer_noise", "refresh_samples",
                   "refresh_antithetic", "hess_floor", "seed", "backend", "check_finite",
-                  "grad_views", "sample_ahead")
+                  "grad_views", "sample_ahead", "state_dtype")
 
     @classmethod
     def from_ivon(cls, ivon: IVON, **kwargs) -> "IVONPoCo":
@@ -311,6 +313,7 @@ class IVONPoCo(IVON):
         kwargs.setdefault("check_finite", ivon.check_finite)
         kwargs.setdefault("grad_views", ivon.grad_views)
         kwargs.setdefault("sample_ahead", ivon.sample_ahead)
+        kwargs.setdefault("state_dtype", ivon.state_dtype)
         sd = ivon.state_dict()           # (refused while a sample is in the parameters)
         if ivon._active is None and not ivon._backend.params_hold_mean:
             ivon.restore()   # sample_ahead: its parameters held its next sample: the mean
@@ -368,10 +371,10 @@ class IVONPoCo(IVON):
         o = None
         if outer is not None:
             g_o, ge_o = outer
-            o = {"g_o": g_o, "ge_o": ge_o, **{k: b.buffers[k] for k in
+            o = {"g_o": g_o, "ge_o": ge_o, **{k: b.f32(k) for k in
                                               ("g_out", "h_out", "m_out", "sigma_out")}}
         return ivon_inner_update(mean=b.buffers["mean"], h=b.buffers["h"],
-                                 g=b.buffers["momentum"], g_in=g_in, ge_in=ge_in, outer=o,
+                                 g=b.f32("momentum"), g_in=g_in, ge_in=ge_in, outer=o,
                                  group=group, step=t)
 
     def _kernel_refresh(self, b, group) -> KernelRefresh:
@@ -387,7 +390,7 @@ class IVONPoCo(IVON):
 
     def _refresh_update(self, b, group, gM, geM, first):
         return ivon_refresh_update(mean=b.buffers["mean"], h=b.buffers["h"], gM=gM, geM=geM,
-                                   g_out=b.buffers["g_out"], h_out=b.buffers["h_out"],
+                                   g_out=b.f32("g_out"), h_out=b.f32("h_out"),
                                    group=group, first=first)
 
 
@@ -402,7 +405,7 @@ class IVONPoCoMo(IVONPoCo):
     ``weight_decay``, ``mc_samples``, ``clip_radius``, ``debias``, ``rescale_lr``,
     ``alpha``, ``rho1`` (default 0.6), ``rho2`` (default 0.1), ``hess_corr_scale``,
     ``outer_noise``, ``refresh_samples``, ``refresh_antithetic``, ``hess_floor``, ``seed``,
-    ``backend``, ``check_finite``, ``grad_views``, ``sample_ahead``."""
+    ``backend``, ``check_finite``, ``grad_views``, ``sample_ahead``, ``state_dtype``."""
 
     _loads_from = ("IVONPoCo",)
 
@@ -415,9 +418,9 @@ class IVONPoCoMo(IVONPoCo):
                  hess_floor: Optional[float] = None,
                  *, seed: Optional[int] = None, backend: str = "auto",
                  check_finite: Optional[bool] = None, grad_views: bool = True,
-                 sample_ahead: bool = False):
+                 sample_ahead: bool = False, state_dtype: Optional[torch.dtype] = None):
         super().__init__(params, lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
                          clip_radius, debias, rescale_lr, alpha, rho1, rho2, hess_corr_scale,
                          outer_noise, refresh_samples, refresh_antithetic, hess_floor,
                          seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views,
-                         sample_ahead=sample_ahead)
+                         sample_ahead=sample_ahead, state_dtype=state_dtype)

@@ -79,6 +79,9 @@ __all__ = [
     "philox4x32",
     "randn",
     "stream_id",
+    "ROUND_TAGS",
+    "rounding_bits",
+    "rounding_salt",
 ]
 
 # --------------------------------------------------------------------------
@@ -419,3 +422,68 @@ def stream_id(bucket: int, kind: int, draw: int) -> int:
     kind = _check_int("kind", kind, 0, MAX_KINDS)
     draw = _check_int("draw", draw, 0, MAX_DRAWS)
     return (bucket & 0xFFFF) << 16 | (kind & 0xF) << 12 | (draw & 0xFFF)
+
+
+# --------------------------------------------------------------------------
+# Rounding bits (stochastic rounding of low-precision state)
+#
+# 16 random bits per element and stored value, a pure function of (seed, counter,
+# bucket, tag, element index), so every backend rounds a low-precision state buffer
+# the same way.  A stochastic rounding needs bits that are uniform and independent of
+# the value rounded, not a cryptographic generator: one multiplication by an odd
+# constant (a bijection of the index's low word), a per-call salt, and MurmurHash3's
+# 32-bit finaliser (a bijection with full avalanche).  For a fixed salt the 2**32
+# low index words map one-to-one onto the 2**32 hash values, so the bits are exactly
+# uniform over a block of 2**32 elements.  Written for 32-bit lanes: the C++ kernels
+# (csrc/poco_math.h, round_bits) and the Triton kernels (_round_bits) run it as is.
+# --------------------------------------------------------------------------
+ROUND_MUL_INDEX = 0x9E3779B1
+ROUND_MUL_SEED = 0x85EBCA6B
+ROUND_MUL_COUNTER = 0xC2B2AE35
+ROUND_MUL_WHICH = 0x27D4EB2F
+ROUND_MUL_INDEX_HI = 0x165667B1
+FMIX_A = 0x85EBCA6B
+FMIX_B = 0xC2B2AE35
+
+#: the tag of each low-precision state buffer in its rounding bits
+ROUND_TAGS = {"momentum": 0, "g_out": 1, "h_out": 2, "m_out": 3, "sigma_out": 4}
+
+
+def _mul32(x: Word, m: int) -> Word:
+    """``x * m mod 2**32`` for a 32-bit word ``x`` (int or int64 tensor) without int64
+    overflow (the constant in 16-bit halves)."""
+    return ((x * (m & _MASK16)) + (((x * (m >> 16)) & _MASK16) << 16)) & _MASK32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, FMIX_A)
+    x = x ^ (x >> 13)
+    x = _mul32(x, FMIX_B)
+    return x ^ (x >> 16)
+
+
+def rounding_salt(seed: int, counter: int, bucket: int, tag: int, index_hi: int = 0) -> int:
+    """The per-call word of :func:`rounding_bits` (the same for all elements whose index
+    has the high word ``index_hi``)."""
+    lo, hi = _split_seed(seed)
+    counter = _check_int("counter", counter, 0, MAX_COUNTER)
+    bucket = _check_int("bucket", bucket, 0, MAX_BUCKETS)
+    tag = _check_int("tag", tag, 0, 8)
+    which = ((bucket << 3) | tag) + 1
+    return (lo ^ _mul32(hi, ROUND_MUL_SEED) ^ _mul32(counter, ROUND_MUL_COUNTER)
+            ^ _mul32(which, ROUND_MUL_WHICH) ^ _mul32(index_hi, ROUND_MUL_INDEX_HI))
+
+
+def rounding_bits(seed: int, counter: int, bucket: int, tag: int, n: int,
+                  device=None) -> torch.Tensor:
+    """int64 tensor of ``n`` values in ``[0, 2**16)``: the rounding bits of elements
+    ``0 .. n-1`` of a bucket's state buffer ``tag`` (``ROUND_TAGS``) at update ``counter``
+    (the step count for the momentum, the refresh count for the outer buffers)."""
+    out = torch.empty(n, dtype=torch.int64, device=device)
+    for start in range(0, n, 2 ** 32):          # (the salt changes with the index's high word)
+        idx = torch.arange(start, min(n, start + 2 ** 32), dtype=torch.int64, device=device)
+        salt = rounding_salt(seed, counter, bucket, tag, start >> 32)
+        x = _mul32(idx & _MASK32, ROUND_MUL_INDEX) ^ salt
+        out[start:start + idx.numel()] = _fmix32(x) >> 16
+    return out

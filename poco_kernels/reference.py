@@ -25,6 +25,7 @@ SGD / AdamW step on a corrected grad   :func:`sgd_step`,           Alg. 1 l. 8; 
                                        :func:`adamw_step`
 VON-PoCo precision and mean            :func:`von_poco_step`,      Alg. 4, Thm. 3
                                        :func:`blr_precision_term`
+low-precision state, stored            :func:`stochastic_round`    (``state_dtype``)
 =====================================  ==========================  ======================
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "ivon_hessian_correction",
     "ivon_mean", "ivon_lr",
     "sgd_step", "adamw_step", "von_poco_step", "make_spd", "blr_precision_term",
+    "stochastic_round",
 ]
 
 
@@ -246,3 +248,19 @@ def von_poco_step(m: Tensor, S: Tensor, m_out: Tensor, g_i_in: Tensor, g_i_o: Te
     rhs = g_in + H_oi @ (m - m_out)
     m_new = m - (lr * ess) * torch.linalg.solve(S_new, rhs)
     return m_new, S_new
+
+
+# --------------------------------------------------------------------------- storage
+def stochastic_round(x: Tensor, bits: Tensor) -> Tensor:
+    """float32 ``x`` rounded to bfloat16 stochastically: up (away from zero) with
+    probability equal to the dropped fraction of a bfloat16 ulp, so the stored value is
+    unbiased, ``E[round(x)] = x``.  ``bits``: 16 uniform random bits per element
+    (int64 in ``[0, 2**16)``, :func:`poco_kernels.noise.rounding_bits`); the rounding
+    adds them to the 16 bits that bfloat16 drops and truncates.  inf stays inf, NaN
+    stays a (quiet) NaN; a value within an ulp of the largest bfloat16 may round to inf."""
+    u = x.to(torch.float32).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    finite = (u & 0x7F800000) != 0x7F800000
+    nan = ~finite & ((u & 0x007FFFFF) != 0)
+    hi = torch.where(finite, (u + bits) >> 16, (u >> 16) | torch.where(nan, 0x0040, 0))
+    hi = torch.where(hi >= 0x8000, hi - 0x10000, hi)      # (int16 holds the bit pattern)
+    return hi.to(torch.int16).view(torch.bfloat16)

@@ -17,7 +17,7 @@ from poco_kernels import reference as R
 from poco_kernels.ivon import ivon_inner_update, ivon_refresh_update
 from poco_kernels.kernels import interface as K
 from poco_kernels.kernels import ops_for
-from tolerances import NOISE, PARAM, STATE, assert_close
+from tolerances import LOW_STATE_EQUAL, NOISE, PARAM, STATE, assert_close
 
 pytestmark = pytest.mark.skipif(not FUSED_BACKENDS, reason="no kernels to test here")
 
@@ -419,6 +419,78 @@ def test_refresh_kernel_ivon_family(n, refreshes, ge, ops):
     for name, got in (("g_out", g_out), ("h_out", h_out), ("m_out", m_out),
                       ("sigma_out", sigma_out)):
         assert_close(got, exp[name], STATE[torch.float32], name)
+
+
+# --------------------------------------------------------------------------- low-precision state
+def _assert_low_state(got, exact, bits, what):
+    """``got`` (bfloat16, a kernel's) against the reference's stochastic rounding of the
+    float32 ``exact`` with ``bits``: within STATE[bf16], and bit-equal almost everywhere
+    (other rounding bits would disagree on about half the elements)."""
+    assert got.dtype == torch.bfloat16, what
+    exp = R.stochastic_round(exact, bits)
+    assert_close(got, exp, STATE[torch.bfloat16], what)
+    same = (got.view(torch.int16) == exp.view(torch.int16)).float().mean().item()
+    assert same >= LOW_STATE_EQUAL, f"{what}: only {same:.3f} of the elements bit-equal"
+    # guard: not round-to-nearest (the rounding is stochastic)
+    assert not torch.equal(got, exact.to(torch.bfloat16)), what
+
+
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["ivon", "poco-shared"])
+def test_step_kernel_low_precision_state(pdtype, case, ops):
+    """state_dtype=bfloat16: momentum and outer buffers read as bfloat16, the new momentum
+    stored with the reference's stochastic rounding (bits of the step counter, the
+    bucket in the inner stream, tag 0); mean and h as with float32 state."""
+    n = 2125
+    a = _step_args(IVON_CASES[case], _ivon_group(), n, pdtype, seed=n * 11 + len(case))
+    a["mean_n"] = n
+    a["st"]["momentum"] = a["st"]["momentum"].to(torch.bfloat16)
+    if a["outer"] is not None:
+        for k in ("g_out", "h_out", "m_out", "sigma_out"):
+            a["outer"][k] = a["outer"][k].to(torch.bfloat16)
+    wide = dict(a, st={k: (v.float() if k == "momentum" else v.clone())
+                       for k, v in a["st"].items()},
+                outer=None if a["outer"] is None else {
+                    k: (v.float() if v is not None else None) for k, v in a["outer"].items()})
+    exp = _ivon_expected(wide)
+    _run_ivon_step(ops, a)
+    for k in ("mean", "h"):
+        assert_close(a["st"][k], exp[k], STATE[torch.float32], f"{case}: {k}")
+    bits = noise.rounding_bits(SEED, a["steps"], 2, noise.ROUND_TAGS["momentum"], n)
+    _assert_low_state(a["st"]["momentum"], exp["momentum"], bits, f"{case}: momentum")
+    assert_close(a["st"]["param"], exp["mean"].to(pdtype), PARAM[pdtype], f"{case}: param")
+
+
+def test_refresh_and_outer_sample_kernels_low_precision_state(ops):
+    """The refresh writes g_out, h_out, m_out, sigma_out with stochastic rounding (tags
+    1-4, the refresh counter); the outer sample reads a bfloat16 centre and sigma."""
+    n, refreshes = 2125, 3
+    r = _gen(n, 4242)
+    grp = dict(ess=80.0, weight_decay=1e-3, rho1=0.6, rho2=0.1)
+    mean, h = r(), r(0.3).abs() + 0.05
+    outs = {"g_out": r().to(torch.bfloat16), "h_out": r().to(torch.bfloat16),
+            "m_out": torch.zeros(n, dtype=torch.bfloat16),
+            "sigma_out": torch.zeros(n, dtype=torch.bfloat16)}
+    acc_g = r()
+    stream = noise.stream_id(4, 2, 0)
+    before = {k: v.float() for k, v in outs.items()}
+    ops.refresh(mean, h, acc_g, None, outs["g_out"], outs["h_out"], outs["m_out"],
+                outs["sigma_out"], _ctl(9, refreshes), None, None, SEED, stream,
+                K.RefreshHyper.of(K.RefreshHP.ivon(ess=grp["ess"], wd=grp["weight_decay"],
+                                                   rho1=grp["rho1"], rho2=grp["rho2"]),
+                                  inv_n=1.0),
+                K.RefreshFlags(K.FAMILY_IVON, ge=False, noisy=True))
+    exp = ivon_refresh_update(mean=mean, h=h, gM=acc_g, geM=acc_g * _eps(n, refreshes, stream),
+                              g_out=before["g_out"], h_out=before["h_out"], group=grp,
+                              first=False)
+    for name, t in outs.items():
+        bits = noise.rounding_bits(SEED, refreshes, 4, noise.ROUND_TAGS[name], n)
+        _assert_low_state(t, exp[name], bits, name)
+    param, counter, s_o = torch.empty(n), 7, noise.stream_id(4, 0, 0)
+    ops.sample(param, outs["m_out"], torch.empty(n), None, outs["sigma_out"], _ctl(counter),
+               SEED, s_o, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_BUFFER, False)
+    expect = R.perturb(outs["m_out"].float(), outs["sigma_out"].float(), _eps(n, counter, s_o))
+    assert_close(param, expect, PARAM[torch.float32], "outer sample")
 
 
 @pytest.mark.parametrize("noisy", [False, True])

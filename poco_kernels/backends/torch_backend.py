@@ -13,8 +13,9 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._protocol import KIND_INNER, KIND_OUTER, KIND_REFRESH
-from ..reference import perturb
+from .. import noise as _noise
+from .._protocol import COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KIND_REFRESH
+from ..reference import perturb, stochastic_round
 from .base import Backend
 
 
@@ -117,13 +118,19 @@ class TorchBackend(Backend):
                         f"taken and the optimizer state is unchanged. "
                         f"{self.opt._divergence_hint}")
 
-    def commit(self, new: Dict[int, Dict[str, Tensor]]) -> None:
-        """Copy the new buffers in (creating those made at their first use) and write the
-        mean into the parameters."""
+    def commit(self, new: Dict[int, Dict[str, Tensor]], slot: int = COUNTER_STEPS) -> None:
+        """Copy the new buffers in (creating those made at their first use; a
+        low-precision one, ``state_dtype``, stochastically rounded with the bits of the
+        update's counter in ``slot``) and write the mean into the parameters."""
+        opt = self.opt
         for b in self.opt._buckets:
             added = False
             for name, t in new.get(b.index, {}).items():
-                if name in b.buffers:
+                if name in b.buffers and b.buffers[name].dtype == torch.bfloat16 != t.dtype:
+                    bits = _noise.rounding_bits(opt.seed, opt._counter(slot), b.index,
+                                                _noise.ROUND_TAGS[name], b.numel, b.device)
+                    b.buffers[name].copy_(stochastic_round(t, bits))
+                elif name in b.buffers:
                     b.buffers[name].copy_(t)
                 else:
                     b.buffers[name] = t.clone()
@@ -165,7 +172,7 @@ class TorchBackend(Backend):
             self.check_gradients(g_in, ge_in, *(outer or ()))
             new[b.index] = opt._inner_update(b, group, g_in, ge_in, outer, opt._step + 1)
         self.check_new(new)
-        self.commit(new)
+        self.commit(new, COUNTER_STEPS)
         return True
 
     def refresh(self, grad_scale, found_inf) -> bool:
@@ -180,5 +187,5 @@ class TorchBackend(Backend):
             self.check_gradients(gM, geM)
             new[b.index] = opt._refresh_update(b, group, gM, geM, first=opt._first_refresh(b))
         self.check_new(new)
-        self.commit(new)
+        self.commit(new, COUNTER_REFRESHES)
         return True

@@ -96,6 +96,7 @@ class RunConfig:
     outer_noise: str = "shared"
     refresh_samples: int = 1
     refresh_antithetic: bool = False
+    state_dtype: str = "float32"             # IVON family: "bfloat16" (momentum, outer buffers)
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 10
@@ -253,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rescale-lr", default=None, action=argparse.BooleanOptionalAction,
                    help="IVON's lr (hess_init + wd) rescaling")
     p.add_argument("--refresh-antithetic", default=None, action=argparse.BooleanOptionalAction)
+    p.add_argument("--state-dtype", default=None, choices=("float32", "bfloat16"),
+                   help="IVON family: bfloat16 momentum and outer buffers (stochastic "
+                   "rounding)")
     p.add_argument("--out-dir", default=None, help="default pretrain_out/<optimizer>")
     p.add_argument("--resume", action="store_true", help="continue from <out-dir>/ckpt.pt")
     p.add_argument("--init-from", default=None, help="continual pretraining: a checkpoint "

@@ -142,7 +142,8 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module, dev: torch.device, fs
     backend = cfg.backend
     if fsdp and backend == "auto":
         backend = "torch"
-    common = dict(seed=cfg.seed, backend=backend)
+    common = dict(seed=cfg.seed, backend=backend,
+                  state_dtype=torch.bfloat16 if cfg.state_dtype == "bfloat16" else None)
     if name == "ivon":
         return pk.IVON(groups, **ivon, **common)
     return pk.IVONPoCo(groups, **ivon, alpha=parse_alpha(cfg.alpha)[0], rho1=cfg.rho1,

@@ -115,6 +115,12 @@ _STEP_OFF = dict(FAMILY=0, CORR=False, GE_IN=False, GE_O=False, SHARED_NOISE=Fal
                  NESTEROV=False, HAS_FOUND_INF=True, HAS_SCALE=True)
 
 
+#: the pointers that state_dtype=bfloat16 makes bfloat16 (the outer sample's centre and
+#: sigma are m_out and sigma_out)
+_LOW_STATE = {"s1_ptr": "*bf16", "g_out_ptr": "*bf16", "h_out_ptr": "*bf16",
+              "m_out_ptr": "*bf16", "sigma_out_ptr": "*bf16"}
+
+
 def variants() -> List[Variant]:
     """Every kernel, in the code paths that matter (the heaviest ones included)."""
     from . import triton_kernels as K
@@ -144,6 +150,9 @@ def variants() -> List[Variant]:
     add("step[ivon,full,bf16]", K.step_kernel, "bf16", **ivon_full)
     # sample_ahead: the next sample's noise and sigma on top of the heaviest path
     add("step[ivon,full,next,fp32]", K.step_kernel, "fp32", **dict(ivon_full, NEXT_SAMPLE=True))
+    # state_dtype=bfloat16: momentum and outer buffers bfloat16, stochastic rounding
+    add("step[ivon,full,next,lowstate,fp32]", K.step_kernel, "fp32", types=_LOW_STATE,
+        **dict(ivon_full, NEXT_SAMPLE=True))
     # a launch types its ints by value: n and seed below 2**31 (the usual case) are i32
     add("step[ivon,full,fp32,i32]", K.step_kernel, "fp32", types={"n": "i32", "seed": "i32"},
         **ivon_full)
@@ -158,6 +167,9 @@ def variants() -> List[Variant]:
     # refreshes
     add("refresh[ivon]", K.refresh_kernel, FAMILY=K.FAMILY_IVON, GE=False, NOISY=False,
         HAS_FOUND_INF=True, HAS_SCALE=True)
+    add("refresh[ivon,lowstate]", K.refresh_kernel,
+        types={k: v for k, v in _LOW_STATE.items() if k != "s1_ptr"}, FAMILY=K.FAMILY_IVON,
+        GE=False, NOISY=False, HAS_FOUND_INF=True, HAS_SCALE=True)
     add("refresh[sgd,noisy]", K.refresh_kernel, FAMILY=K.FAMILY_SGD, GE=False, NOISY=True,
         HAS_FOUND_INF=True, HAS_SCALE=True)
     # bookkeeping (launched with one warp, see triton_ops._finish)

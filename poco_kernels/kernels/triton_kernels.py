@@ -10,7 +10,9 @@ Conventions shared by all kernels:
 * element indices are int64 (``pid * BLOCK + arange``, pid widened first), so buffers
   above 2**31 elements work;
 * state is float32 (the buffer pointers' dtype), parameters and gradients float32,
-  bfloat16 or float16 (cast on load and store);
+  bfloat16 or float16 (cast on load and store); with ``state_dtype=torch.bfloat16`` the
+  IVON family's momentum and outer buffers are bfloat16 (widened on load, stored with
+  stochastic rounding, ``_store_state``);
 * the noise ``eps`` is regenerated, never stored: Philox4x32-10 keyed by ``seed`` with
   counters ``(index low word, index high word, counter, stream)`` and ``tl.randn``'s
   transform, exactly :func:`poco_kernels.noise.randn`; ``counter`` (the step or refresh
@@ -70,6 +72,39 @@ def _to_param(x, ptr):
 
 
 @triton.jit
+def _round_bits(idx, seed, counter, bucket, TAG: tl.constexpr):
+    """16 rounding bits of element ``idx`` of state buffer ``TAG``: exactly
+    :func:`poco_kernels.noise.rounding_bits` (uint32 arithmetic wraps as it must)."""
+    s64 = seed.to(tl.uint64)
+    which = ((bucket.to(tl.uint32) << 3) | TAG) + 1
+    salt = ((s64 & 0xFFFFFFFF).to(tl.uint32) ^ ((s64 >> 32).to(tl.uint32) * 0x85EBCA6B)
+            ^ (counter.to(tl.uint32) * 0xC2B2AE35) ^ (which * 0x27D4EB2F))
+    x = ((idx & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1) ^ salt
+    x = x ^ ((idx >> 32).to(tl.uint32) * 0x165667B1)
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    x = x ^ (x >> 16)
+    return x >> 16
+
+
+@triton.jit
+def _store_state(ptr, idx, x, mask, seed, counter, bucket, TAG: tl.constexpr):
+    """Store float32 state ``x``; into a bfloat16 buffer (``state_dtype``) with stochastic
+    rounding, :func:`poco_kernels.reference.stochastic_round`."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        finite = (u & 0x7F800000) != 0x7F800000
+        special = (u >> 16) | tl.where((u & 0x007FFFFF) != 0, 0x40, 0).to(tl.uint32)
+        r = _round_bits(idx, seed, counter, bucket, TAG)
+        bits = tl.where(finite, (u + r) >> 16, special)
+        tl.store(ptr + idx, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr + idx, x, mask=mask)
+
+
+@triton.jit
 def _ivon_sigma(h, ess, wd):
     """Reference: ivon_sigma."""
     return 1.0 / tl.sqrt(ess * (h + wd))
@@ -100,14 +135,14 @@ def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, n,
         centre = tl.load(param_ptr + idx, mask=mask).to(tl.float32)
         tl.store(mean_ptr + idx, centre, mask=mask)
     else:
-        centre = tl.load(centre_ptr + idx, mask=mask)
+        centre = tl.load(centre_ptr + idx, mask=mask).to(tl.float32)   # (bfloat16: m_out)
     if SIGMA_MODE == 0:
         theta = centre
     else:
         if SIGMA_MODE == 1:
             sigma = _ivon_sigma(tl.load(h_ptr + idx, mask=mask, other=1.0), ess, wd)
         elif SIGMA_MODE == 2:
-            sigma = tl.load(sigma_ptr + idx, mask=mask)
+            sigma = tl.load(sigma_ptr + idx, mask=mask).to(tl.float32)
         else:
             sigma = sigma_const
         counter = tl.load(ctl_ptr + counter_slot)
@@ -237,11 +272,11 @@ def step_kernel(
     if CORR:
         a = tl.where(tl.load(ctl_ptr + 1) > 0, alpha, 0.0)
         g_o = _estimate(g_o_ptr, idx, mask, inv_n_o * scale)
-        g_out = tl.load(g_out_ptr + idx, mask=mask, other=0.0)
+        g_out = tl.load(g_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         ghat = g_in - a * (g_o - g_out)
 
     if FAMILY == 0:
-        g = tl.load(s1_ptr + idx, mask=mask, other=0.0)
+        g = tl.load(s1_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         h = tl.load(s2_ptr + idx, mask=mask, other=1.0)
         sigma = _ivon_sigma(h, ess, wd)
         if GE_IN:
@@ -260,14 +295,14 @@ def step_kernel(
                 else:
                     eps_o = _randn(seed, idx, steps, stream_o)
                 ge_o = g_o * (eps_o * sign_o)
-            sigma_out = tl.load(sigma_out_ptr + idx, mask=mask, other=1.0)
-            h_out = tl.load(h_out_ptr + idx, mask=mask, other=0.0)
+            sigma_out = tl.load(sigma_out_ptr + idx, mask=mask, other=1.0).to(tl.float32)
+            h_out = tl.load(h_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
             h_o = ge_o / sigma_out
             hhat = hhat - a * (h_o - h_out)
             if FLOOR:
                 hhat = tl.maximum(hhat, -floor * (h + wd))
             if HESS_CORR:
-                m_out = tl.load(m_out_ptr + idx, mask=mask, other=0.0)
+                m_out = tl.load(m_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
                 extra = (hess_corr * a) * (h_out - h_o) * (m - m_out)
         g_new = beta1 * g + (1.0 - beta1) * ghat
         d = h - hhat
@@ -281,7 +316,7 @@ def step_kernel(
         if CLIP:
             u = tl.minimum(tl.maximum(u, -clip), clip)
         m_new = m - lr * u
-        tl.store(s1_ptr + idx, g_new, mask=wmask)
+        _store_state(s1_ptr, idx, g_new, wmask, seed, steps, stream >> 16, 0)
         tl.store(s2_ptr + idx, h_new, mask=wmask)
         h_param = tl.where(wmask, h_new, h)
     elif FAMILY == 1:
@@ -359,14 +394,16 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
             geM = gM * _randn(seed, idx, refreshes, stream)
         hM = geM / sigma_r
         first = refreshes == 0
-        g_old = tl.load(g_out_ptr + idx, mask=mask, other=0.0)
-        h_old = tl.load(h_out_ptr + idx, mask=mask, other=0.0)
+        g_old = tl.load(g_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        h_old = tl.load(h_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         g_new = tl.where(first, gM, rho1 * g_old + (1.0 - rho1) * gM)
         h_new = tl.where(first, hM, rho2 * h_old + (1.0 - rho2) * hM)
-        tl.store(g_out_ptr + idx, g_new, mask=wmask)
-        tl.store(h_out_ptr + idx, h_new, mask=wmask)
-        tl.store(m_out_ptr + idx, m, mask=wmask)
-        tl.store(sigma_out_ptr + idx, sigma_r, mask=wmask)
+        # (bfloat16 buffers, state_dtype: stochastically rounded, tags of noise.ROUND_TAGS)
+        bucket = stream >> 16
+        _store_state(g_out_ptr, idx, g_new, wmask, seed, refreshes, bucket, 1)
+        _store_state(h_out_ptr, idx, h_new, wmask, seed, refreshes, bucket, 2)
+        _store_state(m_out_ptr, idx, m, wmask, seed, refreshes, bucket, 3)
+        _store_state(sigma_out_ptr, idx, sigma_r, wmask, seed, refreshes, bucket, 4)
     else:
         tl.store(g_out_ptr + idx, gM, mask=wmask)
         if NOISY:

@@ -1,0 +1,164 @@
+"""``state_dtype=torch.bfloat16`` (IVON family): the momentum and the outer buffers in
+bfloat16 with stochastic rounding (docs/design.md, 'Low-precision state').  The kernels
+against the reference are in tests/test_kernels.py; here the optimizer: backends agree,
+the rounding is unbiased, checkpoints resume bit for bit and convert, and a refused step
+changes nothing."""
+import copy
+
+import pytest
+import torch
+
+import poco_kernels as pk
+from helpers import FUSED_BACKENDS, Problem, mlp, params_of
+from poco_kernels import noise
+from poco_kernels import reference as R
+from tolerances import TRAJECTORY, assert_close
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BF16 = torch.bfloat16
+LOW = ("momentum", "g_out", "h_out", "m_out", "sigma_out")
+#: CI time: Triton (the interpreter) in the backend agreement only
+CPU = ["torch"] + [b for b in FUSED_BACKENDS if b == "cpp"]
+
+
+def _make(backend, state_dtype=BF16, cls=pk.IVONPoCoMo, **kw):
+    m = mlp()
+    kw = dict(dict(lr=0.05, ess=200.0, seed=5, backend=backend, state_dtype=state_dtype), **kw)
+    return m, cls(m.parameters(), **kw)
+
+
+def _train(m, opt, steps, start=0, prob=None):
+    prob = prob or Problem()
+    batches = prob.batches(steps)
+    for t in range(start, steps):
+        if isinstance(opt, pk.IVONPoCo) and t % 3 == 0:
+            opt.refresh([prob.closure(opt, m, c) for c in prob.chunks(2)])
+        opt.step(prob.closure(opt, m, batches[t]))
+    return m, opt
+
+
+def _flat(opt):
+    return {k: [t.clone() for t in opt.flat_state(k)] for k in ("mean", "h") + LOW
+            if k in opt._buckets[0].buffers}
+
+
+def test_stochastic_rounding_is_unbiased_and_brackets():
+    """Each result is one of the two bfloat16 neighbours of the value; the mean over many
+    draws is the value (round to nearest is off by the remainder: the guard)."""
+    x = torch.tensor([1.0 + 2 ** -10, -3.3, 7.1e-5, 1234.567])
+    n = 1 << 16
+    vals = x.repeat_interleave(n)
+    out = R.stochastic_round(vals, noise.rounding_bits(11, 2, 0, 0, vals.numel())).float()
+    for i, v in enumerate(x.tolist()):
+        got = out[i * n:(i + 1) * n]
+        toward0 = torch.tensor(v).view(torch.int32) & ~0xFFFF
+        below = toward0.view(torch.float32).item()
+        above = (toward0 + 0x10000).view(torch.float32).item()
+        assert set(got.unique().tolist()) == {below, above}, v
+        ulp = abs(above - below)
+        assert abs(got.mean().item() - v) < 0.01 * ulp, (v, got.mean().item())
+        nearest = torch.tensor(v).to(BF16).item()
+        assert abs(nearest - v) > 0.05 * ulp, v
+
+
+@pytest.mark.parametrize("backend", ["torch"] + FUSED_BACKENDS)
+def test_backends_agree_and_stay_near_float32_state(backend):
+    """Every backend follows the torch backend's trajectory with bfloat16 state (the same
+    rounding bits), and the run stays near the float32-state run."""
+    m_ref, o_ref = _train(*_make("torch"), 7)
+    m, o = _train(*_make(backend), 7)
+    for a, b in zip(params_of(m), params_of(m_ref)):
+        assert_close(a, b, TRAJECTORY[torch.float32], "parameters")
+    for k in LOW:
+        for a, b in zip(o.flat_state(k), o_ref.flat_state(k)):
+            assert a.dtype == BF16 and b.dtype == BF16, k
+            assert_close(a, b, TRAJECTORY[BF16], k)
+    m32, _ = _train(*_make(backend, None), 7)
+    diff = max((a - b).abs().max().item() for a, b in zip(params_of(m), params_of(m32)))
+    assert 0 < diff < 2e-2, diff
+
+
+def test_the_bytes_it_holds():
+    """opt.state: mean and h float32, the rest bfloat16: IVON 10 bytes per parameter,
+    IVON-PoCoMo 18 (float32: 12 and 28)."""
+    for cls, want in ((pk.IVON, 10), (pk.IVONPoCoMo, 18)):
+        for sd, w in ((BF16, want), (None, {10: 12, 18: 28}[want])):
+            m, opt = _make("torch", sd, cls=cls)
+            n = sum(p.numel() for p in m.parameters())
+            held = sum(t.numel() * t.element_size() for b in opt._buckets
+                       for t in b.buffers.values())
+            assert held == w * n, (cls.__name__, sd, held / n)
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_checkpoints_resume_bit_for_bit(backend):
+    """A state dict (and a deepcopy) taken mid-run continues exactly as the run."""
+    m, o = _train(*_make(backend), 9)
+    m2, o2 = _train(*_make(backend), 5)
+    sd = copy.deepcopy(o2.state_dict())
+    twin = copy.deepcopy((m2, o2))
+    m3, o3 = _make(backend)
+    m3.load_state_dict(m2.state_dict())
+    o3.load_state_dict(sd)
+    for mm, oo in ((m2, o2), twin, (m3, o3)):
+        _train(mm, oo, 9, start=5)
+        assert all(torch.equal(a, b) for a, b in zip(params_of(mm), params_of(m)))
+        s, s_ref = _flat(oo), _flat(o)
+        for k in s_ref:
+            assert all(torch.equal(a, b) for a, b in zip(s[k], s_ref[k])), k
+        assert oo.state_dtype == BF16
+
+
+def test_state_dicts_convert_between_state_dtypes():
+    """A float32-state checkpoint loads into a bfloat16-state optimizer (rounded to
+    nearest) and back (widened exactly); both go on training."""
+    m32, o32 = _train(*_make("cpp" if "cpp" in CPU else "torch", None), 5)
+    m, o = _make(o32.backend)
+    m.load_state_dict(m32.state_dict())
+    o.load_state_dict(o32.state_dict())
+    for k in LOW:
+        for a, b in zip(o.flat_state(k), o32.flat_state(k)):
+            assert a.dtype == BF16 and torch.equal(a, b.to(BF16)), k
+    m_back, o_back = _make(o32.backend, None)
+    o_back.load_state_dict(o.state_dict())
+    for k in LOW:
+        for a, b in zip(o_back.flat_state(k), o.flat_state(k)):
+            assert a.dtype == torch.float32 and torch.equal(a, b.float()), k
+    _train(m, o, 7, start=5)
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_a_refused_step_changes_nothing(backend):
+    """A non-finite gradient raises; state (bfloat16 buffers included) and the steps that
+    follow equal those of a twin that never saw it."""
+    prob = Problem()
+    m, o = _train(*_make(backend), 5)
+    twin = copy.deepcopy((m, o))
+
+    def bad():
+        o.zero_grad()
+        loss = prob.loss(m, prob.batches(9)[5]) * float("nan")
+        loss.backward()
+        return loss
+
+    with pytest.raises(ValueError, match="non-finite"):
+        o.step(bad)
+    for k in LOW:
+        assert all(torch.equal(a, b) for a, b in zip(o.flat_state(k), twin[1].flat_state(k)))
+    _train(m, o, 9, start=5)
+    _train(*twin, 9, start=5)
+    assert all(torch.equal(a, b) for a, b in zip(params_of(m), params_of(twin[0])))
+
+
+def test_state_dtype_is_validated_and_carried():
+    with pytest.raises(ValueError, match="state_dtype must be"):
+        _make("torch", torch.float16)
+    with pytest.raises(TypeError, match="state_dtype"):
+        pk.SVRG(mlp().parameters(), lr=0.1, state_dtype=BF16)
+    m, ivon = _make("torch", cls=pk.IVON)
+    assert ivon.state_dtype == BF16
+    assert _make("torch", torch.float32)[1].state_dtype is None
+    poco = pk.IVONPoCoMo.from_ivon(ivon)
+    assert poco.state_dtype == BF16 and poco.state[m[0].weight]["g_out"].dtype == BF16
