@@ -482,6 +482,19 @@ class BucketedOptimizer(torch.optim.Optimizer):
         self._eps_cache[b.index] = (key, eps)
         return eps
 
+    def _rounding_bits(self, b: Bucket, name: str, counter: int) -> Tensor:
+        """The stochastic-rounding bits of low-precision buffer ``name`` of ``b`` at
+        ``counter`` (``state_dtype``); a shard's are those of its places in the
+        unsharded bucket, as its noise."""
+        tag = _noise.ROUND_TAGS[name]
+        if b.segments is None:
+            return _noise.rounding_bits(self.seed, counter, b.index, tag, b.numel, b.device)
+        bits = torch.empty(b.numel, dtype=torch.int64, device=b.device)
+        for off, n, start in b.segments:
+            bits[off:off + n] = _noise.rounding_bits(self.seed, counter, b.index, tag, n,
+                                                     b.device, offset=start)
+        return bits
+
     def _counter(self, slot: int) -> int:
         """The noise counter of a slot: steps taken (``COUNTER_STEPS``) or refreshes
         taken (``COUNTER_REFRESHES``)."""
@@ -671,7 +684,10 @@ class BucketedOptimizer(torch.optim.Optimizer):
                   f"{what} has shape {tuple(t.shape)}, expected {tuple(like.shape)}")
             check(t.is_floating_point(), f"{what} has dtype {t.dtype}, expected a float dtype")
             check(bool(torch.isfinite(t).all()), f"{what} holds non-finite values")
-            return t.detach().to(device=like.device, dtype=like.dtype, copy=True)
+            out = t.detach().to(device=like.device, dtype=like.dtype, copy=True)
+            check(bool(torch.isfinite(out).all()),
+                  f"{what} overflows {like.dtype} (its state dtype)")
+            return out
 
         for b in self._buckets:
             group = new_groups[b.group_index]

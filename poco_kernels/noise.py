@@ -476,14 +476,20 @@ def rounding_salt(seed: int, counter: int, bucket: int, tag: int, index_hi: int 
 
 
 def rounding_bits(seed: int, counter: int, bucket: int, tag: int, n: int,
-                  device=None) -> torch.Tensor:
+                  device=None, offset: int = 0) -> torch.Tensor:
     """int64 tensor of ``n`` values in ``[0, 2**16)``: the rounding bits of elements
-    ``0 .. n-1`` of a bucket's state buffer ``tag`` (``ROUND_TAGS``) at update ``counter``
-    (the step count for the momentum, the refresh count for the outer buffers)."""
+    ``offset .. offset + n - 1`` of a bucket's state buffer ``tag`` (``ROUND_TAGS``) at
+    update ``counter`` (the step count for the momentum, the refresh count for the outer
+    buffers).  ``offset``: a shard's place in the unsharded bucket (as :func:`randn`)."""
+    offset = _check_int("offset", offset, 0, 2**64)
     out = torch.empty(n, dtype=torch.int64, device=device)
-    for start in range(0, n, 2 ** 32):          # (the salt changes with the index's high word)
-        idx = torch.arange(start, min(n, start + 2 ** 32), dtype=torch.int64, device=device)
+    pos = 0
+    while pos < n:            # (the salt changes with the index's high word)
+        start = offset + pos
+        m = min(n - pos, 2 ** 32 - (start & _MASK32))
+        lo = torch.arange(start & _MASK32, (start & _MASK32) + m, dtype=torch.int64,
+                          device=device)
         salt = rounding_salt(seed, counter, bucket, tag, start >> 32)
-        x = _mul32(idx & _MASK32, ROUND_MUL_INDEX) ^ salt
-        out[start:start + idx.numel()] = _fmix32(x) >> 16
+        out[pos:pos + m] = _fmix32(_mul32(lo, ROUND_MUL_INDEX) ^ salt) >> 16
+        pos += m
     return out

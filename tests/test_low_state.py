@@ -162,3 +162,49 @@ def test_state_dtype_is_validated_and_carried():
     assert _make("torch", torch.float32)[1].state_dtype is None
     poco = pk.IVONPoCoMo.from_ivon(ivon)
     assert poco.state_dtype == BF16 and poco.state[m[0].weight]["g_out"].dtype == BF16
+
+
+def test_a_shard_rounds_as_its_place_in_the_unsharded_bucket():
+    """FSDP2 shards (the torch backend): the rounding bits of a shard's elements are
+    those of their places in the unsharded bucket, as its noise, so a sharded run takes
+    the unsharded run's steps (here one shard from element 40, set as build_buckets
+    does)."""
+    n, s = 64, 40
+    g = torch.Generator().manual_seed(0)
+    p0, target = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    def run(sharded):
+        p = torch.nn.Parameter(p0[s:].clone() if sharded else p0.clone())
+        o = pk.IVON([p], lr=0.05, ess=200.0, seed=5, backend="torch", state_dtype=BF16)
+        if sharded:
+            o._buckets[0].segments = [(0, n - s, s)]
+        tgt = target[s:] if sharded else target
+
+        def closure():
+            o.zero_grad()
+            loss = ((p - tgt) ** 2 * 3).sum()
+            loss.backward()
+            return loss
+        for _ in range(5):
+            o.step(closure)
+        return p.detach(), o.flat_state("momentum")[0]
+
+    p_full, mom_full = run(False)
+    p_shard, mom_shard = run(True)
+    assert torch.equal(p_shard, p_full[s:])
+    assert torch.equal(mom_shard, mom_full[s:])
+    bits = noise.rounding_bits(5, 3, 0, 0, 10, offset=2 ** 32 - 4)      # across 2**32
+    whole = torch.cat([noise.rounding_bits(5, 3, 0, 0, 4, offset=2 ** 32 - 4),
+                       noise.rounding_bits(5, 3, 0, 0, 6, offset=2 ** 32)])
+    assert torch.equal(bits, whole)
+
+
+def test_a_value_that_overflows_bfloat16_is_refused_on_load():
+    m32, o32 = _make("torch", None, cls=pk.IVON)
+    sd = o32.state_dict()
+    sd["state"][0]["momentum"].view(-1)[0] = 3.4e38
+    m, o = _make("torch", cls=pk.IVON)
+    before = [t.clone() for t in o.flat_state("momentum")]
+    with pytest.raises(ValueError, match="overflows"):
+        o.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(o.flat_state("momentum"), before))

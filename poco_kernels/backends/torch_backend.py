@@ -13,7 +13,6 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import noise as _noise
 from .._protocol import COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KIND_REFRESH
 from ..reference import perturb, stochastic_round
 from .base import Backend
@@ -108,29 +107,31 @@ class TorchBackend(Backend):
                 raise ValueError("non-finite gradient (inf or nan): the step was not taken and the "
                                  "optimizer state is unchanged (with AMP, pass found_inf to skip)")
 
-    def check_new(self, new: Dict[int, Dict[str, Tensor]]) -> None:
-        """Refuse an update that produced non-finite state (nothing committed)."""
-        for bufs in new.values():
-            for name, t in bufs.items():
+    def check_new(self, new: Dict[int, Dict[str, Tensor]], slot: int = COUNTER_STEPS) -> None:
+        """Refuse an update that produced non-finite state (nothing committed).  A
+        low-precision buffer's new value (``state_dtype``) is rounded here, so what is
+        checked is what ``commit`` stores."""
+        opt = self.opt
+        for b in opt._buckets:
+            bufs = new.get(b.index, {})
+            for name, t in list(bufs.items()):
+                have = b.buffers.get(name)
+                if have is not None and have.dtype == torch.bfloat16 != t.dtype:
+                    bufs[name] = t = stochastic_round(
+                        t, opt._rounding_bits(b, name, opt._counter(slot)))
                 if not bool(torch.isfinite(t).all()):
                     raise FloatingPointError(
                         f"the update produced non-finite values in {name!r}: the step was not "
                         f"taken and the optimizer state is unchanged. "
                         f"{self.opt._divergence_hint}")
 
-    def commit(self, new: Dict[int, Dict[str, Tensor]], slot: int = COUNTER_STEPS) -> None:
-        """Copy the new buffers in (creating those made at their first use; a
-        low-precision one, ``state_dtype``, stochastically rounded with the bits of the
-        update's counter in ``slot``) and write the mean into the parameters."""
-        opt = self.opt
+    def commit(self, new: Dict[int, Dict[str, Tensor]]) -> None:
+        """Copy the new buffers in (creating those made at their first use; low-precision
+        ones come rounded from ``check_new``) and write the mean into the parameters."""
         for b in self.opt._buckets:
             added = False
             for name, t in new.get(b.index, {}).items():
-                if name in b.buffers and b.buffers[name].dtype == torch.bfloat16 != t.dtype:
-                    bits = _noise.rounding_bits(opt.seed, opt._counter(slot), b.index,
-                                                _noise.ROUND_TAGS[name], b.numel, b.device)
-                    b.buffers[name].copy_(stochastic_round(t, bits))
-                elif name in b.buffers:
+                if name in b.buffers:
                     b.buffers[name].copy_(t)
                 else:
                     b.buffers[name] = t.clone()
@@ -171,8 +172,8 @@ class TorchBackend(Backend):
             outer = self.estimate(KIND_OUTER, b, grad_scale) if b.index in corr else None
             self.check_gradients(g_in, ge_in, *(outer or ()))
             new[b.index] = opt._inner_update(b, group, g_in, ge_in, outer, opt._step + 1)
-        self.check_new(new)
-        self.commit(new, COUNTER_STEPS)
+        self.check_new(new, COUNTER_STEPS)
+        self.commit(new)
         return True
 
     def refresh(self, grad_scale, found_inf) -> bool:
@@ -186,6 +187,6 @@ class TorchBackend(Backend):
             gM, geM = self.estimate(KIND_REFRESH, b, grad_scale)
             self.check_gradients(gM, geM)
             new[b.index] = opt._refresh_update(b, group, gM, geM, first=opt._first_refresh(b))
-        self.check_new(new)
-        self.commit(new, COUNTER_REFRESHES)
+        self.check_new(new, COUNTER_REFRESHES)
+        self.commit(new)
         return True
