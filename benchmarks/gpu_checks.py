@@ -225,7 +225,7 @@ def check_bf16_store(dev):
     param = torch.empty(centre.numel(), dtype=torch.bfloat16, device=dev)
     mean = torch.zeros_like(centre)
     ctl = torch.zeros(K.CTL_SIZE, dtype=torch.int64, device=dev)
-    ops.sample(param, centre, mean, None, None, ctl, 0, 0, 0, 1.0, 0.0, 0.0, 1.0,
+    ops.sample(param, centre, mean, None, None, ctl, 0, 2, 0, 0, 1.0, 0.0, 0.0, 1.0,
                K.SIGMA_NONE, False)
     cast = centre.to(torch.bfloat16)
     got_b = param.view(torch.int16).cpu().to(torch.int64) & 0xFFFF

@@ -7,7 +7,8 @@ closure ``zero_grad(); loss = sum(p * c); loss.backward()`` (a linear loss: its 
 writes one gradient tensor per parameter, as any model's does).  Rows, for fused and
 foreach AdamW (``closure(); step()``), IVON and IVON-PoCoMo (``step(closure)``; IVON-PoCoMo
 with the correction active, its refresh timed apart), each also with ``sample_ahead=True``
-and with ``sample_ahead=True, state_dtype=torch.bfloat16``:
+and with ``sample_ahead=True, state_dtype=torch.bfloat16``; and IVON and IVON-PoCoMo
+drawing noise stream version 1 (one Philox call per normal, the stream before version 2):
 
 * ``iter_cycle``: the whole iteration, closure calls included;
 * ``iter_closure``: the closure calls inside those iterations (timed each time, summed);
@@ -74,6 +75,11 @@ def _resident(dev) -> int:
     return _rss()
 
 
+def _noise_v1(opt):
+    opt.noise_version = 1
+    return opt
+
+
 def candidates(backend):
     import poco_kernels as pk
     return [
@@ -85,6 +91,11 @@ def candidates(backend):
          lambda ps: pk.IVON(ps, lr=1e-3, ess=1.0, backend=backend), "ours"),
         ("IVONPoCoMo", f"poco_kernels.{backend}",
          lambda ps: pk.IVONPoCoMo(ps, lr=1e-3, ess=1.0, backend=backend), "ours"),
+        # the noise stream of checkpoints written before version 2, for the before/after
+        ("IVON", f"poco_kernels.{backend}(noise v1)",
+         lambda ps: _noise_v1(pk.IVON(ps, lr=1e-3, ess=1.0, backend=backend)), "ours"),
+        ("IVONPoCoMo", f"poco_kernels.{backend}(noise v1)",
+         lambda ps: _noise_v1(pk.IVONPoCoMo(ps, lr=1e-3, ess=1.0, backend=backend)), "ours"),
         ("IVON", f"poco_kernels.{backend}(sample_ahead)",
          lambda ps: pk.IVON(ps, lr=1e-3, ess=1.0, backend=backend, sample_ahead=True), "ours"),
         ("IVONPoCoMo", f"poco_kernels.{backend}(sample_ahead)",

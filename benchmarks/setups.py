@@ -46,13 +46,17 @@ def step_buffers(n, dt, dev, ess=1.0, wd=1e-4, seed=None):
     return b
 
 
-def step_launcher(ops, b, corr, ess=1.0, wd=1e-4):
+def step_launcher(ops, b, corr, ess=1.0, wd=1e-4, noise=None, next_sample=False):
     """The step operator of a kernel set (``triton_ops`` or ``cpp_ops``) on ``b``:
-    IVON-PoCoMo (correction, shared noise, Hessian correction, debiasing) or plain IVON."""
+    IVON-PoCoMo (correction, shared noise, Hessian correction, debiasing) or plain IVON;
+    ``noise``: the stream version (default: the current one); ``next_sample``: the step
+    also writes the next inner sample (``sample_ahead``)."""
+    from poco_kernels import noise as N
     from poco_kernels.kernels import interface as K
     flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=corr, floor=False,
                                                           clip=False, debias=True),
-                           corr=corr, ge_in=False, ge_o=False, shared_noise=corr, next_sample=False)
+                           corr=corr, ge_in=False, ge_o=False, shared_noise=corr,
+                           next_sample=next_sample)
     hp = K.StepHyper.of(K.StepHP.ivon(lr=1e-3, beta1=0.9, beta2=0.99999, wd=wd, ess=ess,
                                       alpha=1.0 if corr else 0.0,
                                       hess_corr=0.01 if corr else 0.0, floor=0.0, clip=0.0),
@@ -61,7 +65,8 @@ def step_launcher(ops, b, corr, ess=1.0, wd=1e-4):
             b["g_o"] if corr else None, None,
             b["g_out"] if corr else None, b["h_out"] if corr else None,
             b["m_out"] if corr else None, b["sigma_out"] if corr else None,
-            b["ctl"], None, None, K.StepStreams(7, 0, 0), hp, flags)
+            b["ctl"], None, None,
+            K.StepStreams(7, 0, 0, N.STREAM_VERSION if noise is None else noise), hp, flags)
     return lambda: ops.step(*args)
 
 

@@ -39,7 +39,7 @@ POCO_INLINE int64_t tile_len(int64_t t, int64_t n) { return min_<int64_t>(kTile,
 template <typename PT, int MODE, bool SYNC, bool LOW = false>
 void sample_impl(const SampleArgs& a, int64_t t0, int64_t t1) {
   static_assert(!LOW || (MODE == kSigmaBuffer && !SYNC), "a bfloat16 centre is the outer sample's");
-  const PhiloxKey key(a.noise.seed);
+  const PhiloxKey key(a.noise.seed, a.noise.version);
   alignas(64) float eps[kTile];
   alignas(64) float low_centre[LOW ? kTile : 1], low_sigma[LOW ? kTile : 1];
   for (int64_t t = t0; t < t1; ++t) {
@@ -112,7 +112,7 @@ void sample_pt(const SampleArgs& a, int64_t t0, int64_t t1) {
 // gradient element was inf or NaN.
 template <typename PT, bool FIRST, bool GE>
 bool accumulate_impl(const AccumulateArgs& a, int64_t t0, int64_t t1) {
-  const PhiloxKey key(a.noise.seed);
+  const PhiloxKey key(a.noise.seed, a.noise.version);
   alignas(64) float eps[kTile];
   uint32_t bad = 0;
   for (int64_t t = t0; t < t1; ++t) {
@@ -167,7 +167,7 @@ bool check_pt(const void* grad, int64_t n, int64_t t0, int64_t t1) {
 // ------------------------------------------------------------------ fold_ge
 // acc_ge = acc_g * eps of draw 0 (when a second draw of a kind starts).
 void fold_ge_impl(const FoldArgs& a, int64_t t0, int64_t t1) {
-  const PhiloxKey key(a.noise.seed);
+  const PhiloxKey key(a.noise.seed, a.noise.version);
   alignas(64) float eps[kTile];
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t i0 = t * kTile, len = tile_len(t, a.n);
@@ -276,7 +276,7 @@ POCO_INLINE void step_prelude(const StepArgs& a, const PhiloxKey& key, int64_t i
 // within an ulp, and the divider is what this pass waits for on the CPU.
 template <typename PT, bool CORR, bool HC, bool NEXT, bool LOW>
 void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
-  const PhiloxKey key(a.seed);
+  const PhiloxKey key(a.seed, a.noise_version);
   StepTile st;
   const float alpha = a.alpha, lr = a.lr, beta1 = a.beta1, one_m_beta1 = a.one_m_beta1;
   const float beta2 = a.beta2, one_m_beta2 = a.one_m_beta2, half_sq = a.half_sq_one_m_beta2;
@@ -450,7 +450,7 @@ void step_pt(const StepArgs& a, int64_t t0, int64_t t1) {
 // the outer posterior.  Reference: ivon_sigma, price_hessian, outer_fold.
 template <bool GE, bool LOW>
 void refresh_ivon(const RefreshArgs& a, int64_t t0, int64_t t1) {
-  const PhiloxKey key(a.noise.seed);
+  const PhiloxKey key(a.noise.seed, a.noise.version);
   alignas(64) float eps[kTile];
   // state_dtype=bfloat16: the outer buffers of the tile in float32, rounded back after
   alignas(64) float low[4][LOW ? kTile : 1];
@@ -519,7 +519,7 @@ void refresh_ivon(const RefreshArgs& a, int64_t t0, int64_t t1) {
 // Reference: perturb.
 template <bool NOISY>
 void refresh_sgd(const RefreshArgs& a, int64_t t0, int64_t t1) {
-  const PhiloxKey key(a.noise.seed);
+  const PhiloxKey key(a.noise.seed, a.noise.version);
   alignas(64) float eps[kTile];
   const float scale = a.scale, sigma = a.sigma_const;
   for (int64_t t = t0; t < t1; ++t) {
@@ -585,7 +585,7 @@ void write_params(void* param, int pdtype, const float* mean, int64_t n, int64_t
 }
 // out[j] = randn(offset + j): the stream itself (tests, and the noise of the tiles above).
 void randn(float* out, int64_t n, uint64_t offset, const Noise& noise, int64_t t0, int64_t t1) {
-  const PhiloxKey key(noise.seed);
+  const PhiloxKey key(noise.seed, noise.version);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t i0 = t * kTile, len = tile_len(t, n);
     noise_tile(out + i0, len, offset + (uint64_t)i0, key, noise.counter, noise.stream, noise.sign);

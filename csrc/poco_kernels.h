@@ -57,12 +57,14 @@ struct RefreshFlags { POCO_REFRESH_FLAGS(POCO_BOOL_FIELD) };
 #undef POCO_DOUBLE_FIELD
 #undef POCO_BOOL_FIELD
 
-// One noise stream: element i gets randn(seed, i, counter, stream) * sign.
+// One noise stream: element i gets randn(seed, i, counter, stream) * sign, drawn under
+// the stream definition `version` (1 or 2: poco_kernels/noise.py).
 struct Noise {
   uint64_t seed;
   uint32_t counter;
   uint32_t stream;
   float sign;
+  uint32_t version;
 };
 
 struct SampleArgs {
@@ -107,6 +109,7 @@ struct StepArgs {
   const float *g_out, *h_out, *m_out, *sigma_out;
   int64_t n;
   uint64_t seed;
+  uint32_t noise_version;     // the stream definition (1 or 2)
   uint32_t counter;           // the step: noise counter of inner and outer samples
   uint32_t stream_in, stream_o;
   float sign_o;

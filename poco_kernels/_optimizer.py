@@ -43,7 +43,11 @@ COMMON_ARGUMENTS = """\
       varies it; an explicit ``seed`` wins.  The seed is in the state dict (a resumed run
       continues the same stream).  Ranks that share the seed draw the same posterior
       sample without communicating: under data parallelism give every rank the same
-      global seed, or pass ``seed`` explicitly.
+      global seed, or pass ``seed`` explicitly.  The stream's definition is
+      ``opt.noise_version`` (2, four normals per Philox call); a state dict records it and
+      loading one sets it, so a run resumed from a checkpoint written before version 2
+      keeps drawing version 1 bit for bit (set ``opt.noise_version = 2`` after loading to
+      move it to the cheaper stream).
     * ``backend``: ``"auto"`` (default: Triton for CUDA parameters, C++ for CPU ones, the
       torch backend otherwise), ``"torch"`` (the reference maths op for op, any device and
       dtype), ``"triton"`` or ``"cpp"`` (fused kernels; a clear error where they cannot
@@ -221,6 +225,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
         #: key of the noise stream: the argument, or drawn from torch's global generator
         #: (so ``torch.manual_seed`` governs it, as it governs a model's initialisation)
         self.seed = seed if seed is not None else draw_seed()
+        self._noise_version = _noise.STREAM_VERSION      # (the property noise_version)
         #: as requested ("auto", None): a copy resolves them again (__getstate__)
         self._requested = (backend, check_finite)
         self._buckets: List[Bucket] = self._new_buckets(self._groups, [])
@@ -406,7 +411,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ copy and pickle
     #: the attributes that __setstate__ rebuilds (the other public ones are copied)
     _REBUILT = frozenset({"defaults", "state", "param_groups", "seed", "backend", "check_finite",
-                          "grad_views", "sample_ahead", "state_dtype"})
+                          "grad_views", "sample_ahead", "state_dtype", "noise_version"})
 
     def __getstate__(self) -> Dict[str, Any]:
         """``copy.deepcopy`` and pickle: the parameter groups (with the parameters), the
@@ -463,22 +468,42 @@ class BucketedOptimizer(torch.optim.Optimizer):
             self._backend.prefetch()
 
     # ------------------------------------------------------------------ noise
+    @property
+    def noise_version(self) -> int:
+        """The noise stream definition this optimizer draws (:mod:`poco_kernels.noise`):
+        ``noise.STREAM_VERSION`` (2) when built, that of a loaded state dict after
+        ``load_state_dict``, so a resumed run continues its own noise.  Settable (1 or 2),
+        outside a sample; a sample the step left in the parameters (``sample_ahead``) is
+        drawn again under the new version before the next step uses it."""
+        return self._noise_version
+
+    @noise_version.setter
+    def noise_version(self, version: int) -> None:
+        check(type(version) is int and version in _noise.STREAM_VERSIONS,
+              f"noise_version must be one of {_noise.STREAM_VERSIONS}, got {version!r}")
+        if self._active is not None:
+            raise RuntimeError("noise_version changed while a sample is in the parameters: "
+                               "call restore() first")
+        self._noise_version = version
+        self._eps_cache.clear()
+
     def _eps(self, b: Bucket, kind: int, draw: int, counter: int) -> Tensor:
         """The standard normal of (bucket, kind, draw, counter).  The last one drawn per
         bucket is kept: the outer sample with shared noise, and VSGD-PoCo's refresh fold,
         ask again for the draw just made (regenerating costs ~100 integer ops/element)."""
-        key = (self.seed, kind, draw, counter)
+        key = (self.seed, self._noise_version, kind, draw, counter)
         hit = self._eps_cache.get(b.index)
         if hit is not None and hit[0] == key:
             return hit[1]
         stream = _noise.stream_id(b.index, kind, draw)
         if b.segments is None:
             eps = _noise.randn(b.numel, self.seed, counter, stream, device=b.device,
-                               dtype=b.dtype)
+                               dtype=b.dtype, version=self.noise_version)
         else:           # local shards: the noise of their places in the unsharded bucket
             eps = torch.empty(b.numel, device=b.device, dtype=b.dtype)
             for off, n, start in b.segments:
-                _noise.randn(n, self.seed, counter, stream, offset=start, out=eps[off:off + n])
+                _noise.randn(n, self.seed, counter, stream, offset=start, out=eps[off:off + n],
+                             version=self.noise_version)
         self._eps_cache[b.index] = (key, eps)
         return eps
 
@@ -566,7 +591,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
             for name, buf in b.buffers.items():
                 if not b.is_flat_buffer(buf):
                     extra[f"{b.index}/{name}"] = buf
-        sd["poco"] = {"format": STATE_FORMAT, "noise": _noise.STREAM_VERSION,
+        sd["poco"] = {"format": STATE_FORMAT, "noise": self.noise_version,
                       "step": self._step, "refreshes": self._refreshes, "seed": self.seed,
                       "optimizer": type(self).__name__, "pending": self._pending.to_dict(),
                       "awaiting_refresh": sorted(self._awaiting), "bucket_buffers": extra}
@@ -638,10 +663,11 @@ class BucketedOptimizer(torch.optim.Optimizer):
         fmt = poco.get("format", 1)
         check(is_int(fmt, 1, STATE_FORMAT + 1),
               f"state dict format {fmt!r} is not one this version reads (1..{STATE_FORMAT})")
-        nv = poco.get("noise", 1)
-        check(nv == _noise.STREAM_VERSION,
-              f"state dict was written with noise stream version {nv!r}, this version draws "
-              f"version {_noise.STREAM_VERSION}: the same seed would give other samples")
+        nv = poco.get("noise", 1)       # (written before the key existed: version 1)
+        check(type(nv) is int and nv in _noise.STREAM_VERSIONS,
+              f"state dict was written with noise stream version {nv!r}; this version of "
+              f"poco_kernels draws versions {_noise.STREAM_VERSIONS} (the run would continue "
+              "with other samples than it was drawing)")
         for key in ("step", "refreshes"):
             check(is_int(poco[key], 0, _noise.MAX_COUNTER),
                   f"state dict: {key} must be an int in [0, 2**32), got {poco[key]!r}")
@@ -770,6 +796,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
                     del g[k]
                 g.update(sg)
             self._step, self._refreshes, self.seed = step, refreshes, seed
+            self._noise_version = nv
             self._awaiting = set(awaiting)
             self._pending = pend
             self._eps_cache.clear()

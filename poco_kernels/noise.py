@@ -14,36 +14,51 @@ two-word key ``(k0, k1)``, ten rounds.  The 64-bit unsigned seed is split into
 the key as ``k0 = seed & 0xffffffff``, ``k1 = seed >> 32``, which is what
 ``tl.philox(seed, c0, c1, c2, c3)`` does for 32-bit counters.
 
-Normal transform exactly as ``tl.randn``: the first two Philox outputs are
-mapped to uniforms by ``uint_to_uniform_float`` (reinterpret as int32, fold
-negatives with ``x -> -x - 1``, convert to float32, scale by
-``float32(4.6566127342e-10)``) and fed to the Box-Muller transform, keeping the
-cosine branch only.  All float math is float32.
+Uniforms exactly as ``tl.uint_to_uniform_float``: reinterpret a word as int32,
+fold negatives with ``x -> -x - 1``, convert to float32, scale by
+``float32(4.6566127342e-10)``.  Normals by the Box-Muller transform of
+``tl.pair_uniform_to_normal``: for uniforms ``(u1, u2)``,
+``r = sqrt(-2 log(max(1e-7, u1)))``, ``th = float32(2 pi) * u2`` and the pair
+``(r cos th, r sin th)``.  All float math is float32.
 
 The Philox words and the uniforms are bit-identical to Triton's.  The normals
-go through ``log``/``sqrt``/``cos``, whose float32 results can differ by an
-ulp between math libraries (torch's CPU kernels, numpy in the Triton
-interpreter, libdevice on GPU), so compare normals with a ~1e-6 tolerance.
+go through ``log``/``sqrt``/``cos``/``sin``, whose float32 results can differ by
+an ulp between math libraries (torch's CPU kernels, numpy in the Triton
+interpreter, libdevice on GPU, the C++ kernels' own polynomials), so compare
+normals with a ~1e-6 tolerance.
 
-Stream definition (counter layout)
-----------------------------------
-For element index ``i`` (``0 <= i < 2**64``) of a noise buffer::
+Stream definition, version 2 (the default; ``STREAM_VERSION``)
+---------------------------------------------------------------
+Four normals per Philox call.  Element ``i`` (``0 <= i < 2**64``) of a noise
+buffer is lane ``i mod 4`` of call ``q = i div 4``::
 
-    c0 = i & 0xffffffff        # low word of the element index
-    c1 = i >> 32               # high word of the element index
+    c0 = q & 0xffffffff        # low word of the call index
+    c1 = q >> 32               # high word of the call index
     c2 = step & 0xffffffff     # optimizer step, 0 <= step < 2**32
     c3 = stream                # 32-bit stream id, see ``stream_id``
     key = seed                 # 64-bit seed, 0 <= seed < 2**64
+    w0, w1, w2, w3 = philox(key, c0, c1, c2, c3)
+    lane 0: r(w0) cos th(w1)   lane 1: r(w0) sin th(w1)
+    lane 2: r(w2) cos th(w3)   lane 3: r(w2) sin th(w3)
 
-and the noise value is ``randn_transform(philox(key, c0, c1, c2, c3)[0:2])``.
+with ``r(w) = sqrt(-2 log max(1e-7, uniform(w)))`` and ``th(w) = 2 pi uniform(w)``:
+both Box-Muller branches of both word pairs, the four outputs of Triton's
+``tl.randn4x``.  With ``step == stream == 0``, elements ``4q .. 4q + 3`` are
+exactly ``tl.randn4x(seed, q)``.  One call (ten rounds, twenty 32x32-bit
+products), two logarithms, two square roots and two angle reductions give four
+normals: a quarter of version 1's Philox work and half of its transcendentals.
 
-With ``step == stream == 0`` this is exactly Triton's ``tl.randn(seed, i)``:
-for int32/uint32 offsets (``i < 2**32``, so ``c1 == 0``) and also for int64
-offsets, because ``tl.randint4x`` puts the low/high words of a 64-bit offset
-into ``c0``/``c1`` in the same way.  For nonzero ``step``/``stream`` a kernel
-calls ``tl.philox(seed, c0, c1, c2, c3)`` with uint32 counters laid out as
-above and applies ``tl.randn``'s transform (``uint_to_uniform_float`` +
-``pair_uniform_to_normal``) to the first two outputs.
+Stream definition, version 1 (checkpoints written before version 2)
+-------------------------------------------------------------------
+One call per element, the cosine branch of the first word pair only::
+
+    c0, c1 = i & 0xffffffff, i >> 32      (the element index itself)
+    c2, c3, key as above
+    normal = r(w0) cos th(w1)
+
+which is ``tl.randn(seed, i)`` for ``step == stream == 0``.  An optimizer whose
+state dict was written under version 1 keeps drawing version 1 (bit-exact
+resume); see ``BucketedOptimizer.noise_version``.
 
 Implementation notes
 --------------------
@@ -76,6 +91,7 @@ __all__ = [
     "MAX_KINDS",
     "MAX_COUNTER",
     "STREAM_VERSION",
+    "STREAM_VERSIONS",
     "philox4x32",
     "randn",
     "stream_id",
@@ -103,9 +119,11 @@ MAX_DRAWS = 2**12
 #: the step counter is one 32-bit word: at most 2**32 steps (and refreshes) per seed
 MAX_COUNTER = 2**32
 
-#: version of the stream definition above.  State dicts record it; one written under
-#: another version (other noise for the same seed and counters) is refused on load.
-STREAM_VERSION = 1
+#: version of the stream definition (module docstring) that new optimizers draw.  State
+#: dicts record the version they were drawn under, and a resumed run keeps it.
+STREAM_VERSION = 2
+#: every version this module (and every kernel backend) can draw
+STREAM_VERSIONS = (1, 2)
 
 # Float32 constants of tl.randn's transform.  Triton rounds the Python float
 # literals to float32 when they meet a float32 tensor, so we do the same.
@@ -263,11 +281,22 @@ def _uint_to_uniform_float(x: torch.Tensor) -> torch.Tensor:
 
 
 def _pair_uniform_to_normal_cos(u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
-    """Cosine half of ``tl.pair_uniform_to_normal`` (Box-Muller), in float32."""
+    """Cosine half of ``tl.pair_uniform_to_normal`` (Box-Muller), in float32 (version 1).
+    Overwrites its arguments."""
     u1 = torch.clamp_min_(u1, _U1_MIN)  # max(1e-7, u1)
     th = u2.mul_(_TWO_PI)  # 6.283185307179586 * u2, float32
     r = u1.log_().mul_(-2.0).sqrt_()  # sqrt(-2 * log(u1))
     return r.mul_(th.cos_())  # r * cos(th)
+
+
+def _pair_uniform_to_normal(u1: torch.Tensor, u2: torch.Tensor, out_cos: torch.Tensor,
+                            out_sin: torch.Tensor) -> None:
+    """``tl.pair_uniform_to_normal`` (Box-Muller, both branches) in float32, into
+    ``out_cos``/``out_sin`` (version 2).  Overwrites ``u1`` and ``u2``."""
+    r = torch.clamp_min_(u1, _U1_MIN).log_().mul_(-2.0).sqrt_()  # sqrt(-2 log max(1e-7, u1))
+    th = u2.mul_(_TWO_PI)  # 6.283185307179586 * u2, float32
+    torch.cos(th, out=out_cos).mul_(r)
+    torch.sin(th, out=out_sin).mul_(r)
 
 
 # --------------------------------------------------------------------------
@@ -351,6 +380,7 @@ def randn(
     device: Optional[Union[str, torch.device]] = None,
     dtype: torch.dtype = torch.float32,
     out: Optional[torch.Tensor] = None,
+    version: int = STREAM_VERSION,
 ) -> torch.Tensor:
     """Standard normals for element indices ``offset .. offset + numel - 1``.
 
@@ -369,8 +399,11 @@ def randn(
             then cast.  Ignored when ``out`` is given.
         out: optional contiguous 1-D floating tensor of length ``numel``; the
             values are written into it (cast to its dtype) and it is returned.
+        version: the stream definition, 1 or 2 (module docstring).
     """
     numel = _check_int("numel", numel, 0, 2**64)
+    if type(version) is not int or version not in STREAM_VERSIONS:
+        raise ValueError(f"version must be one of {STREAM_VERSIONS}, got {version!r}")
     k0, k1 = _split_seed(seed)
     step = _check_int("step", step, 0, 2**32)
     stream = _check_int("stream", stream, 0, 2**32)
@@ -390,26 +423,55 @@ def randn(
                 f"out must be a contiguous 1-D tensor of length {numel}, "
                 f"got shape {tuple(out.shape)} (contiguous={out.is_contiguous()})"
             )
-    dev = out.device
+    if version == 1:
+        _randn_v1(out, numel, offset, k0, k1, step, stream)
+    else:
+        _randn_v2(out, numel, offset, k0, k1, step, stream)
+    return out
 
-    workspace = _workspace(min(numel, _CHUNK), dev)
+
+def _call_counters(first: int, n: int, dev) -> Tuple[Word, Word]:
+    """``(c0, c1)``: the low and high words of the indices ``first .. first + n - 1``
+    (``n <= _CHUNK``: the low word wraps past ``2**32`` at most once)."""
+    lo0, hi0 = first & _MASK32, first >> 32
+    idx = torch.arange(lo0, lo0 + n, dtype=torch.int64, device=dev)
+    if lo0 + n <= 2**32:
+        return idx, hi0  # the high word is a constant of the chunk
+    return idx & _MASK32, (idx >> 32) + hi0
+
+
+def _randn_v1(out, numel, offset, k0, k1, step, stream) -> None:
+    """Version 1: one Philox call per element index, the cosine branch."""
+    workspace = _workspace(min(numel, _CHUNK), out.device)
     for start in range(0, numel, _CHUNK):
         n = min(_CHUNK, numel - start)
-        first = offset + start  # element index of the chunk's first value
-        lo0, hi0 = first & _MASK32, first >> 32
-        # c0/c1 are the low/high words of the element index.  Within a chunk
-        # the low word may wrap past 2**32 at most once (n <= _CHUNK).
-        idx = torch.arange(lo0, lo0 + n, dtype=torch.int64, device=dev)
-        if lo0 + n <= 2**32:
-            c0, c1 = idx, hi0  # high word is a constant for the chunk
-        else:
-            c1 = (idx >> 32) + hi0
-            c0 = idx & _MASK32
+        c0, c1 = _call_counters(offset + start, n, out.device)
         buffers = [b[:n] for b in workspace]
         o0, o1, _, _ = _philox_rounds(c0, c1, step, stream, k0, k1, n_out=2, buffers=buffers)
         normal = _pair_uniform_to_normal_cos(_uint_to_uniform_float(o0), _uint_to_uniform_float(o1))
         out[start : start + n] = normal  # casts to out.dtype if needed
-    return out
+
+
+def _randn_v2(out, numel, offset, k0, k1, step, stream) -> None:
+    """Version 2: call ``q`` gives elements ``4q .. 4q + 3``, both Box-Muller branches of
+    both word pairs."""
+    if numel == 0:
+        return
+    q_first, q_end = offset >> 2, (offset + numel + 3) >> 2   # the calls that cover the range
+    per = _CHUNK // 4                                        # calls per chunk
+    workspace = _workspace(min(q_end - q_first, per), out.device)
+    normals = torch.empty(min(q_end - q_first, per), 4, dtype=torch.float32, device=out.device)
+    for q0 in range(q_first, q_end, per):
+        m = min(per, q_end - q0)
+        c0, c1 = _call_counters(q0, m, out.device)
+        w = _philox_rounds(c0, c1, step, stream, k0, k1, buffers=[b[:m] for b in workspace])
+        quad = normals[:m]
+        u = [_uint_to_uniform_float(x) for x in w]
+        _pair_uniform_to_normal(u[0], u[1], quad[:, 0], quad[:, 1])
+        _pair_uniform_to_normal(u[2], u[3], quad[:, 2], quad[:, 3])
+        # element indices 4 q0 .. 4 (q0 + m) - 1, clipped to offset .. offset + numel - 1
+        lo, hi = max(4 * q0, offset), min(4 * (q0 + m), offset + numel)
+        out[lo - offset : hi - offset] = quad.reshape(-1)[lo - 4 * q0 : hi - 4 * q0]
 
 
 def stream_id(bucket: int, kind: int, draw: int) -> int:

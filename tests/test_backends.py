@@ -312,7 +312,7 @@ def test_torch_compile_of_a_training_step_keeps_the_kernels(fused):
             eng.sample(0, 0)
             b.grad_flat.copy_(grads)
             ops.accumulate(b.grad_flat, eng._acc(0, b, "g"), None, eng._ctl(b), opt.seed,
-                           eng.active_noise[0][0], 0, 1.0, True, False)
+                           opt.noise_version, eng.active_noise[0][0], 0, 1.0, True, False)
             opt._pending.count[0] = 1
             eng.step(frozenset(), None, None)
 

@@ -104,14 +104,16 @@ def _kernel_run(n, ops, steps=5):
                  st["g_out"], st["h_out"], st["m_out"], st["sig"], ctl, None, None,
                  K.StepStreams(7, 5, 9), hp, flags)
     ops.refresh(st["mean"], st["h"], st["g_in"], None, st["g_out"], st["h_out"], st["m_out"],
-                st["sig"], ctl, None, None, 7, 13,
+                st["sig"], ctl, None, None, 7, 2, 13,
                 K.RefreshHyper.of(K.RefreshHP.ivon(ess=50.0, wd=1e-4, rho1=0.3, rho2=0.1),
                                   inv_n=0.5),
                 K.RefreshFlags(K.FAMILY_IVON, ge=False, noisy=True))
-    ops.sample(p, st["mean"], st["mean"], st["h"], None, ctl, 7, 21, 0, 50.0, 1e-4, 0.0, -1.0,
-               K.SIGMA_IVON, False)
-    noise = ops.randn(torch.empty(n), 7, 3, 11, 2 ** 32 - 1000)
-    return torch.cat([v.view(-1) for v in st.values()] + [p.float(), noise])
+    ops.sample(p, st["mean"], st["mean"], st["h"], None, ctl, 7, 2, 21, 0, 50.0, 1e-4, 0.0,
+               -1.0, K.SIGMA_IVON, False)
+    # both noise streams, from offsets where the element (v1) or call (v2) index wraps
+    noise = [ops.randn(torch.empty(n), 7, 3, 11, 2 ** 32 - 1000, 1),
+             ops.randn(torch.empty(n), 7, 3, 11, 2 ** 34 - 4001, 2)]
+    return torch.cat([v.view(-1) for v in st.values()] + [p.float()] + noise)
 
 
 @needs_cpp
@@ -220,6 +222,7 @@ def test_instruction_set_selection():
     (dict(mean=torch.zeros(20)[::2]), "'mean' must be contiguous"),
     (dict(ctl=torch.zeros(4, dtype=torch.int32)), "'ctl' must be a contiguous CPU int64"),
     (dict(hp=[0.0] * 3), "16 hyperparameters"),
+    (dict(noise=3), "noise version must be 1 or 2, got 3"),
 ])
 def test_operators_check_their_inputs(bad, match):
     """A wrong tensor (or float list) is a clear error from the operator itself, raised
@@ -227,12 +230,13 @@ def test_operators_check_their_inputs(bad, match):
     import poco_kernels.kernels.cpp_ops  # noqa: F401  (loads the operators)
     n = 10
     a = dict(mean=torch.zeros(n), param=torch.zeros(n), s1=torch.zeros(n), s2=torch.ones(n),
-             g_in=torch.zeros(n), ctl=torch.zeros(4, dtype=torch.int64), hp=[1.0] * 16)
+             g_in=torch.zeros(n), ctl=torch.zeros(4, dtype=torch.int64), hp=[1.0] * 16,
+             noise=2)
     a.update(bad)
     before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
     with pytest.raises(RuntimeError, match=match):
         torch.ops.poco_kernels_cpp.step(
             a["mean"], a["param"], a["s1"], a["s2"], a["g_in"], None, None, None, None, None,
-            None, None, a["ctl"], None, None, 0, 0, 0, a["hp"], K.FAMILY_IVON, 0)
+            None, None, a["ctl"], None, None, 0, a["noise"], 0, 0, a["hp"], K.FAMILY_IVON, 0)
     for k, v in before.items():
         assert torch.equal(a[k], v), k

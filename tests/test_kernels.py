@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(not FUSED_BACKENDS, reason="no kernels to test h
 SIZES = [1, 1023, 2125]        # below, around and above a block / across tiles
 PDTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SEED = 987654321123
+NV = noise.STREAM_VERSION      # the noise stream definition the kernels are tested with
 
 
 @pytest.fixture(params=FUSED_BACKENDS)
@@ -61,7 +62,7 @@ def test_sample_kernel(n, pdtype, mode, sync, ops):
     ctl = _ctl(steps=counter)
     mode_id = {"none": K.SIGMA_NONE, "h": K.SIGMA_IVON, "buffer": K.SIGMA_BUFFER,
                "const": K.SIGMA_CONST}[mode]
-    ops.sample(param, param if sync else centre, mean, h, sigma_buf, ctl, SEED, stream, 0,
+    ops.sample(param, param if sync else centre, mean, h, sigma_buf, ctl, SEED, NV, stream, 0,
                ess, wd, const, sign, mode_id, sync)
     sigma = {"none": None, "h": R.ivon_sigma(h, ess, wd), "buffer": sigma_buf,
              "const": const}[mode]
@@ -89,11 +90,11 @@ def test_accumulate_and_fold_kernels(n, pdtype, ops):
         stream, sign = noise.stream_id(1, 2, draw // 2), (-1.0 if draw % 2 else 1.0)
         if draw == 1:
             s0 = noise.stream_id(1, 2, 0)
-            ops.fold_ge(acc_g, acc_ge, ctl, SEED, s0, 1, 1.0)
+            ops.fold_ge(acc_g, acc_ge, ctl, SEED, NV, s0, 1, 1.0)
             assert_close(acc_ge, exp_ge, STATE[torch.float32], "fold")
         for _ in range(2):
             g = r().to(pdtype)
-            ops.accumulate(g, acc_g, acc_ge, ctl, SEED, stream, 1, sign, first, draw >= 1)
+            ops.accumulate(g, acc_g, acc_ge, ctl, SEED, NV, stream, 1, sign, first, draw >= 1)
             first = False
             exp_g += g.float()
             exp_ge += g.float() * _eps(n, 4, stream, sign)
@@ -109,10 +110,10 @@ def test_accumulate_flags_nonfinite_gradients(bad, ops):
     g[2345] = bad
     ctl = _ctl()
     acc = torch.zeros(n)
-    ops.accumulate(g, acc, None, ctl, SEED, 0, 0, 1.0, True, False)
+    ops.accumulate(g, acc, None, ctl, SEED, NV, 0, 0, 1.0, True, False)
     assert int(ctl[K.CTL_BAD]) == 1
     ok = _ctl()
-    ops.accumulate(torch.randn(n), acc, None, ok, SEED, 0, 0, 1.0, True, False)
+    ops.accumulate(torch.randn(n), acc, None, ok, SEED, NV, 0, 0, 1.0, True, False)
     assert int(ok[K.CTL_BAD]) == 0
 
 
@@ -407,7 +408,7 @@ def test_refresh_kernel_ivon_family(n, refreshes, ge, ops):
     stream = noise.stream_id(4, 2, 0)
     before = dict(g_out=g_out.clone(), h_out=h_out.clone())
     ops.refresh(mean, h, acc_g, acc_ge if ge else None, g_out, h_out, m_out, sigma_out,
-                _ctl(9, refreshes), None, None, SEED, stream,
+                _ctl(9, refreshes), None, None, SEED, NV, stream,
                 K.RefreshHyper.of(K.RefreshHP.ivon(ess=grp["ess"], wd=grp["weight_decay"],
                                                    rho1=grp["rho1"], rho2=grp["rho2"]),
                                   inv_n=1.0 / k),
@@ -475,7 +476,7 @@ def test_refresh_and_outer_sample_kernels_low_precision_state(ops):
     stream = noise.stream_id(4, 2, 0)
     before = {k: v.float() for k, v in outs.items()}
     ops.refresh(mean, h, acc_g, None, outs["g_out"], outs["h_out"], outs["m_out"],
-                outs["sigma_out"], _ctl(9, refreshes), None, None, SEED, stream,
+                outs["sigma_out"], _ctl(9, refreshes), None, None, SEED, NV, stream,
                 K.RefreshHyper.of(K.RefreshHP.ivon(ess=grp["ess"], wd=grp["weight_decay"],
                                                    rho1=grp["rho1"], rho2=grp["rho2"]),
                                   inv_n=1.0),
@@ -488,7 +489,7 @@ def test_refresh_and_outer_sample_kernels_low_precision_state(ops):
         _assert_low_state(t, exp[name], bits, name)
     param, counter, s_o = torch.empty(n), 7, noise.stream_id(4, 0, 0)
     ops.sample(param, outs["m_out"], torch.empty(n), None, outs["sigma_out"], _ctl(counter),
-               SEED, s_o, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_BUFFER, False)
+               SEED, NV, s_o, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_BUFFER, False)
     expect = R.perturb(outs["m_out"].float(), outs["sigma_out"].float(), _eps(n, counter, s_o))
     assert_close(param, expect, PARAM[torch.float32], "outer sample")
 
@@ -501,7 +502,7 @@ def test_refresh_kernel_sgd_family(noisy, ops):
     g_out, theta_out = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
     stream = noise.stream_id(0, 2, 0)
     ops.refresh(mean, None, acc_g, None, g_out, None, theta_out, None, _ctl(5, 2), None,
-                None, SEED, stream, K.RefreshHyper.of(K.RefreshHP.sgd(sigma=sigma), inv_n=1.0 / k),
+                None, SEED, NV, stream, K.RefreshHyper.of(K.RefreshHP.sgd(sigma=sigma), inv_n=1.0 / k),
                 K.RefreshFlags(K.FAMILY_SGD, ge=False, noisy=noisy))
     assert_close(g_out, acc_g / k, STATE[torch.float32], "g_out")
     exp = R.perturb(mean, sigma, _eps(n, 2, stream)) if noisy else mean
@@ -525,35 +526,48 @@ if "triton" in FUSED_BACKENDS:
     from poco_kernels.kernels import triton_kernels as TK
 
     @triton.jit
-    def _triton_noise_probe(out_ptr, base, n, seed, counter, stream, BLOCK: tl.constexpr):
-        """The Triton kernels' ``_randn`` of element indices base + i (int64)."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        x = TK._randn(seed, base + offs.to(tl.int64), counter, stream)
-        tl.store(out_ptr + offs, x, mask=offs < n)
+    def _triton_noise_probe(out_ptr, pid0, seed, counter, stream, NOISE: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        """The Triton kernels' ``_noise`` of the blocks ``pid0 + program_id`` (element
+        indices int64, as in the kernels), written from ``out[0]`` on."""
+        pid = tl.program_id(0).to(tl.int64)
+        idx = (pid0 + pid) * BLOCK + tl.arange(0, BLOCK)
+        x = TK._noise(seed, idx, pid0 + pid, counter, stream, NOISE, BLOCK)
+        tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), x)
 
 
-def _kernel_noise(ops, n, base, counter, stream):
+def _kernel_noise(ops, n, base, counter, stream, version=NV):
     """The kernels' normals of element indices base .. base + n - 1."""
     if ops.__name__.endswith("cpp_ops"):
-        return ops.randn(torch.empty(n), SEED, counter, stream, base)
-    out = torch.empty(n)
-    _triton_noise_probe[(triton.cdiv(n, 256),)](out, base, n, SEED, counter, stream, BLOCK=256)
-    return out
+        return ops.randn(torch.empty(n), SEED, counter, stream, base, version)
+    block = 256
+    pid0, lead = divmod(base, block)
+    nblocks = triton.cdiv(lead + n, block)
+    out = torch.empty(nblocks * block)
+    _triton_noise_probe[(nblocks,)](out, pid0, SEED, counter, stream, NOISE=version,
+                                    BLOCK=block)
+    return out[lead:lead + n]
 
 
+@pytest.mark.parametrize("version", noise.STREAM_VERSIONS)
 @pytest.mark.parametrize("base", [0, 2 ** 31 - 5, 2 ** 32 - 1500, 3 * 2 ** 32 + 11])
-def test_noise_of_element_indices_past_2_to_32(base, ops):
+def test_noise_of_element_indices_past_2_to_32(base, version, ops):
     """Element indices are int64 in every kernel: element i gets its stream value for i far
-    past 2**31 and 2**32, also where the low word of the index wraps inside a block or a
-    tile (a buffer that large does not fit this machine, so the noise code is driven with
-    a large base index)."""
+    past 2**31 and 2**32, also where the low word of the index (version 1) or of the
+    Philox call (version 2: from 4 * 2**32 - 1502) wraps inside a block or a tile (a buffer that
+    large does not fit this machine, so the noise code is driven with a large base
+    index).  The C++ operator also starts at offsets that are not multiples of 4."""
     n = 3001
-    out = _kernel_noise(ops, n, base, 7, 12345)
-    exp = noise.randn(n, SEED, 7, 12345, offset=base)
+    if version == 2 and base == 2 ** 32 - 1500:
+        base = 4 * 2 ** 32 - 1502        # (the call index is what wraps in version 2)
+    out = _kernel_noise(ops, n, base, 7, 12345, version)
+    exp = noise.randn(n, SEED, 7, 12345, offset=base, version=version)
     assert_close(out, exp, NOISE, f"base {base}")
-    # guard: the tolerance tells neighbouring elements (and counters) apart
+    # guard: the tolerance tells neighbouring elements, counters and versions apart
     assert not torch.allclose(out[1:], exp[:-1], **NOISE)
-    assert not torch.allclose(_kernel_noise(ops, n, base, 8, 12345), exp, **NOISE)
+    assert not torch.allclose(_kernel_noise(ops, n, base, 8, 12345, version), exp, **NOISE)
+    other = noise.randn(n, SEED, 7, 12345, offset=base, version=3 - version)
+    assert not torch.allclose(out, other, **NOISE)
 
 
 def _assert_same_bits(got, expected):
@@ -574,7 +588,7 @@ def test_bfloat16_parameters_round_to_nearest_even_and_keep_nan(ops):
                              0x3F818000], dtype=torch.int64).to(torch.int32)
     x[:len(specials)] = specials.view(torch.float32)
     p = torch.empty(n, dtype=torch.bfloat16)
-    ops.sample(p, x, x, None, None, _ctl(), SEED, 0, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_NONE, False)
+    ops.sample(p, x, x, None, None, _ctl(), SEED, NV, 0, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_NONE, False)
     _assert_same_bits(p, x.to(torch.bfloat16))
 
 
@@ -589,13 +603,13 @@ def test_float16_parameters_and_gradients_convert_like_torch(ops):
                          float("inf"), -float("inf"), float("nan"), -0.0, 1e-30])
     x[:len(ties)] = ties
     p = torch.empty(n, dtype=torch.float16)
-    ops.sample(p, x, x, None, None, _ctl(), SEED, 0, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_NONE, False)
+    ops.sample(p, x, x, None, None, _ctl(), SEED, NV, 0, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_NONE, False)
     _assert_same_bits(p, x.to(torch.float16))
     # loads: every float16 encoding through accumulate (acc_g = g as float32)
     g = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.float16)
     acc = torch.empty(g.numel())
     ctl = _ctl()
-    ops.accumulate(g, acc, None, ctl, SEED, 0, 0, 1.0, True, False)
+    ops.accumulate(g, acc, None, ctl, SEED, NV, 0, 0, 1.0, True, False)
     _assert_same_bits(acc, g.float())
     assert int(ctl[K.CTL_BAD]) == 1        # the encodings include inf and NaN
 
@@ -620,18 +634,18 @@ def test_operators_pass_opcheck(ops):
     # the operators' own schemas: the C++ ones take the records' fields as numbers, the
     # Triton custom ops the records as lists
     cpp = ns is torch.ops.poco_kernels_cpp
-    streams = (SEED, 5, 5) if cpp else ([SEED, 5, 5],)
+    streams = (SEED, NV, 5, 5) if cpp else ([SEED, 5, 5, NV],)
     step_tail = (list(hp), flags.family, flags.bits()) if cpp else (list(hp), [int(v) for v in flags])
     refresh_tail = ((rflags.family, rflags.bits()) if cpp else ([int(v) for v in rflags],))
     cases = {
-        "sample": (r().bfloat16(), r(), r(), r().abs() + 0.1, None, ctl, SEED, 5, 0, 50.0,
+        "sample": (r().bfloat16(), r(), r(), r().abs() + 0.1, None, ctl, SEED, NV, 5, 0, 50.0,
                    1e-4, 0.0, 1.0, K.SIGMA_IVON, False),
-        "accumulate": (r(), r(), r(), ctl.clone(), SEED, 5, 0, 1.0, False, True),
+        "accumulate": (r(), r(), r(), ctl.clone(), SEED, NV, 5, 0, 1.0, False, True),
         "check": (r(), ctl.clone()),
-        "fold_ge": (r(), r(), ctl, SEED, 5, 0, 1.0),
+        "fold_ge": (r(), r(), ctl, SEED, NV, 5, 0, 1.0),
         "step": (r(), r().bfloat16(), r(), r().abs() + 0.5, r(), None, r(), None, r(), r(),
                  r(), r().abs() + 0.1, ctl, None, None, *streams, *step_tail),
-        "refresh": (r(), r().abs() + 0.5, r(), None, r(), r(), r(), r(), ctl, None, None, SEED,
+        "refresh": (r(), r().abs() + 0.5, r(), None, r(), r(), r(), r(), ctl, None, None, SEED, NV,
                     5, [1.0, 50.0, 1e-4, 0.5, 0.1, 0.0], *refresh_tail),
         "finish": (ctl.clone(), None, 0),
     }

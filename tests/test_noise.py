@@ -32,19 +32,23 @@ def ref_philox(ctr, key, rounds=10):
     return tuple(x)
 
 
-def ref_randn(seed, index, step, stream):
-    """tl.randn's transform on the reference Philox, with numpy float32 math."""
-    o = ref_philox((index & MASK32, index >> 32, step, stream), (seed & MASK32, seed >> 32))
+def ref_randn(seed, index, step, stream, version=2):
+    """Element ``index`` of a stream on the reference Philox, with numpy float32 math:
+    version 2 lane ``index % 4`` of call ``index // 4`` (``tl.randn4x``), version 1 the
+    cosine branch of call ``index`` (``tl.randn``)."""
+    call, lane = (index >> 2, index & 3) if version == 2 else (index, 0)
+    o = ref_philox((call & MASK32, call >> 32, step, stream), (seed & MASK32, seed >> 32))
 
     def uniform(w):
         x = w - 2**32 if w >= 2**31 else w  # bitcast to int32
         x = -x - 1 if x < 0 else x
         return np.float32(x) * np.float32(4.6566127342e-10)
 
-    u1 = max(np.float32(1e-7), uniform(o[0]))
-    th = np.float32(6.283185307179586) * uniform(o[1])
+    pair = 2 * (lane >> 1)            # words (0, 1) for lanes 0, 1; (2, 3) for lanes 2, 3
+    u1 = max(np.float32(1e-7), uniform(o[pair]))
+    th = np.float32(6.283185307179586) * uniform(o[pair + 1])
     r = np.sqrt(np.float32(-2.0) * np.log(u1))
-    return float(r * np.cos(th))
+    return float(r * (np.sin(th) if lane & 1 else np.cos(th)))
 
 
 def words(t):
@@ -173,15 +177,16 @@ def test_uniform_mapping_edges():
         (123, 5, 1, 2**64 - 40),  # last indices of the stream
     ],
 )
-def test_randn_matches_reference(seed, step, stream, offset):
+@pytest.mark.parametrize("version", noise.STREAM_VERSIONS)
+def test_randn_matches_reference(seed, step, stream, offset, version):
     n = 40
-    got = randn(n, seed, step, stream, offset=offset)
-    exp = torch.tensor([ref_randn(seed, offset + j, step, stream) for j in range(n)])
+    got = randn(n, seed, step, stream, offset=offset, version=version)
+    exp = torch.tensor([ref_randn(seed, offset + j, step, stream, version) for j in range(n)])
     torch.testing.assert_close(got, exp, atol=2e-6, rtol=1e-6)
 
 
 def test_randn_counter_layout_via_philox():
-    # randn(i) uses philox(seed, i & 0xffffffff, i >> 32, step, stream).
+    # version 1: element i is the cosine branch of philox(seed, i & 0xffffffff, i >> 32, ...)
     seed, step, stream, offset = 77, 3, stream_id(2, 1, 5), 2**33 - 7
     n = 16
     idx = torch.arange(n) + offset
@@ -189,7 +194,35 @@ def test_randn_counter_layout_via_philox():
     u1 = noise._uint_to_uniform_float(o0).clamp_min(1e-7)
     u2 = noise._uint_to_uniform_float(o1)
     exp = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(6.283185307179586 * u2)
-    assert torch.equal(randn(n, seed, step, stream, offset=offset), exp)
+    assert torch.equal(randn(n, seed, step, stream, offset=offset, version=1), exp)
+
+
+def test_randn_v2_layout_via_philox():
+    # version 2: elements 4q .. 4q + 3 are (r0 cos th1, r0 sin th1, r2 cos th3, r2 sin th3)
+    # of the words of philox(seed, q & 0xffffffff, q >> 32, ...)
+    seed, step, stream, q0 = 77, 3, stream_id(2, 1, 5), 2**33 - 3
+    q = torch.arange(8) + q0
+    w = [noise._uint_to_uniform_float(x) for x in philox4x32(seed, q & MASK32, q >> 32, step,
+                                                             stream)]
+    r0, r2 = (torch.sqrt(-2.0 * torch.log(u.clamp_min(1e-7))) for u in (w[0], w[2]))
+    th1, th3 = (6.283185307179586 * u for u in (w[1], w[3]))
+    exp = torch.stack([r0 * torch.cos(th1), r0 * torch.sin(th1), r2 * torch.cos(th3),
+                       r2 * torch.sin(th3)], dim=1).reshape(-1)
+    got = randn(32, seed, step, stream, offset=4 * q0)
+    torch.testing.assert_close(got, exp, atol=1e-6, rtol=0)
+    # an offset that is not a multiple of 4 starts inside a call
+    torch.testing.assert_close(randn(29, seed, step, stream, offset=4 * q0 + 3), exp[3:],
+                               atol=1e-6, rtol=0)
+
+
+def test_randn_versions_differ_and_default_is_current():
+    a = randn(1000, 5, 1, 2)
+    assert torch.equal(a, randn(1000, 5, 1, 2, version=noise.STREAM_VERSION))
+    assert noise.STREAM_VERSION == 2 and noise.STREAM_VERSIONS == (1, 2)
+    assert (a == randn(1000, 5, 1, 2, version=1)).sum() < 5
+    for bad in (0, 3, True, "2"):
+        with pytest.raises(ValueError, match="version"):
+            randn(10, 5, 1, 2, version=bad)
 
 
 # ---------------------------------------------------------------------------
@@ -411,7 +444,16 @@ def triton_kernels():
             x, _ = tl.random.pair_uniform_to_normal(u1, u2)
             tl.store(normal_ptr + offs, x, mask=mask)
 
-        yield tl_randn_kernel, tl_philox_kernel
+        @triton.jit
+        def tl_randn4x_kernel(out_ptr, seed, base, BLOCK: tl.constexpr):
+            offs = tl.arange(0, BLOCK)
+            n1, n2, n3, n4 = tl.randn4x(seed, offs + base)      # calls base .. base + BLOCK - 1
+            tl.store(out_ptr + 4 * offs, n1)
+            tl.store(out_ptr + 4 * offs + 1, n2)
+            tl.store(out_ptr + 4 * offs + 2, n3)
+            tl.store(out_ptr + 4 * offs + 3, n4)
+
+        yield tl_randn_kernel, tl_philox_kernel, tl_randn4x_kernel
 
 
 def _as_int32(x):
@@ -421,19 +463,30 @@ def _as_int32(x):
 
 @pytest.mark.parametrize("seed", [0, 12345, 0x0123456789ABCDEF])
 def test_triton_tl_randn_matches(triton_kernels, seed):
-    tl_randn_kernel, _ = triton_kernels
+    tl_randn_kernel, _, tl_randn4x_kernel = triton_kernels
     n = 1001
     out = torch.empty(n, dtype=torch.float32)
     tl_randn_kernel[(1,)](out, seed, 0, n, BLOCK=1024)
-    torch.testing.assert_close(randn(n, seed, step=0, stream=0), out, atol=1e-6, rtol=2e-7)
+    torch.testing.assert_close(randn(n, seed, step=0, stream=0, version=1), out, atol=1e-6,
+                               rtol=2e-7)
+    # version 2: elements 4q .. 4q + 3 are tl.randn4x(seed, q)
+    out4 = torch.empty(4 * 256, dtype=torch.float32)
+    tl_randn4x_kernel[(1,)](out4, seed, 0, BLOCK=256)
+    torch.testing.assert_close(randn(4 * 256, seed, step=0, stream=0), out4, atol=1e-6,
+                               rtol=2e-7)
 
 
 def test_triton_tl_randn_int64_offsets_match(triton_kernels):
-    tl_randn_kernel, _ = triton_kernels
+    tl_randn_kernel, _, tl_randn4x_kernel = triton_kernels
     n, base, seed = 1001, 2**32 + 5, 42
     out = torch.empty(n, dtype=torch.float32)
     tl_randn_kernel[(1,)](out, seed, base, n, BLOCK=1024)
-    torch.testing.assert_close(randn(n, seed, 0, 0, offset=base), out, atol=1e-6, rtol=2e-7)
+    torch.testing.assert_close(randn(n, seed, 0, 0, offset=base, version=1), out, atol=1e-6,
+                               rtol=2e-7)
+    out4 = torch.empty(4 * 256, dtype=torch.float32)
+    tl_randn4x_kernel[(1,)](out4, seed, base, BLOCK=256)
+    torch.testing.assert_close(randn(4 * 256, seed, 0, 0, offset=4 * base), out4, atol=1e-6,
+                               rtol=2e-7)
 
 
 @pytest.mark.parametrize(
@@ -444,7 +497,7 @@ def test_triton_tl_randn_int64_offsets_match(triton_kernels):
     ],
 )
 def test_triton_tl_philox_matches(triton_kernels, seed, step, stream, offset):
-    _, tl_philox_kernel = triton_kernels
+    _, tl_philox_kernel, _ = triton_kernels
     n = 1001
     idx = torch.arange(n, dtype=torch.int64) + offset
     counters = [idx & MASK32, idx >> 32, torch.full((n,), step), torch.full((n,), stream)]
@@ -462,5 +515,7 @@ def test_triton_tl_philox_matches(triton_kernels, seed, step, stream, offset):
     # The integer -> uniform float mapping is exact (bitwise) ...
     assert torch.equal(noise._uint_to_uniform_float(ours[0]), uniform_out[:n])
     assert torch.equal(noise._uint_to_uniform_float(ours[1]), uniform_out[n:])
-    # ... and only log/cos/sqrt may differ by an ulp between math libraries.
-    torch.testing.assert_close(randn(n, seed, step, stream, offset=offset), normal_out, atol=1e-6, rtol=2e-7)
+    # ... and only log/cos/sqrt may differ by an ulp between math libraries (version 1:
+    # one call per element index, the counters above)
+    torch.testing.assert_close(randn(n, seed, step, stream, offset=offset, version=1), normal_out,
+                               atol=1e-6, rtol=2e-7)

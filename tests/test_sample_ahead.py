@@ -190,3 +190,39 @@ def test_layout_changes_between_steps(backend, event):
         opt.restore()
         outs.append([p.detach().clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_a_new_noise_version_redraws_the_sample_left_ahead(backend):
+    """Setting ``noise_version`` mid-run (as after loading an old checkpoint): the sample the
+    step left in the parameters was drawn under the old version, so it is drawn again, and
+    the run equals the one without sample_ahead bit for bit."""
+    runs = []
+    for ahead in (False, True):
+        prob = Problem()
+        m = mlp()
+        opt = pk.IVON(m.parameters(), lr=0.05, ess=200.0, seed=5, backend=backend,
+                      sample_ahead=ahead)
+        for t in range(6):
+            if t == 3:
+                opt.noise_version = 1
+            opt.step(prob.closure(opt, m, t % 3))
+        opt.restore()
+        runs.append(([p.detach().clone() for p in params_of(m)], _state(opt)))
+    (p0, s0), (p1, s1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    for k in s0:
+        assert all(torch.equal(a, b) for a, b in zip(s0[k], s1[k])), k
+
+
+def test_noise_version_is_validated_and_refused_inside_a_sample():
+    m = mlp()
+    opt = pk.IVON(m.parameters(), lr=0.05, ess=200.0, seed=5, backend="torch")
+    for bad in (0, 3, True, 2.0, "1"):
+        with pytest.raises(ValueError, match="noise_version must be one of"):
+            opt.noise_version = bad
+        assert opt.noise_version == 2
+    with opt.sampled("inner"):
+        with pytest.raises(RuntimeError, match="restore"):
+            opt.noise_version = 1
+        assert opt.noise_version == 2

@@ -61,6 +61,65 @@ def test_resume_is_bit_identical(name, cut, backend):
         assert torch.equal(o2._buckets[0].buffers[name], o_ref._buckets[0].buffers[name]), name
 
 
+def test_noise_version_is_kept_across_resume_and_switched_by_a_newer_dict(backend):
+    """A state dict records the noise stream it was drawn under.  A run resumed from a
+    version-1 dict (written before version 2) keeps drawing version 1, bit for bit; the same
+    optimizer then loading a version-2 dict continues that run bit for bit; an unknown
+    version is refused and changes nothing."""
+    prob = Problem()
+    make = OPTIMIZERS["IVONPoCo"]
+    steps, cut, batches = 12, 6, prob.batches(12)
+    kw = dict(refresh_every=5, warmup=2, batches=batches)
+
+    def run_from_start(version):
+        m = mlp()
+        o = make(m.parameters(), backend)
+        assert o.noise_version == 2                  # new optimizers draw version 2
+        o.noise_version = version
+        return m, o, run(o, m, prob, steps, **kw)
+
+    m_v1, _, l_v1 = run_from_start(1)
+    m_v2, o_v2, l_v2 = run_from_start(2)
+    assert l_v1 != l_v2                              # the versions are other noise
+
+    m1 = mlp()
+    o1 = make(m1.parameters(), backend)
+    o1.noise_version = 1
+    l_a = run(o1, m1, prob, cut, **kw)
+    sd_v1, model_v1 = _roundtrip(o1.state_dict()), copy.deepcopy(m1.state_dict())
+    assert sd_v1["poco"]["noise"] == 1
+    m2 = mlp(seed=99)
+    o2 = make(m2.parameters(), backend)
+    m2.load_state_dict(model_v1)
+    o2.load_state_dict(sd_v1)
+    assert o2.noise_version == 1
+    assert l_a + run(o2, m2, prob, steps, start=cut, **kw) == l_v1
+    for a, b in zip(params_of(m2), params_of(m_v1)):
+        assert torch.equal(a, b)
+
+    # the other direction: the version-1 optimizer loads a version-2 dict of step `cut`
+    m3 = mlp()
+    o3 = make(m3.parameters(), backend)
+    l_c = run(o3, m3, prob, cut, **kw)
+    sd_v2, model_v2 = _roundtrip(o3.state_dict()), copy.deepcopy(m3.state_dict())
+    m2.load_state_dict(model_v2)
+    o2.load_state_dict(sd_v2)
+    assert o2.noise_version == 2
+    assert l_c + run(o2, m2, prob, steps, start=cut, **kw) == l_v2
+    for a, b in zip(params_of(m2), params_of(m_v2)):
+        assert torch.equal(a, b)
+
+    # an unknown version: refused, nothing changed (the optimizer still equals o_v2)
+    bad = o2.state_dict()
+    bad["poco"]["noise"] = 3
+    before = {k: v.clone() for k, v in o2._buckets[0].buffers.items()}
+    with pytest.raises(ValueError, match="noise stream version 3"):
+        o2.load_state_dict(bad)
+    assert o2.noise_version == 2
+    for k, v in o2._buckets[0].buffers.items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_resume_with_pending_low_level_gradients(backend):
     """A checkpoint taken between accumulate() and step() keeps the collected gradients."""
     prob = Problem()

@@ -23,8 +23,8 @@ HOST = frozenset({
     # the optimizer's family: its samples, its reference update, its kernel records
     "_group", "_spec", "_first_refresh", "_inner_update", "_refresh_update", "_kernel_step",
     "_kernel_refresh",
-    # noise and state views
-    "_eps", "_counter", "_expose",
+    # noise, stochastic rounding and state views
+    "_eps", "noise_version", "_rounding_bits", "_counter", "_expose",
 })
 
 
@@ -67,9 +67,11 @@ class Backend(ABC):
 
     def _ahead_key(self):
         """What the inner sample of each bucket depends on besides the state and counters
-        (a changed ``ess`` or ``weight_decay`` means the sample left by the step is stale)."""
+        (a changed ``ess``, ``weight_decay`` or noise version means the sample left by the
+        step is stale)."""
         specs = {b.index: self.opt._spec(b, 0, 0) for b in self.opt._buckets}
-        return {i: (float(s.ess), float(s.wd)) for i, s in specs.items()}
+        version = self.opt.noise_version
+        return {i: (float(s.ess), float(s.wd), version) for i, s in specs.items()}
 
     def takes_ahead(self, kind: int, draw: int) -> bool:
         """The sample asked for is the one the step left in the parameters."""

@@ -289,7 +289,8 @@ class FusedBackend(Backend):
             else:
                 mode, h, sig, const = K.SIGMA_CONST, None, None, float(spec.sigma)
             self.ops.sample(b.flat_param, b.flat_param if sync else spec.centre,
-                            b.buffers["mean"], h, sig, self._ctl(b), opt.seed, stream, slot,
+                            b.buffers["mean"], h, sig, self._ctl(b), opt.seed, opt.noise_version,
+                            stream, slot,
                             float(spec.ess), float(spec.wd), const, float(sign), mode, sync)
         self.params_hold_mean = False
 
@@ -486,10 +487,12 @@ class FusedBackend(Backend):
                         acc_ge.zero_()
                     else:              # sums so far are all of draw 0: materialise g * eps_0
                         s0, slot0, sign0 = self.noise_of(kind, b, 0)
-                        self.ops.fold_ge(acc_g, acc_ge, self._ctl(b), opt.seed, s0, slot0, sign0)
+                        self.ops.fold_ge(acc_g, acc_ge, self._ctl(b), opt.seed, opt.noise_version,
+                                         s0, slot0, sign0)
                     sums[(kind, b.index, "ge")] = acc_ge
             stream, slot, sign = noise if noise is not None else (0, 0, 1.0)
-            self.ops.accumulate(grad, acc_g, acc_ge, self._ctl(b), opt.seed, stream, slot, sign,
+            self.ops.accumulate(grad, acc_g, acc_ge, self._ctl(b), opt.seed, opt.noise_version,
+                                stream, slot, sign,
                                 first, acc_ge is not None)
             sums[(kind, b.index, "g")] = acc_g
 
@@ -511,7 +514,7 @@ class FusedBackend(Backend):
                     continue
                 acc_g = self._acc(kind, b, "g")
                 acc_ge = self._acc(kind, b, "ge")
-                self.ops.fold_ge(acc_g, acc_ge, self._ctl(b), opt.seed, *noise)
+                self.ops.fold_ge(acc_g, acc_ge, self._ctl(b), opt.seed, opt.noise_version, *noise)
                 opt._pending.sums[(kind, b.index, "ge")] = acc_ge
 
     # ------------------------------------------------------------------ updates
@@ -571,7 +574,7 @@ class FusedBackend(Backend):
             hyper = K.StepHyper.of(t.hp, sign_o=noise_o[2] if noise_o else 1.0,
                                    inv_n_in=1.0 / n_in, inv_n_o=1.0 / n_o if n_o else 0.0)
             streams = K.StepStreams(opt.seed, noise_in[0] if noise_in else 0,
-                                    noise_o[0] if noise_o else 0)
+                                    noise_o[0] if noise_o else 0, opt.noise_version)
             fi, gs = self._amp(b, found_inf, grad_scale)
             self.ops.step(b.buffers["mean"], b.flat_param, t.s1, t.s2, g_in, ge_in,
                           g_o, ge_o, b.buffers.get("g_out") if c else None,
@@ -605,7 +608,7 @@ class FusedBackend(Backend):
             noise = self.noise_of(KIND_REFRESH, b, 0)
             fi, gs = self._amp(b, found_inf, grad_scale)
             self.ops.refresh(b.buffers["mean"], r.h, acc_g, acc_ge, r.g_out, r.h_out, r.m_out,
-                             r.sigma_out, self._ctl(b), fi, gs, opt.seed,
+                             r.sigma_out, self._ctl(b), fi, gs, opt.seed, opt.noise_version,
                              noise[0] if noise else 0, K.RefreshHyper.of(r.hp, inv_n=1.0 / n),
                              K.RefreshFlags(r.family, acc_ge is not None, noise is not None))
         if opt.check_finite:

@@ -123,6 +123,7 @@ _LOW_STATE = {"s1_ptr": "*bf16", "g_out_ptr": "*bf16", "h_out_ptr": "*bf16",
 
 def variants() -> List[Variant]:
     """Every kernel, in the code paths that matter (the heaviest ones included)."""
+    from ..noise import STREAM_VERSION
     from . import triton_kernels as K
 
     block, warps = K.BLOCK, K.NUM_WARPS
@@ -131,6 +132,8 @@ def variants() -> List[Variant]:
     def add(name, kernel, dtype="fp32", num_warps=warps, types=None, **constexprs):
         if "BLOCK" in constexpr_names(kernel):
             constexprs.setdefault("BLOCK", block)
+        if "NOISE" in constexpr_names(kernel):      # the current stream definition
+            constexprs.setdefault("NOISE", STREAM_VERSION)
         sig = signature(kernel, constexprs, dtype)
         sig.update(types or {})
         out.append(Variant(name, kernel, sig, constexprs, num_warps))
@@ -153,6 +156,9 @@ def variants() -> List[Variant]:
     # state_dtype=bfloat16: momentum and outer buffers bfloat16, stochastic rounding
     add("step[ivon,full,next,lowstate,fp32]", K.step_kernel, "fp32", types=_LOW_STATE,
         **dict(ivon_full, NEXT_SAMPLE=True))
+    # the noise of checkpoints written before version 2 (one Philox call per element)
+    add("step[ivon,full,next,fp32,noise1]", K.step_kernel, "fp32",
+        **dict(ivon_full, NEXT_SAMPLE=True, NOISE=1))
     # a launch types its ints by value: n and seed below 2**31 (the usual case) are i32
     add("step[ivon,full,fp32,i32]", K.step_kernel, "fp32", types={"n": "i32", "seed": "i32"},
         **ivon_full)

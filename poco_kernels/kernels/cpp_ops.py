@@ -31,18 +31,21 @@ for _name in ("sample", "accumulate", "check", "fold_ge", "step", "refresh", "fi
 
 
 def sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
-           sigma: Optional[Tensor], ctl: Tensor, seed: int, stream: int, counter_slot: int,
-           ess: float, wd: float, sigma_const: float, sign: float, sigma_mode: int,
-           sync: bool) -> None:
-    """``param = centre + sigma * sign * eps`` (see ``triton_kernels.sample_kernel``)."""
-    _ops.sample(param, centre, mean, h, sigma, ctl, seed, stream, counter_slot, float(ess),
+           sigma: Optional[Tensor], ctl: Tensor, seed: int, noise: int, stream: int,
+           counter_slot: int, ess: float, wd: float, sigma_const: float, sign: float,
+           sigma_mode: int, sync: bool) -> None:
+    """``param = centre + sigma * sign * eps`` (see ``triton_kernels.sample_kernel``).
+    ``noise``: the stream definition, 1 or 2 (:mod:`poco_kernels.noise`)."""
+    _ops.sample(param, centre, mean, h, sigma, ctl, seed, noise, stream, counter_slot, float(ess),
                 float(wd), float(sigma_const), float(sign), sigma_mode, sync)
 
 
 def accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor, seed: int,
-               stream: int, counter_slot: int, sign: float, first: bool, ge: bool) -> None:
+               noise: int, stream: int, counter_slot: int, sign: float, first: bool,
+               ge: bool) -> None:
     """``acc_g (+)= g`` (and ``acc_ge += g * eps``); flags non-finite gradients in ``ctl``."""
-    _ops.accumulate(grad, acc_g, acc_ge, ctl, seed, stream, counter_slot, float(sign), first, ge)
+    _ops.accumulate(grad, acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, float(sign),
+                    first, ge)
 
 
 def check(grad: Tensor, ctl: Tensor) -> None:
@@ -50,10 +53,10 @@ def check(grad: Tensor, ctl: Tensor) -> None:
     _ops.check(grad, ctl)
 
 
-def fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, stream: int,
+def fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, stream: int,
             counter_slot: int, sign: float) -> None:
     """``acc_ge = acc_g * eps`` of draw 0."""
-    _ops.fold_ge(acc_g, acc_ge, ctl, seed, stream, counter_slot, float(sign))
+    _ops.fold_ge(acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, float(sign))
 
 
 def step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
@@ -68,19 +71,19 @@ def step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor]
     hp = require(hp, StepHyper, "hp")
     flags = require(flags, StepFlags, "flags")
     _ops.step(mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out, m_out, sigma_out, ctl,
-              found_inf, grad_scale, int(streams.seed), int(streams.stream),
+              found_inf, grad_scale, int(streams.seed), int(streams.noise), int(streams.stream),
               int(streams.stream_o), [float(v) for v in hp], int(flags.family), flags.bits())
 
 
 def refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
             g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor, sigma_out: Optional[Tensor],
             ctl: Tensor, found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
-            stream: int, hp: RefreshHyper, flags: RefreshFlags) -> None:
+            noise: int, stream: int, hp: RefreshHyper, flags: RefreshFlags) -> None:
     """The outer refresh (``refresh_kernel``)."""
     hp = require(hp, RefreshHyper, "hp")
     flags = require(flags, RefreshFlags, "flags")
     _ops.refresh(mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out, ctl, found_inf,
-                 grad_scale, seed, stream, [float(v) for v in hp], int(flags.family),
+                 grad_scale, seed, noise, stream, [float(v) for v in hp], int(flags.family),
                  flags.bits())
 
 
@@ -89,10 +92,12 @@ def finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:
     _ops.finish(ctl, found_inf, slot)
 
 
-def randn(out: Tensor, seed: int, counter: int, stream: int, offset: int = 0) -> Tensor:
+def randn(out: Tensor, seed: int, counter: int, stream: int, offset: int = 0,
+          version: int = 2) -> Tensor:
     """``out[j]`` = the normal of element ``offset + j`` of stream ``(seed, counter,
-    stream)``: :func:`poco_kernels.noise.randn` by the kernels' own noise code."""
-    _ops.randn(out, seed, counter, stream, offset)
+    stream)``: :func:`poco_kernels.noise.randn` (of that ``version``) by the kernels' own
+    noise code."""
+    _ops.randn(out, seed, version, counter, stream, offset)
     return out
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..noise import STREAM_VERSION as _STREAM_VERSION
+
 __all__ = ["SIGMA_NONE", "SIGMA_IVON", "SIGMA_BUFFER", "SIGMA_CONST", "FAMILY_IVON",
            "FAMILY_SGD", "FAMILY_ADAMW", "FAMILIES", "CTL_STEPS", "CTL_REFRESHES", "CTL_BAD",
            "CTL_SKIPPED", "CTL_SIZE", "StepHP", "StepHyper", "StepPath", "StepFlags",
@@ -149,10 +151,12 @@ class StepFlags(NamedTuple):
 
 
 class StepStreams(NamedTuple):
-    """The step's noise words: the key and the inner and outer stream ids."""
+    """The step's noise words: the key, the inner and outer stream ids, and the stream
+    definition (``noise``: 1 or 2, :mod:`poco_kernels.noise`; Triton's ``NOISE``)."""
     seed: int
     stream: int
     stream_o: int
+    noise: int = _STREAM_VERSION
 
 
 class RefreshHP(NamedTuple):

@@ -14,9 +14,11 @@ Conventions shared by all kernels:
   IVON family's momentum and outer buffers are bfloat16 (widened on load, stored with
   stochastic rounding, ``_store_state``);
 * the noise ``eps`` is regenerated, never stored: Philox4x32-10 keyed by ``seed`` with
-  counters ``(index low word, index high word, counter, stream)`` and ``tl.randn``'s
-  transform, exactly :func:`poco_kernels.noise.randn`; ``counter`` (the step or refresh
-  count) is read from the device control tensor ``ctl`` so no host value changes per step;
+  counters ``(call low word, call high word, counter, stream)``, exactly
+  :func:`poco_kernels.noise.randn` of the stream definition ``NOISE`` (2: four normals per
+  call, ``tl.randn4x``'s transform; 1: one per element, ``tl.randn``'s); ``counter`` (the
+  step or refresh count) is read from the device control tensor ``ctl`` so no host value
+  changes per step;
 * ``ctl`` (int64, per device): ``[steps taken, refreshes taken, bad-gradient flag,
   skipped updates]``.  An update reads ``found_inf`` (AMP) and the bad flag and, when
   either is set, writes no state (the parameters get the old mean back);
@@ -42,9 +44,9 @@ _NO_SPEC = ["seed", "stream", "stream_o", "counter_slot"]
 
 
 @triton.jit
-def _randn(seed, idx, counter, stream):
-    """Standard normal of element ``idx`` (int64) of stream ``(seed, counter, stream)``:
-    :func:`poco_kernels.noise.randn`'s counter layout and ``tl.randn``'s transform."""
+def _randn_v1(seed, idx, counter, stream):
+    """Version 1: the normal of element ``idx`` (int64) of stream ``(seed, counter,
+    stream)``, one Philox call per element, ``tl.randn``'s transform."""
     c0 = (idx & 0xFFFFFFFF).to(tl.uint32)
     c1 = (idx >> 32).to(tl.uint32)
     zero = c0 * 0
@@ -55,6 +57,39 @@ def _randn(seed, idx, counter, stream):
     u2 = tl.random.uint_to_uniform_float(o1)
     n1, _ = tl.random.pair_uniform_to_normal(u1, u2)
     return n1
+
+
+@triton.jit
+def _randn_v2(seed, pid, counter, stream, BLOCK: tl.constexpr):
+    """Version 2: the normals of elements ``pid * BLOCK .. pid * BLOCK + BLOCK - 1``, from
+    the ``BLOCK // 4`` Philox calls that cover them: call ``q`` gives elements
+    ``4q .. 4q + 3``, both Box-Muller branches of both word pairs (``tl.randn4x``),
+    interleaved in element order by two joins and a reshape."""
+    q = pid * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+    c0 = (q & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (q >> 32).to(tl.uint32)
+    zero = c0 * 0
+    c2 = zero + counter.to(tl.uint32)
+    c3 = zero + stream.to(tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
+    n0, n1 = tl.random.pair_uniform_to_normal(tl.random.uint_to_uniform_float(w0),
+                                              tl.random.uint_to_uniform_float(w1))
+    n2, n3 = tl.random.pair_uniform_to_normal(tl.random.uint_to_uniform_float(w2),
+                                              tl.random.uint_to_uniform_float(w3))
+    # [q, b, a] = n_(2b + a): element 4q + 2b + a
+    return tl.reshape(tl.join(tl.join(n0, n2), tl.join(n1, n3)), [BLOCK])
+
+
+@triton.jit
+def _noise(seed, idx, pid, counter, stream, NOISE: tl.constexpr, BLOCK: tl.constexpr):
+    """The normals of this block's elements ``idx = pid * BLOCK + arange(BLOCK)`` in
+    stream ``(seed, counter, stream)``, stream definition ``NOISE`` (1 or 2):
+    :func:`poco_kernels.noise.randn`."""
+    if NOISE == 1:
+        eps = _randn_v1(seed, idx, counter, stream)
+    else:
+        eps = _randn_v2(seed, pid, counter, stream, BLOCK)
+    return eps
 
 
 @triton.jit
@@ -123,7 +158,8 @@ def _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
 @triton.jit(do_not_specialize=_NO_SPEC)
 def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, n, seed, stream,
                   counter_slot, ess, wd, sigma_const, sign,
-                  SIGMA_MODE: tl.constexpr, SYNC: tl.constexpr, BLOCK: tl.constexpr):
+                  SIGMA_MODE: tl.constexpr, SYNC: tl.constexpr, NOISE: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """Write the posterior sample ``theta = centre + sigma * sign * eps`` into the flat
     parameters, in their dtype.  ``SYNC``: the parameters hold the mean (float32
     parameters, torch.optim convention) and are first copied to the ``mean`` buffer,
@@ -146,14 +182,15 @@ def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, n,
         else:
             sigma = sigma_const
         counter = tl.load(ctl_ptr + counter_slot)
-        eps = _randn(seed, idx, counter, stream) * sign
+        eps = _noise(seed, idx, pid, counter, stream, NOISE, BLOCK) * sign
         theta = centre + sigma * eps
     tl.store(param_ptr + idx, _to_param(theta, param_ptr), mask=mask)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, n, seed, stream, counter_slot,
-                      sign, FIRST: tl.constexpr, GE: tl.constexpr, BLOCK: tl.constexpr):
+                      sign, FIRST: tl.constexpr, GE: tl.constexpr, NOISE: tl.constexpr,
+                      BLOCK: tl.constexpr):
     """Fold one gradient (flat, parameter dtype) into the running sums of its sample kind:
     ``acc_g (+)= g``; with ``GE`` (several draws of the kind) also ``acc_ge += g * eps``
     of the active draw.  A non-finite gradient sets the control tensor's bad flag (one
@@ -171,7 +208,7 @@ def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, n, seed, stream,
         tl.store(acc_g_ptr + idx, tl.load(acc_g_ptr + idx, mask=mask) + g, mask=mask)
     if GE:
         counter = tl.load(ctl_ptr + counter_slot)
-        eps = _randn(seed, idx, counter, stream) * sign
+        eps = _noise(seed, idx, pid, counter, stream, NOISE, BLOCK) * sign
         tl.store(acc_ge_ptr + idx, tl.load(acc_ge_ptr + idx, mask=mask) + g * eps, mask=mask)
 
 
@@ -189,14 +226,14 @@ def check_kernel(grad_ptr, ctl_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def fold_ge_kernel(acc_g_ptr, acc_ge_ptr, ctl_ptr, n, seed, stream, counter_slot, sign,
-                   BLOCK: tl.constexpr):
+                   NOISE: tl.constexpr, BLOCK: tl.constexpr):
     """``acc_ge = acc_g * eps`` of draw 0: when a second draw of a kind starts, the sum of
     ``g * eps`` that the update would otherwise regenerate is materialised."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     counter = tl.load(ctl_ptr + counter_slot)
-    eps = _randn(seed, idx, counter, stream) * sign
+    eps = _noise(seed, idx, pid, counter, stream, NOISE, BLOCK) * sign
     tl.store(acc_ge_ptr + idx, tl.load(acc_g_ptr + idx, mask=mask) * eps, mask=mask)
 
 
@@ -227,7 +264,7 @@ def step_kernel(
         FLOOR: tl.constexpr,
         CLIP: tl.constexpr, DEBIAS: tl.constexpr, MOMENTUM: tl.constexpr,
         NESTEROV: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr,
-        BLOCK: tl.constexpr):
+        NOISE: tl.constexpr, BLOCK: tl.constexpr):
     """One inner step of every optimizer of the diagonal family, in one pass.  The scalars
     and switches are the fields of ``StepStreams``, ``StepHyper`` and ``StepFlags``
     (:mod:`poco_kernels.kernels.interface`), by name.
@@ -282,7 +319,7 @@ def step_kernel(
         if GE_IN:
             ge_in = _estimate(ge_in_ptr, idx, mask, inv_n_in * scale)
         else:
-            eps_i = _randn(seed, idx, steps, stream)
+            eps_i = _noise(seed, idx, pid, steps, stream, NOISE, BLOCK)
             ge_in = g_in * eps_i
         hhat = ge_in / sigma
         extra = 0.0
@@ -293,7 +330,7 @@ def step_kernel(
                 if SHARED_NOISE:
                     eps_o = eps_i
                 else:
-                    eps_o = _randn(seed, idx, steps, stream_o)
+                    eps_o = _noise(seed, idx, pid, steps, stream_o, NOISE, BLOCK)
                 ge_o = g_o * (eps_o * sign_o)
             sigma_out = tl.load(sigma_out_ptr + idx, mask=mask, other=1.0).to(tl.float32)
             h_out = tl.load(h_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
@@ -349,7 +386,7 @@ def step_kernel(
     # with NEXT_SAMPLE the inner sample of the state they keep
     m_param = tl.where(wmask, m_new, m)
     if NEXT_SAMPLE:
-        eps_next = _randn(seed, idx, steps + 1 - skip, stream)
+        eps_next = _noise(seed, idx, pid, steps + 1 - skip, stream, NOISE, BLOCK)
         m_param = m_param + _ivon_sigma(h_param, ess, wd) * eps_next
     tl.store(param_ptr + idx, _to_param(m_param, param_ptr), mask=mask)
 
@@ -362,7 +399,8 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
                    inv_n, ess, wd, rho1, rho2, sigma,
                    # RefreshFlags
                    FAMILY: tl.constexpr, GE: tl.constexpr, NOISY: tl.constexpr,
-                   HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr, NOISE: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """The outer refresh, one pass.
 
     ``FAMILY_IVON``: ``sigma``, the Price Hessian of the mega-batch gradient (noise of the
@@ -391,7 +429,7 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
         if GE:
             geM = _estimate(acc_ge_ptr, idx, mask, inv_n * scale)
         else:
-            geM = gM * _randn(seed, idx, refreshes, stream)
+            geM = gM * _noise(seed, idx, pid, refreshes, stream, NOISE, BLOCK)
         hM = geM / sigma_r
         first = refreshes == 0
         g_old = tl.load(g_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
@@ -407,7 +445,7 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
     else:
         tl.store(g_out_ptr + idx, gM, mask=wmask)
         if NOISY:
-            theta = m + sigma * _randn(seed, idx, refreshes, stream)
+            theta = m + sigma * _noise(seed, idx, pid, refreshes, stream, NOISE, BLOCK)
         else:
             theta = m
         tl.store(m_out_ptr + idx, theta, mask=wmask)

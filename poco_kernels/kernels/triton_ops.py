@@ -31,26 +31,28 @@ def _compiling() -> bool:
 
 # --------------------------------------------------------------------------- launches
 def _sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
-            sigma: Optional[Tensor], ctl: Tensor, seed: int, stream: int, counter_slot: int,
-            ess: float, wd: float, sigma_const: float, sign: float, sigma_mode: int,
-            sync: bool) -> None:
+            sigma: Optional[Tensor], ctl: Tensor, seed: int, noise: int, stream: int,
+            counter_slot: int, ess: float, wd: float, sigma_const: float, sign: float,
+            sigma_mode: int, sync: bool) -> None:
     n = param.numel()
     if n == 0:
         return
     K.sample_kernel[_grid(n)](
         param, centre, mean, h if h is not None else mean, sigma if sigma is not None else mean,
         ctl, n, seed, stream, counter_slot, ess, wd, sigma_const, sign,
-        SIGMA_MODE=sigma_mode, SYNC=sync, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+        SIGMA_MODE=sigma_mode, SYNC=sync, NOISE=noise, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
 
 def _accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor, seed: int,
-                stream: int, counter_slot: int, sign: float, first: bool, ge: bool) -> None:
+                noise: int, stream: int, counter_slot: int, sign: float, first: bool,
+                ge: bool) -> None:
     n = grad.numel()
     if n == 0:
         return
     K.accumulate_kernel[_grid(n)](
         grad, acc_g, acc_ge if acc_ge is not None else acc_g, ctl, n, seed, stream,
-        counter_slot, sign, FIRST=first, GE=ge, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+        counter_slot, sign, FIRST=first, GE=ge, NOISE=noise, BLOCK=K.BLOCK,
+        num_warps=K.NUM_WARPS)
 
 
 def _check(grad: Tensor, ctl: Tensor) -> None:
@@ -60,13 +62,13 @@ def _check(grad: Tensor, ctl: Tensor) -> None:
     K.check_kernel[_grid(n)](grad, ctl, n, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
 
-def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, stream: int,
+def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, stream: int,
              counter_slot: int, sign: float) -> None:
     n = acc_g.numel()
     if n == 0:
         return
     K.fold_ge_kernel[_grid(n)](acc_g, acc_ge, ctl, n, seed, stream, counter_slot, sign,
-                               BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+                               NOISE=noise, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
 
 def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
@@ -87,7 +89,8 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
         sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
         grad_scale if grad_scale is not None else ctl,
-        n, **streams._asdict(), **hp._asdict(), **flags.constexprs(),
+        n, streams.seed, streams.stream, streams.stream_o, **hp._asdict(), **flags.constexprs(),
+        NOISE=streams.noise,
         HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
         BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
@@ -95,7 +98,7 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
 def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
              g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor, sigma_out: Optional[Tensor],
              ctl: Tensor, found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
-             stream: int, hp: RefreshHyper, flags: RefreshFlags) -> None:
+             noise: int, stream: int, hp: RefreshHyper, flags: RefreshFlags) -> None:
     n = mean.numel()
     if n == 0:
         return
@@ -105,7 +108,7 @@ def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[
         h_out if h_out is not None else d, m_out, sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
         grad_scale if grad_scale is not None else ctl,
-        n, seed, stream, **hp._asdict(), **flags.constexprs(),
+        n, seed, stream, **hp._asdict(), **flags.constexprs(), NOISE=noise,
         HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
         BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
@@ -118,18 +121,18 @@ def _finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:
 # --------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("poco_kernels::sample", mutates_args=("param", "mean"))
 def _sample_op(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
-               sigma: Optional[Tensor], ctl: Tensor, seed: int, stream: int,
+               sigma: Optional[Tensor], ctl: Tensor, seed: int, noise: int, stream: int,
                counter_slot: int, ess: float, wd: float, sigma_const: float, sign: float,
                sigma_mode: int, sync: bool) -> None:
-    _sample(param, centre, mean, h, sigma, ctl, seed, stream, counter_slot, ess, wd,
+    _sample(param, centre, mean, h, sigma, ctl, seed, noise, stream, counter_slot, ess, wd,
             sigma_const, sign, sigma_mode, sync)
 
 
 @torch.library.custom_op("poco_kernels::accumulate", mutates_args=("acc_g", "acc_ge", "ctl"))
 def _accumulate_op(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor,
-                   seed: int, stream: int, counter_slot: int, sign: float, first: bool,
-                   ge: bool) -> None:
-    _accumulate(grad, acc_g, acc_ge, ctl, seed, stream, counter_slot, sign, first, ge)
+                   seed: int, noise: int, stream: int, counter_slot: int, sign: float,
+                   first: bool, ge: bool) -> None:
+    _accumulate(grad, acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, sign, first, ge)
 
 
 @torch.library.custom_op("poco_kernels::check", mutates_args=("ctl",))
@@ -138,9 +141,9 @@ def _check_op(grad: Tensor, ctl: Tensor) -> None:
 
 
 @torch.library.custom_op("poco_kernels::fold_ge", mutates_args=("acc_ge",))
-def _fold_ge_op(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, stream: int,
-                counter_slot: int, sign: float) -> None:
-    _fold_ge(acc_g, acc_ge, ctl, seed, stream, counter_slot, sign)
+def _fold_ge_op(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int,
+                stream: int, counter_slot: int, sign: float) -> None:
+    _fold_ge(acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, sign)
 
 
 @torch.library.custom_op("poco_kernels::step", mutates_args=("mean", "param", "s1", "s2"))
@@ -160,10 +163,10 @@ def _step_op(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Ten
 def _refresh_op(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
                 g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor,
                 sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
-                grad_scale: Optional[Tensor], seed: int, stream: int, hp: List[float],
-                flags: List[int]) -> None:
+                grad_scale: Optional[Tensor], seed: int, noise: int, stream: int,
+                hp: List[float], flags: List[int]) -> None:
     _refresh(mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out, ctl, found_inf,
-             grad_scale, seed, stream, RefreshHyper(*hp),
+             grad_scale, seed, noise, stream, RefreshHyper(*hp),
              RefreshFlags(flags[0], *(bool(v) for v in flags[1:])))
 
 
@@ -210,6 +213,6 @@ check = _dispatch(_check, _check_op)
 fold_ge = _dispatch(_fold_ge, _fold_ge_op)
 step = _record_args(_step, _step_op, {15: (StepStreams, "streams"), 16: (StepHyper, "hp"),
                                       17: (StepFlags, "flags")})
-refresh = _record_args(_refresh, _refresh_op, {13: (RefreshHyper, "hp"),
-                                               14: (RefreshFlags, "flags")})
+refresh = _record_args(_refresh, _refresh_op, {14: (RefreshHyper, "hp"),
+                                               15: (RefreshFlags, "flags")})
 finish = _dispatch(_finish, _finish_op)
