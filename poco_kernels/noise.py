@@ -23,9 +23,10 @@ fold negatives with ``x -> -x - 1``, convert to float32, scale by
 
 The Philox words and the uniforms are bit-identical to Triton's.  The normals
 go through ``log``/``sqrt``/``cos``/``sin``, whose float32 results can differ by
-an ulp between math libraries (torch's CPU kernels, numpy in the Triton
-interpreter, libdevice on GPU, the C++ kernels' own polynomials), so compare
-normals with a ~1e-6 tolerance.
+an ulp between math libraries (torch's CPU kernels here; for version 2 the C++
+and Triton kernels share their own branch-free polynomials, bit-identical under
+the Triton interpreter, while a GPU's fast square root and fused multiply-adds
+move the last bit), so compare normals with a ~1e-6 tolerance.
 
 Stream definition, version 2 (the default; ``STREAM_VERSION``)
 ---------------------------------------------------------------

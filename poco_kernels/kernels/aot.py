@@ -36,8 +36,8 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 __all__ = ["Variant", "variants", "signature", "compile_variant", "ptxas_path",
-           "toolchain_status", "parse_ptxas_log", "resource_report", "report", "format_table",
-           "main"]
+           "toolchain_status", "parse_ptxas_log", "resource_report", "sass", "instruction_mix",
+           "report", "format_table", "main"]
 
 DEFAULT_CCS = (80, 90)
 
@@ -248,6 +248,49 @@ def compile_variant(variant: Variant, cc: int, aligned: bool = True):
                           options={"num_warps": variant.num_warps})
 
 
+# --------------------------------------------------------------------------- SASS
+_CLASS = [
+    ("mufu", re.compile(r"^MUFU")),
+    ("conv", re.compile(r"^(I2F|F2I|F2F|FRND|I2I)")),
+    ("imad", re.compile(r"^(IMAD|IMUL)")),
+    ("fp32", re.compile(r"^(FADD|FMUL|FFMA|FMNMX|FSETP|FSEL|FCHK|FSET)")),
+    ("mem", re.compile(r"^(LDG|STG|LDS|STS|LD|ST|ATOM|ATOMG|RED|LDC|ULDC)")),
+    ("control", re.compile(r"^(BRA|EXIT|BAR|NOP|BSSY|BSYNC|WARPSYNC|RET|CALL|S2R|S2UR|"
+                           r"CS2R|VOTE|YIELD|BPT|MEMBAR|ERRBAR|CCTL|DEPBAR)")),
+]
+_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def sass(cubin: bytes) -> str:
+    """The SASS of a cubin, by the ``nvdisasm`` bundled with Triton."""
+    tool = os.path.join(os.path.dirname(ptxas_path(80)), "nvdisasm")
+    with tempfile.TemporaryDirectory(prefix="poco_budget_") as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        p = subprocess.run([tool, "-c", path], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed ({p.returncode}): {p.stderr}")
+    return p.stdout
+
+
+def instruction_mix(sass_text: str) -> Dict[str, int]:
+    """SASS instructions by class: ``mufu``, ``conv``, ``imad``, ``fp32``, ``mem``,
+    ``control``, ``alu`` (the other integer and logic operations), and ``total``; and
+    ``mulhi``, the 32 x 32 -> 64-bit multiplies among the ``imad`` (``IMAD.HI``,
+    ``IMAD.WIDE``: Philox's)."""
+    mix = {k: 0 for k in ("mufu", "conv", "imad", "fp32", "mem", "control", "alu", "total",
+                          "mulhi")}
+    for op in _INSTR.findall(sass_text):
+        cls = next((c for c, rx in _CLASS if rx.match(op)), "alu")
+        mix[cls] += 1
+        mix["total"] += 1
+        if op.startswith(("IMAD.HI", "IMAD.WIDE")):
+            mix["mulhi"] += 1
+    return mix
+
+
+
 _RE_REGS = re.compile(r"Used (\d+) registers")
 _RE_SPILL_ST = re.compile(r"(\d+) bytes spill stores")
 _RE_SPILL_LD = re.compile(r"(\d+) bytes spill loads")
@@ -288,7 +331,7 @@ def _row(name: str, cc: int) -> Dict[str, Any]:
     """Compile one variant for one target and measure it (one pool task)."""
     row: Dict[str, Any] = {"variant": name, "cc": cc, "arch": None, "registers": None,
                            "spill_stores": None, "spill_loads": None, "stack": None,
-                           "seconds": None, "error": None}
+                           "mix": None, "seconds": None, "error": None}
     t0 = time.perf_counter()
     try:
         row["arch"] = _arch(cc)
@@ -296,6 +339,7 @@ def _row(name: str, cc: int) -> Dict[str, Any]:
         res = resource_report(compiled.asm["ptx"], cc)
         res.pop("log")
         row.update(res)
+        row["mix"] = instruction_mix(sass(compiled.asm["cubin"]))
     except Exception as exc:  # reported per row: one broken variant does not hide the rest
         row["error"] = f"{type(exc).__name__}: {exc}"
     row["seconds"] = round(time.perf_counter() - t0, 2)
@@ -332,7 +376,8 @@ def _report_subprocess(ccs: Sequence[int], workers: Optional[int],
 def report(ccs: Iterable[int] = DEFAULT_CCS, workers: Optional[int] = None,
            timeout: Optional[float] = None) -> List[Dict[str, Any]]:
     """One row per (variant, cc): ``variant, cc, arch, registers, spill_stores, spill_loads,
-    stack, seconds, error`` (``error`` is None when it compiled).  Compiles in parallel
+    stack, mix`` (SASS instructions by class, :func:`poco_kernels.kernels.budget.
+    instruction_mix`), ``seconds, error`` (``error`` is None when it compiled).  Compiles in parallel
     processes; in a subprocess without ``TRITON_INTERPRET`` when this one interprets."""
     ccs = tuple(int(c) for c in ccs)
     if interpreting():

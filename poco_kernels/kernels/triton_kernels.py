@@ -16,7 +16,8 @@ Conventions shared by all kernels:
 * the noise ``eps`` is regenerated, never stored: Philox4x32-10 keyed by ``seed`` with
   counters ``(call low word, call high word, counter, stream)``, exactly
   :func:`poco_kernels.noise.randn` of the stream definition ``NOISE`` (2: four normals per
-  call, ``tl.randn4x``'s transform; 1: one per element, ``tl.randn``'s); ``counter`` (the
+  call, ``tl.randn4x``'s Box-Muller with our own branch-free log and sine/cosine, those of
+  the C++ kernels; 1: one per element, ``tl.randn`` itself); ``counter`` (the
   step or refresh count) is read from the device control tensor ``ctl`` so no host value
   changes per step;
 * ``ctl`` (int64, per device): ``[steps taken, refreshes taken, bad-gradient flag,
@@ -60,6 +61,52 @@ def _randn_v1(seed, idx, counter, stream):
 
 
 @triton.jit
+def _log_pos(x):
+    """log(x) for positive normal float32 ``x``: ``log_pos`` of csrc/poco_math.h, op for op
+    (``x = 2^k (1 + f)``, ``log(1 + f) = 2 atanh(f / (2 + f))``, ``k ln 2`` in two parts).
+    Branch-free, unlike libdevice's ``logf``."""
+    ix = x.to(tl.uint32, bitcast=True) + (0x3F800000 - 0x3F3504F3)
+    k = (ix >> 23).to(tl.int32) - 0x7F
+    f = ((ix & 0x007FFFFF) + 0x3F3504F3).to(tl.float32, bitcast=True) - 1.0
+    s = f / (2.0 + f)
+    z = s * s
+    r = z * (0.66666666666 + z * (0.4 + z * (0.28571428571 + z * 0.22222222222)))
+    kf = k.to(tl.float32)
+    return kf * 0.6923828125 + (kf * 7.6436804e-4 + (f - s * (f - r)))
+
+
+@triton.jit
+def _sincos_0_2pi(x):
+    """``(cos x, sin x)`` for ``x`` in [0, 2 pi]: ``sincos_0_2pi`` of csrc/poco_math.h (one
+    reduction by pi/2 in three parts, Taylor polynomials on |r| <= pi/4, the quadrant by
+    selects).  Branch-free: libdevice's ``cosf``/``sinf`` carry an inlined Payne-Hanek
+    reduction for large arguments that a Box-Muller angle never needs."""
+    q = (x * 0.63661975 + 12582912.0) - 12582912.0      # rint (1.5 * 2^23: round to even)
+    r = ((x - q * 1.5703125) - q * 4.8375130e-4) - q * 7.5497901e-8
+    r2 = r * r
+    c = 1.0 + r2 * (-0.5 + r2 * (4.1666667e-2 + r2 * (-1.3888889e-3 + r2 * (2.4801587e-5
+                                                                     + r2 * -2.7557319e-7))))
+    s = r + r * r2 * (-0.16666667 + r2 * (8.3333333e-3 + r2 * (-1.9841270e-4 + r2 * (
+        2.7557319e-6 + r2 * -2.5052108e-8))))
+    qi = q.to(tl.int32)
+    odd = (qi & 1) != 0
+    vc = tl.where(odd, s, c)
+    vs = tl.where(odd, c, s)
+    return tl.where(((qi + 1) & 2) != 0, -vc, vc), tl.where((qi & 2) != 0, -vs, vs)
+
+
+@triton.jit
+def _normal_pair(wa, wb):
+    """Box-Muller of two Philox words, both branches (``tl.pair_uniform_to_normal`` with
+    the branch-free log, sine and cosine above)."""
+    u1 = tl.maximum(tl.random.uint_to_uniform_float(wa), 1.0e-7)
+    th = 6.283185307179586 * tl.random.uint_to_uniform_float(wb)
+    r = tl.sqrt(-2.0 * _log_pos(u1))
+    c, s = _sincos_0_2pi(th)
+    return r * c, r * s
+
+
+@triton.jit
 def _randn_v2(seed, pid, counter, stream, BLOCK: tl.constexpr):
     """Version 2: the normals of elements ``pid * BLOCK .. pid * BLOCK + BLOCK - 1``, from
     the ``BLOCK // 4`` Philox calls that cover them: call ``q`` gives elements
@@ -72,10 +119,8 @@ def _randn_v2(seed, pid, counter, stream, BLOCK: tl.constexpr):
     c2 = zero + counter.to(tl.uint32)
     c3 = zero + stream.to(tl.uint32)
     w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
-    n0, n1 = tl.random.pair_uniform_to_normal(tl.random.uint_to_uniform_float(w0),
-                                              tl.random.uint_to_uniform_float(w1))
-    n2, n3 = tl.random.pair_uniform_to_normal(tl.random.uint_to_uniform_float(w2),
-                                              tl.random.uint_to_uniform_float(w3))
+    n0, n1 = _normal_pair(w0, w1)
+    n2, n3 = _normal_pair(w2, w3)
     # [q, b, a] = n_(2b + a): element 4q + 2b + a
     return tl.reshape(tl.join(tl.join(n0, n2), tl.join(n1, n3)), [BLOCK])
 
