@@ -65,6 +65,13 @@ class DoubleLoop:
     ``refresh_every`` (m): inner steps between refreshes; ``warmup_steps``: inner steps
     before the first refresh (no correction until then); ``alpha``: a number or a
     schedule ``step -> alpha`` written into every parameter group before each step.
+
+    The schedule counts the loop's own calls of :meth:`step` (``iterations``, a host
+    integer), so a steady-state iteration never reads the optimizer's device counters (a
+    host synchronisation on a GPU).  An update the optimizer skipped (AMP overflow, a
+    non-finite gradient) still counts as an iteration, as it does for an lr scheduler;
+    ``steps`` is the optimizer's count of updates taken (a device read on the fused
+    backends).
     """
 
     def __init__(self, optimizer, *, refresh_every: int, warmup_steps: int = 0,
@@ -80,14 +87,18 @@ class DoubleLoop:
         self.warmup_steps = warmup_steps
         self.alpha = Constant(float(alpha)) if isinstance(alpha, (int, float)) else alpha
         self.grad_evals = 0
-        self.refresh_steps = []      # inner-step indices at which a refresh happened
+        #: calls of :meth:`step` so far (from the optimizer's step count when it has
+        #: stepped before the loop took it over: the only device read)
+        self.iterations = optimizer.step_count
+        self.refresh_steps = []      # iterations at which a refresh happened
 
     @property
     def steps(self) -> int:
+        """Updates the optimizer has taken (on the fused backends a device read)."""
         return self.optimizer.step_count
 
     def refresh_due(self) -> bool:
-        t = self.steps
+        t = self.iterations
         return t >= self.warmup_steps and (t - self.warmup_steps) % self.refresh_every == 0 \
             and (not self.refresh_steps or self.refresh_steps[-1] != t)
 
@@ -96,25 +107,29 @@ class DoubleLoop:
         loss = self.optimizer.refresh(closures)
         k = max(int(g.get("refresh_samples", 1)) for g in self.optimizer.param_groups)
         self.grad_evals += k * examples
-        self.refresh_steps.append(self.steps)
+        self.refresh_steps.append(self.iterations)
         return loss
 
     def step(self, closure: Callable, examples: int):
         """One inner step on a mini-batch of ``examples`` examples."""
         opt = self.optimizer
         if self.alpha is not None:
-            a = float(self.alpha(self.steps))
+            a = float(self.alpha(self.iterations))
             for g in opt.param_groups:
                 g["alpha"] = a
         samples = max(int(g.get("mc_samples", 1)) for g in opt.param_groups)
         evals = samples * examples * (2 if opt.correction_active() else 1)
         loss = opt.step(closure)
         self.grad_evals += evals
+        self.iterations += 1
         return loss
 
     def state_dict(self):
-        return {"grad_evals": self.grad_evals, "refresh_steps": list(self.refresh_steps)}
+        return {"grad_evals": self.grad_evals, "refresh_steps": list(self.refresh_steps),
+                "iterations": self.iterations}
 
     def load_state_dict(self, d):
         self.grad_evals = int(d["grad_evals"])
         self.refresh_steps = list(d["refresh_steps"])
+        # (a dict from before the key: the optimizer's count, loaded before this one)
+        self.iterations = int(d.get("iterations", self.optimizer.step_count))

@@ -6,7 +6,7 @@ import torch
 import poco_kernels as pk
 from poco_kernels.ivon import ivon_inner_update
 from poco_kernels.driver import Constant, DoubleLoop, Linear, WarmupConstant
-from helpers import Problem, mlp, params_of, run
+from helpers import Problem, available_backends, mlp, params_of, run
 
 
 def test_parameters_hold_the_mean_outside_step_and_refresh(backend):
@@ -205,3 +205,33 @@ def test_double_loop_driver_counts_gradient_evaluations():
     # 6 warm-up steps at 1 gradient, 18 corrected steps at 2, 3 refreshes of 96
     assert loop.grad_evals == 6 * B + 18 * 2 * B + 3 * M
     assert o.param_groups[0]["alpha"] == pytest.approx(0.2 + 0.6 * 23 / 24)
+
+
+@pytest.mark.parametrize("backend", [b for b in ("cpp", "torch") if b in available_backends()])
+def test_double_loop_reads_no_device_counter_in_steady_state(backend, monkeypatch):
+    """The driver's schedule runs on a host count: an inner step (with its alpha update
+    and the refresh check) reads the optimizer's counters (a host synchronisation on a
+    GPU) never; a refresh reads them once on the fused backends (whether the device took
+    it), once per m steps.  The schedule is the one the counters give."""
+    prob = Problem(n=96)
+    m = mlp()
+    o = pk.IVONPoCo(m.parameters(), lr=0.05, ess=300.0, seed=3, backend=backend)
+    loop = DoubleLoop(o, refresh_every=4, warmup_steps=3, alpha=Linear(0.2, 0.8, 12))
+    reads = []
+    real = o._backend.counters
+    monkeypatch.setattr(o._backend, "counters", lambda: reads.append(1) or real())
+    refresh_reads = []
+    for t in range(12):
+        if loop.refresh_due():
+            n = len(reads)
+            loop.refresh([prob.closure(o, m, c) for c in prob.chunks(2)], examples=96)
+            refresh_reads.append(len(reads) - n)
+        loop.step(prob.closure(o, m, prob.batches(12, size=8)[t]), examples=8)
+    assert len(reads) == sum(refresh_reads) and max(refresh_reads) <= 1, (reads, refresh_reads)
+    reads.clear()
+    assert loop.refresh_steps == [3, 7, 11] and loop.iterations == 12
+    assert loop.steps == 12 == loop.iterations and len(reads) == 1    # (asked: one read)
+    d = loop.state_dict()
+    loop2 = DoubleLoop(o, refresh_every=4, warmup_steps=3)
+    loop2.load_state_dict({k: v for k, v in d.items() if k != "iterations"})   # older dict
+    assert loop2.iterations == 12

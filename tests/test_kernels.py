@@ -536,16 +536,23 @@ if "triton" in FUSED_BACKENDS:
         tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), x)
 
 
-def _kernel_noise(ops, n, base, counter, stream, version=NV):
-    """The kernels' normals of element indices base .. base + n - 1."""
+def _kernel_noise(ops, n, base, counter, stream, version=NV, branch_free=True):
+    """The kernels' normals of element indices base .. base + n - 1 (Triton: with the
+    compiled kernels' branch-free transform, or the interpreter's numpy one,
+    ``triton_kernels.BRANCH_FREE``)."""
     if ops.__name__.endswith("cpp_ops"):
         return ops.randn(torch.empty(n), SEED, counter, stream, base, version)
     block = 256
     pid0, lead = divmod(base, block)
     nblocks = triton.cdiv(lead + n, block)
     out = torch.empty(nblocks * block)
-    _triton_noise_probe[(nblocks,)](out, pid0, SEED, counter, stream, NOISE=version,
-                                    BLOCK=block)
+    saved = TK.BRANCH_FREE
+    TK.BRANCH_FREE = tl.constexpr(branch_free)
+    try:
+        _triton_noise_probe[(nblocks,)](out, pid0, SEED, counter, stream, NOISE=version,
+                                        BLOCK=block)
+    finally:
+        TK.BRANCH_FREE = saved
     return out[lead:lead + n]
 
 
@@ -563,6 +570,9 @@ def test_noise_of_element_indices_past_2_to_32(base, version, ops):
     out = _kernel_noise(ops, n, base, 7, 12345, version)
     exp = noise.randn(n, SEED, 7, 12345, offset=base, version=version)
     assert_close(out, exp, NOISE, f"base {base}")
+    if version == 2 and not ops.__name__.endswith("cpp_ops"):   # the interpreter's transform
+        assert_close(_kernel_noise(ops, n, base, 7, 12345, 2, branch_free=False), exp, NOISE,
+                     f"base {base}, numpy transform")
     # guard: the tolerance tells neighbouring elements, counters and versions apart
     assert not torch.allclose(out[1:], exp[:-1], **NOISE)
     assert not torch.allclose(_kernel_noise(ops, n, base, 8, 12345, version), exp, **NOISE)

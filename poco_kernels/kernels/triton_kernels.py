@@ -27,6 +27,8 @@ Conventions shared by all kernels:
 * hyperparameters are run-time scalars (a new learning rate does not recompile); only
   the code path (which terms exist) is ``constexpr``.
 """
+import os
+
 import triton
 import triton.language as tl
 
@@ -37,6 +39,15 @@ from .interface import (CTL_BAD, CTL_REFRESHES, CTL_SIZE, CTL_SKIPPED,  # noqa: 
 
 BLOCK = 1024
 NUM_WARPS = 4
+
+#: noise version 2's transform: the branch-free polynomials (``_log_pos``,
+#: ``_sincos_0_2pi``) when compiled for a GPU.  Under Triton's CPU interpreter each tensor
+#: operation is a numpy call with a fixed overhead, and the polynomials' ~70 operations per
+#: word pair made the test suite 2 minutes slower than numpy's own log, cos and sin (three
+#: calls, the same values to the ulp); so the interpreter takes those, except where a test
+#: sets this to True (``tests/test_kernels.py`` runs the polynomials against the reference
+#: and the C++ kernels' bits).  The AOT compilation (``aot.py``) compiles the polynomials.
+BRANCH_FREE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 # Run-time ints that must not create compiled variants (Triton specialises ints equal
 # to 1 or divisible by 16).  ``n`` IS specialised: a bucket size divisible by 16 lets
@@ -101,8 +112,13 @@ def _normal_pair(wa, wb):
     the branch-free log, sine and cosine above)."""
     u1 = tl.maximum(tl.random.uint_to_uniform_float(wa), 1.0e-7)
     th = 6.283185307179586 * tl.random.uint_to_uniform_float(wb)
-    r = tl.sqrt(-2.0 * _log_pos(u1))
-    c, s = _sincos_0_2pi(th)
+    if BRANCH_FREE:
+        r = tl.sqrt(-2.0 * _log_pos(u1))
+        c, s = _sincos_0_2pi(th)
+    else:                   # (the interpreter: numpy's, see BRANCH_FREE)
+        r = tl.sqrt(-2.0 * tl.log(u1))
+        c = tl.cos(th)
+        s = tl.sin(th)
     return r * c, r * s
 
 
