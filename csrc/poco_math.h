@@ -117,24 +117,10 @@ POCO_INLINE float log_pos(float x) {
   return kf * 0.6923828125f + (kf * 7.6436804e-4f + log1pf);
 }
 
-// cos(x) for x in [0, 2 pi] (the Box-Muller angle): x = q pi/2 + r, |r| <= pi/4, with
-// pi/2 in three parts (q * C1 exact); then +-cos r or +-sin r by the quadrant q mod 4.
+// cos(x) and sin(x) for x in [0, 2 pi] (the Box-Muller angle): x = q pi/2 + r,
+// |r| <= pi/4, with pi/2 in three parts (q * C1 exact); then +-cos r or +-sin r by the
+// quadrant q mod 4: cos(q pi/2 + r) = c, -s, -c, s and sin = s, c, -s, -c for q = 0..3.
 // Taylor polynomials to r^11 (sin) and r^10 (cos): truncation below 0.1 ulp on |r| <= pi/4.
-POCO_INLINE float cos_0_2pi(float x) {
-  const float q = __builtin_rintf(x * 0.63661975f);
-  const float r = ((x - q * 1.5703125f) - q * 4.8375130e-4f) - q * 7.5497901e-8f;
-  const float r2 = r * r;
-  const float c = 1.0f + r2 * (-0.5f + r2 * (4.1666667e-2f + r2 * (-1.3888889e-3f +
-                  r2 * (2.4801587e-5f + r2 * -2.7557319e-7f))));
-  const float s = r + r * r2 * (-0.16666667f + r2 * (8.3333333e-3f + r2 * (-1.9841270e-4f +
-                  r2 * (2.7557319e-6f + r2 * -2.5052108e-8f))));
-  const int32_t qi = (int32_t)q;
-  const float v = (qi & 1) ? s : c;                  // q = 1, 3: sin; q = 0, 2: cos
-  return ((qi + 1) & 2) ? -v : v;                    // q = 1, 2 (mod 4): negated
-}
-
-// cos(x) and sin(x) for x in [0, 2 pi], one reduction (the polynomials of cos_0_2pi):
-// sin(q pi/2 + r) = s, c, -s, -c for q = 0, 1, 2, 3 (mod 4).
 POCO_INLINE void sincos_0_2pi(float x, float& cos_x, float& sin_x) {
   const float q = __builtin_rintf(x * 0.63661975f);
   const float r = ((x - q * 1.5703125f) - q * 4.8375130e-4f) - q * 7.5497901e-8f;
@@ -148,6 +134,14 @@ POCO_INLINE void sincos_0_2pi(float x, float& cos_x, float& sin_x) {
   const float vc = odd ? s : c, vs = odd ? c : s;
   cos_x = ((qi + 1) & 2) ? -vc : vc;                 // q = 1, 2 (mod 4): negated
   sin_x = (qi & 2) ? -vs : vs;                       // q = 2, 3 (mod 4): negated
+}
+
+// cos(x) for x in [0, 2 pi] (version 1's branch): the cosine of sincos_0_2pi (the sine's
+// polynomial is dead code once inlined).
+POCO_INLINE float cos_0_2pi(float x) {
+  float c, s;
+  sincos_0_2pi(x, c, s);
+  return c;
 }
 
 // Box-Muller of one word pair, both branches, times `sign` (+-1: exact), version 2.
