@@ -11,9 +11,20 @@ Sharded parameters (FSDP2's ``DTensor``, sharded on dim 0): a bucket holds the l
 shards; each shard's noise is drawn at its elements' positions in the unsharded bucket
 (``Bucket.segments``), so a sharded run draws exactly the unsharded sample.  The maths is
 elementwise, so nothing else needs communication.
+
+Padding: every flat buffer is allocated with room for a multiple of :data:`PAD` elements
+(:func:`alloc_flat`) and is a view of its first ``numel``; the elements past it belong to
+no parameter.  A Triton launch whose every buffer is such a view (:func:`launch_numel`)
+runs over the padded length, so the length the kernel is specialised on is divisible by
+16 and its loads and stores are vectorised; what it writes past ``numel`` is never read
+as a value (each element depends only on the same element of its inputs, and the
+gradient padding the non-finite check reads stays zero: kernels never write gradients).
+Any other tensor (a clone, a user's, a loaded state dict's) makes the launch use the
+exact length, the scalar path: the same values.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -28,6 +39,65 @@ try:
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:                     # pragma: no cover - torch without distributed
     _DTensor = ()
+
+
+#: flat buffers have room for a multiple of this many elements (Triton specialises a
+#: length divisible by 16 and then vectorises masked loads and stores)
+PAD = 16
+
+#: id -> weak reference of every live tensor made by :func:`alloc_flat`
+_PADDED: Dict[int, "weakref.ref"] = {}
+
+
+def padded_numel(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`PAD`."""
+    return -(-n // PAD) * PAD
+
+
+def alloc_flat(n: int, device, dtype: torch.dtype, fill: float = 0.0) -> Tensor:
+    """A flat buffer of ``n`` elements filled with ``fill``: a view of the first ``n`` of
+    ``padded_numel(n)`` (the padding holds ``fill`` too and is this buffer's alone).  While
+    ``torch.compile`` traces, an unpadded one."""
+    if torch.compiler.is_compiling():        # (traced: no registry; exact launches)
+        return torch.full((n,), fill, device=device, dtype=dtype)
+    v = torch.full((padded_numel(n),), fill, device=device, dtype=dtype)[:n]
+    key = id(v)
+
+    def forget(ref, key=key):
+        if _PADDED.get(key) is ref:
+            del _PADDED[key]
+    _PADDED[key] = weakref.ref(v, forget)
+    return v
+
+
+def padded_copy(t: Tensor) -> Tensor:
+    """``t`` itself when :func:`alloc_flat` made it, else a padded flat copy of it."""
+    if is_padded(t):
+        return t
+    out = alloc_flat(t.numel(), t.device, t.dtype)
+    out.copy_(t.reshape(-1))
+    return out
+
+
+def is_padded(t: Tensor) -> bool:
+    """True for a live tensor made by :func:`alloc_flat` (its padding is its own).  False
+    while ``torch.compile`` traces (ids of traced tensors mean nothing)."""
+    if torch.compiler.is_compiling():
+        return False
+    ref = _PADDED.get(id(t))
+    return ref is not None and ref() is t
+
+
+def launch_numel(n: int, *tensors: Optional[Tensor]) -> int:
+    """The length a kernel over ``n`` elements of ``tensors`` (None: absent) runs over:
+    ``padded_numel(n)`` when every tensor is a padded flat buffer of ``n`` elements, else
+    ``n``."""
+    if n % PAD == 0:
+        return n
+    for t in tensors:
+        if t is not None and (not is_padded(t) or t.numel() != n):
+            return n
+    return padded_numel(n)
 
 
 def state_dtype(param_dtype: torch.dtype) -> torch.dtype:
@@ -87,8 +157,20 @@ class Bucket:
         """Parameter ``i`` as this process holds it (its local shard when sharded)."""
         return local(self.params[i])
 
+    def new_buffer(self, fill: float = 0.0, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """A flat (padded, :func:`alloc_flat`) buffer of the bucket's length, filled with
+        ``fill``, in ``dtype`` (default: the state dtype)."""
+        return alloc_flat(self.numel, self.device, dtype or self.dtype, fill)
+
     def flat_params(self) -> Tensor:
-        return torch.cat([local(p.detach()).reshape(-1) for p in self.params]).to(self.dtype)
+        """The parameters as one flat state-dtype buffer (padded)."""
+        out = self.new_buffer()
+        parts = [local(p.detach()).reshape(-1) for p in self.params]
+        if parts and self.param_dtype == self.dtype:
+            torch.cat(parts, out=out)
+        elif parts:
+            out.copy_(torch.cat(parts))
+        return out
 
     def flat_grads(self) -> Tensor:
         """Gradients as one flat state-dtype vector; ``None`` gradients count as zero."""

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import backends as _backends
 from . import noise as _noise
-from ._layout import Bucket, build_buckets, expose
+from ._layout import Bucket, build_buckets, expose, padded_copy
 from ._protocol import (COUNTER_STEPS, KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH,
                         KernelRefresh, KernelStep, Pending, SampleSpec, mean_loss)
 from ._validation import check, check_group_keys, hyperparameters, strict_keywords
@@ -298,6 +298,9 @@ class BucketedOptimizer(torch.optim.Optimizer):
             else:
                 b.buffers = {"mean": b.flat_params(),
                              **self._initial_buffers(b, groups[b.group_index])}
+                # (flat buffers padded for the kernels: poco_kernels._layout.alloc_flat)
+                b.buffers = {k: padded_copy(v) if b.is_flat_buffer(v) else v
+                             for k, v in b.buffers.items()}
         return buckets
 
     def _expose(self, b: Bucket) -> None:
@@ -391,8 +394,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
                     off, n = b.offsets[i], b.local(i).numel()
                     for name, v in prev.items():
                         if name not in b.buffers:           # (made at first use: SGD's)
-                            b.buffers[name] = torch.zeros(b.numel, device=b.device,
-                                                          dtype=b.dtype)
+                            b.buffers[name] = b.new_buffer()
                         b.buffers[name][off:off + n].copy_(v.reshape(-1))
         kept = {id(p) for b in buckets for p in b.params}
         for b in old:             # (a frozen one leaves: the others' outer state holds)
@@ -781,7 +783,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
                 b = self._buckets[bi]
                 for name in names:
                     if name not in b.buffers:
-                        b.buffers[name] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
+                        b.buffers[name] = b.new_buffer()
             for b in self._buckets:
                 self._expose(b)
             with torch.no_grad():

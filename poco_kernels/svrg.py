@@ -147,7 +147,7 @@ class SVRG(_SVRGBase):
         mom = group["momentum"]
         first = 0.0
         if mom != 0 and "momentum_buffer" not in b.buffers:   # torch.optim.SGD: buf = d_p
-            b.buffers["momentum_buffer"] = torch.zeros(b.numel, device=b.device, dtype=b.dtype)
+            b.buffers["momentum_buffer"] = b.new_buffer()
             self._expose(b)
             first = 1.0
         return KernelStep(FAMILY_SGD, s1=b.buffers.get("momentum_buffer"), s2=None,

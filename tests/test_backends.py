@@ -353,3 +353,59 @@ def test_add_param_group_on_a_fused_backend(fused):
     for b in opt._buckets:
         for p, off in zip(b.params, b.offsets):
             assert p.data_ptr() == b.flat_param.data_ptr() + off * p.element_size()
+
+
+#: configurations whose padded and exact Triton launches are compared: the summed-noise
+#: paths (two draws, antithetic refresh), the outer sample with bfloat16 parameters, the
+#: AdamW family
+_PAD_CASES = [("IVONPoCo-antithetic-floor-mc2", torch.float32),
+              ("IVONPoCoMo-independent", torch.bfloat16), ("SVRGAdamW", torch.float32)]
+
+
+@pytest.mark.skipif("triton" not in FUSED_BACKENDS, reason="triton not available")
+@pytest.mark.parametrize("name,dtype", _PAD_CASES, ids=[f"{n}-{d}" for n, d in _PAD_CASES])
+def test_padded_launches_equal_exact_ones_bit_for_bit(name, dtype, monkeypatch):
+    """Buckets of 130 and 42 elements: every Triton launch runs over the padded length (a
+    multiple of 16: the vectorised path), and the whole trajectory (11 steps), refreshes included,
+    equals the one whose launches run over the exact lengths (the scalar path), bit for
+    bit; the padding is not part of anything a user sees."""
+    from poco_kernels._layout import PAD, is_padded, launch_numel
+    from poco_kernels.kernels import triton_ops
+    lengths = []
+
+    def spy(n, *tensors):
+        out = launch_numel(n, *tensors)
+        lengths.append((n, out))
+        return out
+    monkeypatch.setattr(triton_ops, "launch_numel", spy)
+    m_pad, pad, _ = _trajectory(name, "triton", dtype, steps=11)
+    assert lengths and all(out % PAD == 0 and out - n < PAD for n, out in lengths), lengths
+    assert {n for n, _ in lengths} == {b.numel for b in pad._buckets} == {130, 42}
+    monkeypatch.setattr(triton_ops, "launch_numel", lambda n, *tensors: n)
+    m_ex, ex, _ = _trajectory(name, "triton", dtype, steps=11)
+    for b_pad, b_ex in zip(pad._buckets, ex._buckets):
+        assert set(b_pad.buffers) == set(b_ex.buffers)
+        for k in b_pad.buffers:
+            assert b_pad.buffers[k].numel() == b_pad.numel and is_padded(b_pad.buffers[k])
+            assert torch.equal(b_pad.buffers[k], b_ex.buffers[k]), k
+    for a, b in zip(m_pad.parameters(), m_ex.parameters()):
+        assert a.dtype == dtype and torch.equal(a, b)
+    sd = pad.state_dict()
+    assert all(v.numel() == p.numel() for p, st in zip(m_pad.parameters(), sd["state"].values())
+               for v in st.values() if isinstance(v, torch.Tensor) and v.dim())
+
+
+def test_launch_length_is_padded_only_for_padded_buffers():
+    """``launch_numel``: the padded length only when every buffer of the launch is a live
+    padded flat buffer of that length; a clone, a slice or a user's tensor gives the exact
+    length (the kernel then stays inside it)."""
+    from poco_kernels._layout import alloc_flat, is_padded, launch_numel, padded_copy
+    a, b = alloc_flat(37, "cpu", torch.float32), alloc_flat(37, "cpu", torch.bfloat16, 2.0)
+    assert is_padded(a) and b.untyped_storage().nbytes() == 48 * 2 and float(b[-1]) == 2.0
+    assert launch_numel(37, a, None, b) == 48
+    assert launch_numel(37, a, a.clone()) == 37
+    assert launch_numel(37, a, torch.zeros(37)) == 37
+    assert launch_numel(36, alloc_flat(40, "cpu", torch.float32)[:36]) == 36
+    assert launch_numel(32, torch.zeros(32)) == 32             # (already a multiple of 16)
+    c = padded_copy(torch.arange(5.0))
+    assert is_padded(c) and padded_copy(c) is c and torch.equal(c, torch.arange(5.0))

@@ -69,6 +69,78 @@ def test_variants_cover_every_kernel():
         assert {"*bf16", "*fp32"} <= seen, (kernel, seen)
 
 
+def _recorded_launches(monkeypatch):
+    """Every kernel launch (kernel, arguments by name) of short runs of the optimizers on
+    the Triton backend (interpreted here): IVON-PoCoMo with a refresh and AMP arguments,
+    float32 and bfloat16 parameters, the default 63-bit seed and a small explicit one;
+    IVON with two draws and sample_ahead; SVRG-AdamW."""
+    import torch
+    import poco_kernels as pk
+    from helpers import Problem, mlp, run
+    from poco_kernels.kernels import triton_kernels as K
+    launches = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def call(*args, **kwargs):
+                named = dict(zip(self.kernel.arg_names, args))
+                named.update({k: v for k, v in kwargs.items() if k != "num_warps"})
+                launches.append((self.kernel, named))
+                return launch(*args, **kwargs)
+            return call
+
+    for name, obj in list(vars(K).items()):
+        if name.endswith("_kernel") and hasattr(obj, "arg_names"):
+            monkeypatch.setattr(K, name, Spy(obj))
+    prob = Problem()
+    for dtype, seed in ((torch.float32, None), (torch.bfloat16, 5)):
+        m = mlp(dtype=dtype)
+        opt = pk.IVONPoCo(m.parameters(), lr=0.05, ess=200.0, alpha=0.5, rho1=0.5, rho2=0.2,
+                          backend="triton", seed=seed)
+        run(opt, m, prob, 3, refresh_every=2, warmup=1)
+        opt.step(prob.closure(opt, m, prob.batches(1)[0]), grad_scale=torch.tensor(2.0),
+                 found_inf=torch.tensor(0.0))
+    m = mlp()
+    opt = pk.IVON(m.parameters(), lr=0.05, ess=200.0, mc_samples=2, backend="triton",
+                  sample_ahead=True)
+    run(opt, m, prob, 2)
+    m = mlp()
+    opt = pk.SVRGAdamW(m.parameters(), lr=1e-3, backend="triton")
+    run(opt, m, prob, 3, refresh_every=2, warmup=1)
+    return launches
+
+
+def test_compiled_variants_take_the_types_real_launches_get(monkeypatch):
+    """The AOT variants are compiled with the argument types and divisibility that real
+    launches get: for every launch of the optimizers (recorded), Triton's specialisation of
+    its arguments (``aot.launch_signature``) types every scalar as ``aot.signature`` does
+    and marks exactly the pointers and the (padded) length ``n`` divisible by 16, as
+    ``aot.divisible`` compiles a padded variant.  (A launch typing ``n`` or ``seed`` by
+    value, as before they were annotated, fails here: a small seed gives i32.)"""
+    launches = _recorded_launches(monkeypatch)
+    kernels = {k.__name__ for k, _ in launches}
+    assert {"sample_kernel", "accumulate_kernel", "step_kernel", "refresh_kernel",
+            "finish_kernel"} <= kernels, kernels
+    seen = set()
+    for kernel, args in launches:
+        sig, div = aot.launch_signature(kernel, args)
+        cnames = aot.constexpr_names(kernel)
+        want = aot.signature(kernel, {c: args[c] for c in cnames if c in args} |
+                             {c: None for c in cnames if c not in args})
+        for a, t in sig.items():
+            if not t.startswith("*"):
+                assert t == want[a], (kernel.__name__, a, t, want[a])
+        variant = aot.Variant("launch", kernel, sig, {}, 4, padded="n" in args)
+        assert div == sorted(aot.divisible(variant)), (kernel.__name__, div)
+        seen.add((kernel.__name__, tuple(sig.items())))
+    assert len(seen) > 5
+
+
 @pytest.mark.parametrize("cc", CCS)
 def test_compiles_without_spills(cc, aot_rows):
     reason = aot.toolchain_status(cc)
@@ -124,6 +196,7 @@ def test_noise_v2_makes_a_quarter_of_the_philox_multiplies(cc, aot_rows):
 _SASS = """\
         /*0000*/                   IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;
         /*0010*/                   S2R R0, SR_TID.X ;
+        /*0018*/              @!P1 LDG.E.128 R16, [R4.64] ;
         /*0020*/              @!P0 IMAD.HI.U32 R2, R3, -0x2daee0ad, RZ ;
         /*0030*/                   IMAD.WIDE.U32 R4, R5, 0x4, R6 ;
         /*0040*/                   LOP3.LUT R2, R2, R7, R8, 0x96, !PT ;
@@ -131,6 +204,7 @@ _SASS = """\
         /*0060*/                   MUFU.LG2 R12, R12 ;
         /*0070*/                   I2F R13, R13 ;
         /*0080*/                   LDG.E R14, [R4.64] ;
+        /*0088*/               @P2 STG.E [R4.64], R14 ;
         /*0090*/               @P1 BRA `(.L_x_1) ;
 .L_x_1:
         /*00a0*/                   EXIT ;
@@ -141,8 +215,8 @@ def test_instruction_mix_and_budget_model():
     """The SASS classifier and the A100 model on a known snippet (both can fail)."""
     from poco_kernels.kernels import budget as B
     mix = B.instruction_mix(_SASS)
-    assert mix == dict(mufu=1, conv=1, imad=3, fp32=1, mem=1, control=3, alu=1, total=11,
-                       mulhi=2)
+    assert mix == dict(mufu=1, conv=1, imad=3, fp32=1, mem=3, control=3, alu=1, total=13,
+                       mulhi=2, ldg=2, ldg_vec=1, stg=1, stg_vec=0, ldg_before_philox=1)
     # 128 fp32 instructions per element: 2 clocks of the FMA lanes per element per SM
     b = B.budget(dict(mix, fp32=128 * 8, imad=0, total=128 * 8), per_thread=8,
                  bytes_per_element=8.0)
@@ -161,24 +235,24 @@ def test_instruction_mix_and_budget_model():
 #: kernel; docs/gpu-budget.md says which are above it and why.
 RATIO_LIMITS = {
     "sample[ivon,sync,fp32]": 0.65,
-    "sample[buffer,bf16]": 1.58,
-    "accumulate[ge,bf16]": 0.64,
-    "accumulate[ge,fp32]": 0.5,
-    "check[fp32]": 0.51,
+    "sample[buffer,bf16]": 1.42,
+    "accumulate[ge,bf16]": 0.52,
+    "accumulate[ge,fp32]": 0.43,
+    "check[fp32]": 0.39,
     "fold_ge": 1.03,
-    "step[ivon,full,fp32]": 0.63,
+    "step[ivon,full,fp32]": 0.62,
     "step[ivon,full,bf16]": 0.66,
     "step[ivon,full,next,fp32]": 0.82,
-    "step[ivon,full,next,lowstate,fp32]": 1.09,
-    "step[ivon,full,next,fp32,noise1]": 1.73,
-    "step[ivon,full,fp32,i32]": 0.63,
-    "step[ivon,nocorr,bf16]": 0.69,
+    "step[ivon,full,next,lowstate,fp32]": 1.08,
+    "step[ivon,full,next,fp32,noise1]": 1.64,
+    "step[ivon,full,fp32,unpadded]": 0.62,
+    "step[ivon,nocorr,bf16]": 0.7,
     "step[ivon,ge_in+ge_o,fp32]": 0.28,
-    "step[sgd,mom+nesterov+corr,bf16]": 0.26,
-    "step[adamw,corr,fp32]": 0.25,
-    "refresh[ivon]": 0.38,
-    "refresh[ivon,lowstate]": 1.09,
-    "refresh[sgd,noisy]": 0.55,
+    "step[sgd,mom+nesterov+corr,bf16]": 0.18,
+    "step[adamw,corr,fp32]": 0.2,
+    "refresh[ivon]": 0.37,
+    "refresh[ivon,lowstate]": 0.81,
+    "refresh[sgd,noisy]": 0.53,
 }
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import noise as _noise
+from .._layout import alloc_flat, is_padded
 from .._protocol import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER,
                          KIND_REFRESH)
 from ..kernels import cpp_status, triton_status
@@ -71,7 +72,7 @@ class GradBuffer:
     __slots__ = ("flat", "views", "clean")
 
     def __init__(self, b):
-        self.flat = torch.zeros(b.numel, device=b.device, dtype=b.param_dtype)
+        self.flat = alloc_flat(b.numel, b.device, b.param_dtype)     # (zero padding)
         st = self.flat.untyped_storage()
         self.views = [torch.empty(0, device=b.device, dtype=b.param_dtype).set_(
                           st, off, p.shape)            # (contiguous strides)
@@ -119,7 +120,7 @@ class FusedBackend(Backend):
         for b in self.opt._buckets:
             flat = getattr(b, "flat_param", None)
             if flat is None or not self._is_flat(b):
-                flat = torch.empty(b.numel, device=b.device, dtype=b.param_dtype)
+                flat = alloc_flat(b.numel, b.device, b.param_dtype)
                 with torch.no_grad():
                     for p, off in zip(b.params, b.offsets):
                         flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
@@ -306,23 +307,24 @@ class FusedBackend(Backend):
     def _buffers(self, kind: int, b) -> List[Optional[Tensor]]:
         key = (kind, b.index)
         if key not in self.pool:
-            self.pool[key] = [torch.empty(b.numel, device=b.device, dtype=b.dtype), None]
+            self.pool[key] = [b.new_buffer(), None]
         return self.pool[key]
 
     def _acc(self, kind: int, b, name: str) -> Tensor:
         """The buffer of a pending sum, holding the pending value: the sum itself when it
-        is one (a gradient buffer adopted by :meth:`accumulate`, a pool buffer, or the
-        float vector a loaded state dict put there, owned by the pending sums), else a
-        pool buffer allocated at first use and reused."""
+        is a padded flat buffer of ours (a gradient buffer adopted by :meth:`accumulate`,
+        a pool buffer), else a pool buffer, allocated at first use and reused, into which
+        the sum (the float vector a loaded state dict put there) is copied once."""
         sums = self.opt._pending.sums
         cur = sums.get((kind, b.index, name))
         if (cur is not None and cur.dtype == b.dtype and cur.device == b.device
-                and cur.is_contiguous() and cur.numel() == b.numel):
+                and cur.is_contiguous() and cur.numel() == b.numel
+                and (torch.compiler.is_compiling() or is_padded(cur))):
             return cur
         bufs = self._buffers(kind, b)
         i = 0 if name == "g" else 1
         if bufs[i] is None:
-            bufs[i] = torch.empty(b.numel, device=b.device, dtype=b.dtype)
+            bufs[i] = b.new_buffer()
         if cur is not None:
             bufs[i].copy_(cur)
             sums[(kind, b.index, name)] = bufs[i]

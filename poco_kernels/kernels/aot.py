@@ -7,11 +7,14 @@ cubin stage) and the resource usage parsed (:func:`resource_report`): registers 
 spill stores/loads and stack frame.  A kernel that spills, or that does not compile at
 all for a target, shows here instead of on the first GPU run.
 
-What a launch from :mod:`~poco_kernels.kernels.triton_ops` gets is mirrored where it
-matters: ``num_warps``, ``BLOCK``, 16-byte-aligned pointers (``tt.divisibility=16``, as for
-torch allocations), default options otherwise.  Ints are typed by name here (``n``/``seed``
-i64, the large-buffer case); a real launch types them by value (i32 below 2**31), so the
-heaviest step is also compiled with i32 ints.
+What a launch from :mod:`~poco_kernels.kernels.triton_ops` gets is mirrored exactly
+(:func:`launch_signature` derives it from a launch's arguments by Triton's own rule, and
+``tests/test_triton_aot.py`` checks it against recorded launches of the optimizers):
+``num_warps``, ``BLOCK``, 16-byte-aligned pointers and a length ``n`` divisible by 16
+(``tt.divisibility=16``: torch allocations are aligned, bucket buffers padded,
+:mod:`poco_kernels._layout`), ``n`` and ``seed`` i64 (annotated in the kernels), the other
+ints i32, default options otherwise.  ``step[ivon,full,fp32,unpadded]`` is the heaviest
+step over an exact, odd length (a direct call on unpadded buffers: scalar loads).
 
 Run ``python -m poco_kernels.kernels.aot`` for the table (``--json`` for machine-readable
 rows, ``--cc 80 --cc 90`` to choose targets); ``tests/test_triton_aot.py`` fails on any
@@ -35,7 +38,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
-__all__ = ["Variant", "variants", "signature", "compile_variant", "ptxas_path",
+__all__ = ["Variant", "variants", "signature", "divisible", "launch_signature",
+           "compile_variant", "ptxas_path",
            "toolchain_status", "parse_ptxas_log", "resource_report", "sass", "instruction_mix",
            "report", "format_table", "main"]
 
@@ -54,12 +58,14 @@ _FP32 = {"ess", "wd", "sigma_const", "sign", "sign_o", "inv_n_in", "inv_n_o", "i
 
 
 class Variant(NamedTuple):
-    """One compilation: a kernel, its full signature, its constexpr values, its warps."""
+    """One compilation: a kernel, its full signature, its constexpr values, its warps;
+    ``padded``: its length ``n`` is divisible by 16 (a padded bucket)."""
     name: str
     kernel: Any
     signature: Dict[str, str]
     constexprs: Dict[str, Any]
     num_warps: int
+    padded: bool = True
 
 
 def _python_fn(kernel):
@@ -129,14 +135,15 @@ def variants() -> List[Variant]:
     block, warps = K.BLOCK, K.NUM_WARPS
     out: List[Variant] = []
 
-    def add(name, kernel, dtype="fp32", num_warps=warps, types=None, **constexprs):
+    def add(name, kernel, dtype="fp32", num_warps=warps, types=None, padded=True,
+            **constexprs):
         if "BLOCK" in constexpr_names(kernel):
             constexprs.setdefault("BLOCK", block)
         if "NOISE" in constexpr_names(kernel):      # the current stream definition
             constexprs.setdefault("NOISE", STREAM_VERSION)
         sig = signature(kernel, constexprs, dtype)
         sig.update(types or {})
-        out.append(Variant(name, kernel, sig, constexprs, num_warps))
+        out.append(Variant(name, kernel, sig, constexprs, num_warps, padded))
 
     # samples
     add("sample[ivon,sync,fp32]", K.sample_kernel, "fp32", SIGMA_MODE=K.SIGMA_IVON, SYNC=True)
@@ -159,9 +166,8 @@ def variants() -> List[Variant]:
     # the noise of checkpoints written before version 2 (one Philox call per element)
     add("step[ivon,full,next,fp32,noise1]", K.step_kernel, "fp32",
         **dict(ivon_full, NEXT_SAMPLE=True, NOISE=1))
-    # a launch types its ints by value: n and seed below 2**31 (the usual case) are i32
-    add("step[ivon,full,fp32,i32]", K.step_kernel, "fp32", types={"n": "i32", "seed": "i32"},
-        **ivon_full)
+    # an exact, odd length: no tt.divisibility on n, so every load and store is scalar
+    add("step[ivon,full,fp32,unpadded]", K.step_kernel, "fp32", padded=False, **ivon_full)
     add("step[ivon,nocorr,bf16]", K.step_kernel, "bf16",
         **dict(_STEP_OFF, FAMILY=K.FAMILY_IVON, CLIP=True, DEBIAS=True))
     add("step[ivon,ge_in+ge_o,fp32]", K.step_kernel, "fp32",
@@ -227,10 +233,47 @@ def _arch(cc: int) -> str:
 
 
 # --------------------------------------------------------------------------- compile
+def divisible(variant: Variant, aligned: bool = True) -> List[str]:
+    """The arguments of ``variant`` compiled with ``tt.divisibility=16``: the pointers
+    (``aligned``: torch allocations are 16-byte aligned) and ``n`` when ``padded``."""
+    return [a for a in variant.kernel.arg_names
+            if (aligned and variant.signature[a].startswith("*"))
+            or (a == "n" and variant.padded)]
+
+
+def launch_signature(kernel, args: Dict[str, Any]):
+    """``(signature, divisible)`` of a launch of ``kernel`` with arguments ``args`` (by
+    name, constexprs included) by Triton's own specialisation (``native_specialize_impl``,
+    the kernel's annotations and ``do_not_specialize``): each argument's type (or
+    ``"constexpr"``), and the sorted names of those it specialises as divisible by 16.
+    What :func:`compile_variant` compiles for a variant must equal this for the launches
+    the variant stands for."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import _normalize_ty
+    from . import triton_kernels as K
+
+    params = inspect.signature(_python_fn(kernel)).parameters
+    cnames = set(constexpr_names(kernel))
+    sig, div = {}, []
+    for a in kernel.arg_names:
+        if a in cnames:
+            sig[a] = "constexpr"
+            continue
+        ann = params[a].annotation
+        ann = "" if ann is inspect.Parameter.empty else _normalize_ty(ann)
+        ty, key = native_specialize_impl(BaseBackend, args[a], False, a not in K._NO_SPEC, True)
+        sig[a] = ann or ty
+        if key == "D":
+            div.append(a)
+    return sig, sorted(div)
+
+
 def compile_variant(variant: Variant, cc: int, aligned: bool = True):
     """``triton.compile`` of ``variant`` for ``cuda:cc`` (warp size 32); the compiled kernel
     (``.asm['ptx']``, ``.asm['cubin']``).  ``aligned``: pointers carry
-    ``tt.divisibility=16``, as a launch on torch allocations (16-byte aligned) gets."""
+    ``tt.divisibility=16``, as a launch on torch allocations (16-byte aligned) gets; so
+    does ``n`` of a ``padded`` variant (:func:`divisible`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -238,10 +281,9 @@ def compile_variant(variant: Variant, cc: int, aligned: bool = True):
     if not isinstance(variant.kernel, triton.runtime.JITFunction):
         raise RuntimeError("the kernels are Triton interpreter wrappers (TRITON_INTERPRET is "
                            "set): compile in a process without it (report() does)")
-    attrs = {}
-    if aligned:
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(variant.kernel.arg_names)
-                 if variant.signature[a].startswith("*")}
+    div = set(divisible(variant, aligned))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(variant.kernel.arg_names)
+             if a in div}
     src = ASTSource(fn=variant.kernel, signature=dict(variant.signature),
                     constexprs=dict(variant.constexprs), attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", cc, 32),
@@ -258,6 +300,8 @@ _CLASS = [
     ("control", re.compile(r"^(BRA|EXIT|BAR|NOP|BSSY|BSYNC|WARPSYNC|RET|CALL|S2R|S2UR|"
                            r"CS2R|VOTE|YIELD|BPT|MEMBAR|ERRBAR|CCTL|DEPBAR)")),
 ]
+#: Philox4x32's round multipliers 0xD2511F53 and 0xCD9E8D57 as SASS immediates
+_PHILOX_CONST = re.compile(r"-0x2daee0ad|-0x326172a9|0xd2511f53|0xcd9e8d57", re.I)
 _INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_.]*)")
 
 
@@ -278,15 +322,30 @@ def instruction_mix(sass_text: str) -> Dict[str, int]:
     """SASS instructions by class: ``mufu``, ``conv``, ``imad``, ``fp32``, ``mem``,
     ``control``, ``alu`` (the other integer and logic operations), and ``total``; and
     ``mulhi``, the 32 x 32 -> 64-bit multiplies among the ``imad`` (``IMAD.HI``,
-    ``IMAD.WIDE``: Philox's)."""
+    ``IMAD.WIDE``: Philox's and 64-bit addresses').  Global memory: ``ldg``, ``stg`` (the
+    load and store instructions), ``ldg_vec``, ``stg_vec`` (those 16 bytes wide), and
+    ``ldg_before_philox``, the loads issued before the first multiply by a Philox
+    round constant (all loads, when no noise is drawn)."""
     mix = {k: 0 for k in ("mufu", "conv", "imad", "fp32", "mem", "control", "alu", "total",
-                          "mulhi")}
-    for op in _INSTR.findall(sass_text):
+                          "mulhi", "ldg", "ldg_vec", "stg", "stg_vec", "ldg_before_philox")}
+    philox = False
+    for line in sass_text.splitlines():
+        m = _INSTR.search(line)
+        if not m:
+            continue
+        op = m.group(1)
         cls = next((c for c, rx in _CLASS if rx.match(op)), "alu")
         mix[cls] += 1
         mix["total"] += 1
         if op.startswith(("IMAD.HI", "IMAD.WIDE")):
             mix["mulhi"] += 1
+            philox = philox or bool(_PHILOX_CONST.search(line))
+        for kind in ("ldg", "stg"):
+            if op.startswith(kind.upper()):
+                mix[kind] += 1
+                mix[kind + "_vec"] += op.endswith(".128")
+                if kind == "ldg" and not philox:
+                    mix["ldg_before_philox"] += 1
     return mix
 
 

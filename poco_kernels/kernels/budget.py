@@ -62,7 +62,7 @@ BYTES = {
     "step[ivon,full,bf16]": 4 * S + 5 * S + S + 2 * S + 2,
     "step[ivon,full,next,fp32]": 4 * S + 5 * S + S + 2 * S + 4,
     "step[ivon,full,next,lowstate,fp32]": 4 * S + 5 * 2 + 2 + 2 * S + 4,
-    "step[ivon,full,fp32,i32]": 4 * S + 5 * S + S + 2 * S + 4,
+    "step[ivon,full,fp32,unpadded]": 4 * S + 5 * S + S + 2 * S + 4,
     "step[ivon,nocorr,bf16]": 3 * S + S + S + 2 * S + 2,
     "step[ivon,ge_in+ge_o,fp32]": 6 * S + 5 * S + S + 2 * S + 4,
     "step[sgd,mom+nesterov+corr,bf16]": S + 3 * S + 2 * S + 2,   # mean, g_in, g_o, g_out, buf
@@ -153,11 +153,12 @@ def rows(ccs: Sequence[int] = (80,), workers: Optional[int] = None,
 
 
 def markdown(rs: Sequence[Dict[str, Any]]) -> str:
-    """The rows as a markdown table (instructions per element by class, times in ns per
-    element on the A100 model, their ratio)."""
+    """The rows as a markdown table (instructions per element by class; global load
+    instructions per thread, those 16 bytes wide and those before the first Philox
+    multiply; times in ns per element on the A100 model, their ratio)."""
     out = ["| variant | arch | instr/elem | IMAD | fp32 | other int | MUFU | conv | mem "
-           "| B/elem | instr ns | mem ns | instr / mem |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| LDG (16 B, before Philox) | B/elem | instr ns | mem ns | instr / mem |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
         if r.get("error"):
             out.append(f"| {r['variant']} | sm_{r['cc']} | error: {r['error'][:80]} |")
@@ -169,7 +170,8 @@ def markdown(rs: Sequence[Dict[str, Any]]) -> str:
         else:
             tail = "| - | - | - | - |"
         out.append(f"| {r['variant']} | sm_{r['cc']} | {m['total'] / k:.1f} | {f('imad')} | "
-                   f"{f('fp32')} | {f('alu')} | {f('mufu')} | {f('conv')} | {f('mem')} " + tail)
+                   f"{f('fp32')} | {f('alu')} | {f('mufu')} | {f('conv')} | {f('mem')} "
+                   f"| {m['ldg']} ({m['ldg_vec']}, {m['ldg_before_philox']}) " + tail)
     return "\n".join(out) + "\n"
 
 

@@ -50,9 +50,13 @@ NUM_WARPS = 4
 BRANCH_FREE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 # Run-time ints that must not create compiled variants (Triton specialises ints equal
-# to 1 or divisible by 16).  ``n`` IS specialised: a bucket size divisible by 16 lets
-# the compiler vectorise the masked loads, and a bucket's size never changes.
-_NO_SPEC = ["seed", "stream", "stream_o", "counter_slot"]
+# to 1 or divisible by 16).  ``n`` IS specialised: a length divisible by 16 (a padded
+# bucket, poco_kernels._layout) lets the compiler vectorise the masked loads, and a
+# bucket's length never changes.  ``n`` and ``seed`` are annotated ``tl.int64``: a launch
+# would otherwise type them by value (i32 below 2**31), so a small explicit seed and the
+# default 63-bit one would compile different kernels; annotated, every launch gets the
+# types that poco_kernels.kernels.aot compiles (tests/test_triton_aot.py checks).
+_NO_SPEC = ["seed", "stream", "stream_o", "counter_slot", "slot"]
 
 
 @triton.jit
@@ -217,7 +221,8 @@ def _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, n, seed, stream,
+def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, n: tl.int64,
+                  seed: tl.int64, stream,
                   counter_slot, ess, wd, sigma_const, sign,
                   SIGMA_MODE: tl.constexpr, SYNC: tl.constexpr, NOISE: tl.constexpr,
                   BLOCK: tl.constexpr):
@@ -249,7 +254,8 @@ def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, n,
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, n, seed, stream, counter_slot,
+def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, n: tl.int64, seed: tl.int64,
+                      stream, counter_slot,
                       sign, FIRST: tl.constexpr, GE: tl.constexpr, NOISE: tl.constexpr,
                       BLOCK: tl.constexpr):
     """Fold one gradient (flat, parameter dtype) into the running sums of its sample kind:
@@ -268,13 +274,14 @@ def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, n, seed, stream,
     else:
         tl.store(acc_g_ptr + idx, tl.load(acc_g_ptr + idx, mask=mask) + g, mask=mask)
     if GE:
+        ge = tl.load(acc_ge_ptr + idx, mask=mask)          # (loads before the noise)
         counter = tl.load(ctl_ptr + counter_slot)
         eps = _noise(seed, idx, pid, counter, stream, NOISE, BLOCK) * sign
-        tl.store(acc_ge_ptr + idx, tl.load(acc_ge_ptr + idx, mask=mask) + g * eps, mask=mask)
+        tl.store(acc_ge_ptr + idx, ge + g * eps, mask=mask)
 
 
 @triton.jit
-def check_kernel(grad_ptr, ctl_ptr, n, BLOCK: tl.constexpr):
+def check_kernel(grad_ptr, ctl_ptr, n: tl.int64, BLOCK: tl.constexpr):
     """Flag a non-finite gradient element in the control tensor (a gradient buffer adopted
     as its own sum: read only; one atomic per block that has one)."""
     pid = tl.program_id(0).to(tl.int64)
@@ -286,16 +293,18 @@ def check_kernel(grad_ptr, ctl_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def fold_ge_kernel(acc_g_ptr, acc_ge_ptr, ctl_ptr, n, seed, stream, counter_slot, sign,
+def fold_ge_kernel(acc_g_ptr, acc_ge_ptr, ctl_ptr, n: tl.int64, seed: tl.int64, stream,
+                   counter_slot, sign,
                    NOISE: tl.constexpr, BLOCK: tl.constexpr):
     """``acc_ge = acc_g * eps`` of draw 0: when a second draw of a kind starts, the sum of
     ``g * eps`` that the update would otherwise regenerate is materialised."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
+    g = tl.load(acc_g_ptr + idx, mask=mask)
     counter = tl.load(ctl_ptr + counter_slot)
     eps = _noise(seed, idx, pid, counter, stream, NOISE, BLOCK) * sign
-    tl.store(acc_ge_ptr + idx, tl.load(acc_g_ptr + idx, mask=mask) * eps, mask=mask)
+    tl.store(acc_ge_ptr + idx, g * eps, mask=mask)
 
 
 @triton.jit
@@ -314,7 +323,7 @@ def step_kernel(
         g_out_ptr, h_out_ptr, m_out_ptr, sigma_out_ptr,
         # control
         ctl_ptr, found_inf_ptr, grad_scale_ptr,
-        n, seed, stream, stream_o,
+        n: tl.int64, seed: tl.int64, stream, stream_o,
         # StepHyper (poco_kernels/kernels/interface.py)
         sign_o, inv_n_in, inv_n_o,
         lr, beta1, beta2, wd, ess, alpha, hess_corr, floor, clip, momentum, dampening, eps,
@@ -374,33 +383,37 @@ def step_kernel(
         ghat = g_in - a * (g_o - g_out)
 
     if FAMILY == 0:
+        # every load is issued before the noise (Philox and the transform are ~100
+        # instructions per element: the loads' latency hides behind them)
         g = tl.load(s1_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         h = tl.load(s2_ptr + idx, mask=mask, other=1.0)
-        sigma = _ivon_sigma(h, ess, wd)
         if GE_IN:
             ge_in = _estimate(ge_in_ptr, idx, mask, inv_n_in * scale)
-        else:
+        if CORR:
+            if GE_O:
+                ge_o = _estimate(ge_o_ptr, idx, mask, inv_n_o * scale)
+            sigma_out = tl.load(sigma_out_ptr + idx, mask=mask, other=1.0).to(tl.float32)
+            h_out = tl.load(h_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            if HESS_CORR:
+                m_out = tl.load(m_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        sigma = _ivon_sigma(h, ess, wd)
+        if not GE_IN:
             eps_i = _noise(seed, idx, pid, steps, stream, NOISE, BLOCK)
             ge_in = g_in * eps_i
         hhat = ge_in / sigma
         extra = 0.0
         if CORR:
-            if GE_O:
-                ge_o = _estimate(ge_o_ptr, idx, mask, inv_n_o * scale)
-            else:
+            if not GE_O:
                 if SHARED_NOISE:
                     eps_o = eps_i
                 else:
                     eps_o = _noise(seed, idx, pid, steps, stream_o, NOISE, BLOCK)
                 ge_o = g_o * (eps_o * sign_o)
-            sigma_out = tl.load(sigma_out_ptr + idx, mask=mask, other=1.0).to(tl.float32)
-            h_out = tl.load(h_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
             h_o = ge_o / sigma_out
             hhat = hhat - a * (h_o - h_out)
             if FLOOR:
                 hhat = tl.maximum(hhat, -floor * (h + wd))
             if HESS_CORR:
-                m_out = tl.load(m_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
                 extra = (hess_corr * a) * (h_out - h_o) * (m - m_out)
         g_new = beta1 * g + (1.0 - beta1) * ghat
         d = h - hhat
@@ -455,7 +468,7 @@ def step_kernel(
 @triton.jit(do_not_specialize=_NO_SPEC)
 def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr, m_out_ptr,
                    sigma_out_ptr, ctl_ptr, found_inf_ptr, grad_scale_ptr,
-                   n, seed, stream,
+                   n: tl.int64, seed: tl.int64, stream,
                    # RefreshHyper (poco_kernels/kernels/interface.py)
                    inv_n, ess, wd, rho1, rho2, sigma,
                    # RefreshFlags
@@ -486,15 +499,15 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
     gM = _estimate(acc_g_ptr, idx, mask, inv_n * scale)
     if FAMILY == 0:
         h = tl.load(h_ptr + idx, mask=mask, other=1.0)
-        sigma_r = _ivon_sigma(h, ess, wd)
+        g_old = tl.load(g_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        h_old = tl.load(h_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if GE:
             geM = _estimate(acc_ge_ptr, idx, mask, inv_n * scale)
-        else:
+        sigma_r = _ivon_sigma(h, ess, wd)
+        if not GE:
             geM = gM * _noise(seed, idx, pid, refreshes, stream, NOISE, BLOCK)
         hM = geM / sigma_r
         first = refreshes == 0
-        g_old = tl.load(g_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        h_old = tl.load(h_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         g_new = tl.where(first, gM, rho1 * g_old + (1.0 - rho1) * gM)
         h_new = tl.where(first, hM, rho2 * h_old + (1.0 - rho2) * hM)
         # (bfloat16 buffers, state_dtype: stochastically rounded, tags of noise.ROUND_TAGS)
@@ -512,7 +525,7 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
         tl.store(m_out_ptr + idx, theta, mask=wmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPEC)
 def finish_kernel(ctl_ptr, found_inf_ptr, slot, HAS_FOUND_INF: tl.constexpr):
     """After an update: advance the counter in ``slot`` (steps or refreshes) unless the
     update was skipped, count skipped updates, clear the bad-gradient flag."""

@@ -1,7 +1,9 @@
 """Host wrappers of :mod:`poco_kernels.kernels.triton_kernels`: launch, and registration as
 torch custom ops.
 
-Each wrapper launches one kernel over a flat buffer.  In eager mode the kernel is launched
+Each wrapper launches one kernel over a flat buffer: over its padded length when every
+buffer of the launch is padded (:func:`poco_kernels._layout.launch_numel`: the length is
+then divisible by 16 and the loads and stores vectorised), else over its exact length.  In eager mode the kernel is launched
 directly (no dispatcher overhead); while ``torch.compile`` traces, the same call goes
 through a ``poco_kernels::*`` custom op that declares what it mutates, so a compiled
 training step keeps the optimizer kernels as opaque nodes instead of breaking the graph.
@@ -15,6 +17,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .._layout import launch_numel
 from . import triton_kernels as K
 from .interface import (RefreshFlags, RefreshHyper, StepFlags, StepHyper, StepStreams,
                         require)
@@ -34,7 +37,7 @@ def _sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
             sigma: Optional[Tensor], ctl: Tensor, seed: int, noise: int, stream: int,
             counter_slot: int, ess: float, wd: float, sigma_const: float, sign: float,
             sigma_mode: int, sync: bool) -> None:
-    n = param.numel()
+    n = launch_numel(param.numel(), param, centre, mean, h, sigma)
     if n == 0:
         return
     K.sample_kernel[_grid(n)](
@@ -46,7 +49,7 @@ def _sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
 def _accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor, seed: int,
                 noise: int, stream: int, counter_slot: int, sign: float, first: bool,
                 ge: bool) -> None:
-    n = grad.numel()
+    n = launch_numel(grad.numel(), grad, acc_g, acc_ge)
     if n == 0:
         return
     K.accumulate_kernel[_grid(n)](
@@ -56,7 +59,7 @@ def _accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tens
 
 
 def _check(grad: Tensor, ctl: Tensor) -> None:
-    n = grad.numel()
+    n = launch_numel(grad.numel(), grad)
     if n == 0:
         return
     K.check_kernel[_grid(n)](grad, ctl, n, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
@@ -64,7 +67,7 @@ def _check(grad: Tensor, ctl: Tensor) -> None:
 
 def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, stream: int,
              counter_slot: int, sign: float) -> None:
-    n = acc_g.numel()
+    n = launch_numel(acc_g.numel(), acc_g, acc_ge)
     if n == 0:
         return
     K.fold_ge_kernel[_grid(n)](acc_g, acc_ge, ctl, n, seed, stream, counter_slot, sign,
@@ -77,7 +80,8 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
           sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
           grad_scale: Optional[Tensor], streams: StepStreams, hp: StepHyper,
           flags: StepFlags) -> None:
-    n = mean.numel()
+    n = launch_numel(mean.numel(), mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out,
+                     m_out, sigma_out)
     if n == 0:
         return
     d = mean
@@ -99,7 +103,7 @@ def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[
              g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor, sigma_out: Optional[Tensor],
              ctl: Tensor, found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
              noise: int, stream: int, hp: RefreshHyper, flags: RefreshFlags) -> None:
-    n = mean.numel()
+    n = launch_numel(mean.numel(), mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out)
     if n == 0:
         return
     d = mean
