@@ -1,7 +1,16 @@
 """GPU check-and-benchmark of the Triton backend, in one call on a CUDA machine.
 
     python3 benchmarks/bench_gpu.py --out $OUT            # CUDA: checks, then run.py's suite
+    python3 benchmarks/bench_gpu.py --part 1 --out $OUT/p1  # one part of it (1-4, below)
     python3 benchmarks/bench_gpu.py --smoke --out /tmp/s  # CPU, TRITON_INTERPRET=1, tiny sizes
+
+**Parts.** A device call is limited to 10 minutes, and the whole run does not fit one
+(its JIT compilations alone take minutes), so it runs as four calls, each its own
+``--part`` into its own ``--out``: 1 the checks (parity, no synchronisation, JIT cache
+and memory, bf16 store, CUDA graph; each kernel variant compiled once here); 2 the
+microbenchmarks and memory; 3 the GPT training step's optimizer share; 4 the pretraining
+throughput.  ``report["section_seconds"]`` records each section's time (the smoke run's
+times size the parts: ``docs/benchmarks.md``).
 
 Sections, in order (each one is written to ``--out`` as soon as it is done, so a crash
 later keeps what came before):
@@ -41,7 +50,10 @@ raised).
 
 ivon-opt is pure Python: where it is not installed (the CUDA image has no registry), a
 wheel in ``<repo>/.whl/ivon_opt-*.whl`` is put on ``sys.path`` (zip import); without
-either, its rows are skipped and the report says so.
+either, its rows are skipped and the report says so.  To bring it to a machine without
+network, on a machine with the package index: ``pip download ivon-opt==0.1.3 --no-deps -d
+.whl`` at the repository root (``.whl/`` is ignored by git, never committed: ivon-opt is
+GPL), then carry ``.whl`` with the command (the device tool's ``carry=[".whl"]``).
 """
 from __future__ import annotations
 
@@ -73,6 +85,13 @@ from gpu_parity import parity  # noqa: E402
 from report import dump, json_default, log  # noqa: E402
 
 
+#: part -> (sections, run.py sections skipped): each fits one 10-minute device call
+PARTS = {1: (["parity", "checks", "graph"], []),
+         2: (["bench"], ["train", "pretrain"]),
+         3: (["bench"], ["micro", "memory", "pretrain"]),
+         4: (["bench"], ["micro", "memory", "train"])}
+
+
 # --------------------------------------------------------------------------- main
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, add_help=False,
@@ -82,6 +101,9 @@ def main(argv=None):
     ap.add_argument("--only", nargs="*", default=None,
                     choices=["parity", "checks", "graph", "bench"],
                     help="sections to run (default: all)")
+    ap.add_argument("--part", type=int, choices=sorted(PARTS), default=None,
+                    help="one of the four parts that each fit a 10-minute device call "
+                         "(sections and benchmark skips of PARTS)")
     ap.add_argument("-h", "--help", action="store_true")
     args, rest = ap.parse_known_args(argv)
     import run as suite_mod
@@ -91,6 +113,12 @@ def main(argv=None):
         suite_mod.build_parser().print_help()
         return 0
     sections = set(args.only or ["parity", "checks", "graph", "bench"])
+    if args.part is not None:
+        if args.only is not None:
+            log("--part and --only are exclusive")
+            return 8
+        sections = set(PARTS[args.part][0])
+        rest = ["--skip", *PARTS[args.part][1]] + rest
     if args.smoke:
         rest = SMOKE_SUITE_ARGS + rest
         dev = torch.device("cpu")
@@ -123,6 +151,8 @@ def main(argv=None):
     failures = {"parity": [], "checks": [], "bench": []}
     warns = []                                   # reported, not gating
     # 2. checks
+    secs = report["section_seconds"] = {}
+    t_sec = time.perf_counter()
     if "parity" in sections:
         log(f"[2] parity torch vs triton on {dev} (gate: max-norm rel, fp32 mean/h "
             f"{RTOL_FP32:g}, bf16 master mean {RTOL_BF16_MASTER:g})")
@@ -132,6 +162,7 @@ def main(argv=None):
             traceback.print_exc()
             failures["parity"].append(f"parity raised {type(exc).__name__}: {exc}")
             report["parity"] = f"RAISED: {exc}"
+        secs["parity"], t_sec = time.perf_counter() - t_sec, time.perf_counter()
         dump(report_path, report)
     if "checks" in sections:
         log("[2b] steady state: synchronisation, JIT cache, memory")
@@ -154,6 +185,7 @@ def main(argv=None):
             traceback.print_exc()
             report["bf16_store"] = f"RAISED: {exc}"
             warns.append(f"bf16 store check raised {type(exc).__name__}: {exc}")
+        secs["checks"], t_sec = time.perf_counter() - t_sec, time.perf_counter()
         dump(report_path, report)
     if "graph" in sections:
         log("[2c] CUDA graph of one step (capture, replay, compare with eager twin)")
@@ -165,6 +197,7 @@ def main(argv=None):
         report["graph"] = res
         failures["checks"] += fails
         log(f"    graph: {json.dumps(res, default=json_default)[:1500]}")
+        secs["graph"], t_sec = time.perf_counter() - t_sec, time.perf_counter()
         dump(report_path, report)
 
     # 3. the benchmarks: benchmarks/run.py's suite, on this device
@@ -177,6 +210,7 @@ def main(argv=None):
         except Exception as exc:
             traceback.print_exc()
             failures["bench"].append(f"benchmark suite raised {type(exc).__name__}: {exc}")
+        secs["bench"] = time.perf_counter() - t_sec
     report["failures"] = failures
     report["warnings"] = warns
     report["seconds"] = time.perf_counter() - t_start
@@ -193,6 +227,7 @@ def main(argv=None):
     gr = report.get("graph", "not run")
     log(f"graph capture: {gr.get('capture') if isinstance(gr, dict) else gr}; "
         f"replay: {gr.get('replay') if isinstance(gr, dict) else '-'}")
+    log("sections: " + ", ".join(f"{k} {v:.0f} s" for k, v in secs.items()))
     log(f"{'PASS' if code == 0 else 'FAIL'} (exit {code}) in {report['seconds']:.0f} s; "
         f"outputs in {bargs.out}")
     return code

@@ -3,6 +3,7 @@ the shared CSV schema and the tables; the memory section's measurements are righ
 cases whose answer is known.  (Speed is read from the benchmark's own runs, never
 asserted here.)"""
 import csv
+import json
 import os
 import sys
 
@@ -157,3 +158,34 @@ def test_host_overhead_writes_the_schema(tmp_path, monkeypatch):
         for k in ("protocol_step", "protocol_refresh", "protocol_step_skip")
         for b in ("cpp", "torch")}
     assert all(float(r["p20"]) <= float(r["median"]) <= float(r["p80"]) for r in rows)
+
+
+def test_bench_gpu_parts_cover_every_section_once(tmp_path, bench_modules, monkeypatch):
+    """``--part 1..4`` (one 10-minute device call each): together they run every check
+    and every benchmark section exactly once, and each report times its sections."""
+    pytest.importorskip("triton")
+    sys.modules.pop("bench_gpu", None)
+    import bench_gpu
+    import run as suite_mod
+    ran = []
+    monkeypatch.setattr(bench_gpu, "parity", lambda dev, smoke: (ran.append("parity") or {}, []))
+    for name in ("check_sync", "check_jit_and_memory", "check_graph"):
+        monkeypatch.setattr(bench_gpu, name,
+                            lambda dev, smoke, name=name: (ran.append(name) or {}, []))
+    monkeypatch.setattr(bench_gpu, "check_bf16_store",
+                        lambda dev: {"mismatches": 0, "examples": []})
+    sections = ("micro", "memory", "train", "pretrain")
+
+    def suite(bargs, dev, info):
+        ran.extend(s for s in sections if s not in bargs.skip)
+        return 0, None
+    monkeypatch.setattr(suite_mod, "suite", suite)
+    for part in sorted(bench_gpu.PARTS):
+        out = tmp_path / f"p{part}"
+        assert bench_gpu.main(["--smoke", "--part", str(part), "--out", str(out)]) == 0
+        with open(out / "bench_gpu_report.json") as f:
+            secs = json.load(f)["section_seconds"]
+        assert set(secs) == set(bench_gpu.PARTS[part][0]), (part, secs)
+    assert sorted(ran) == sorted(["parity", "check_sync", "check_jit_and_memory",
+                                  "check_graph", *sections])
+    assert bench_gpu.main(["--smoke", "--part", "1", "--only", "bench"]) == 8
