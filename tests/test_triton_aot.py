@@ -90,7 +90,7 @@ def _recorded_launches(monkeypatch):
             def call(*args, **kwargs):
                 named = dict(zip(self.kernel.arg_names, args))
                 named.update({k: v for k, v in kwargs.items() if k != "num_warps"})
-                launches.append((self.kernel, named))
+                launches.append((self.kernel, named, kwargs.get("num_warps", 4)))
                 return launch(*args, **kwargs)
             return call
 
@@ -123,11 +123,11 @@ def test_compiled_variants_take_the_types_real_launches_get(monkeypatch):
     ``aot.divisible`` compiles a padded variant.  (A launch typing ``n`` or ``seed`` by
     value, as before they were annotated, fails here: a small seed gives i32.)"""
     launches = _recorded_launches(monkeypatch)
-    kernels = {k.__name__ for k, _ in launches}
+    kernels = {k.__name__ for k, _, _ in launches}
     assert {"sample_kernel", "accumulate_kernel", "step_kernel", "refresh_kernel",
             "finish_kernel"} <= kernels, kernels
     seen = set()
-    for kernel, args in launches:
+    for kernel, args, _ in launches:
         sig, div = aot.launch_signature(kernel, args)
         cnames = aot.constexpr_names(kernel)
         want = aot.signature(kernel, {c: args[c] for c in cnames if c in args} |
@@ -139,6 +139,38 @@ def test_compiled_variants_take_the_types_real_launches_get(monkeypatch):
         assert div == sorted(aot.divisible(variant)), (kernel.__name__, div)
         seen.add((kernel.__name__, tuple(sig.items())))
     assert len(seen) > 5
+
+
+@pytest.fixture(scope="module")
+def launch_rows(tmp_path_factory):
+    """Every distinct variant the recorded launches of the optimizers compile
+    (``aot.launch_variant``: their types, divisibility, constexprs and warps), compiled for
+    every target: {cc: rows}, and the variants."""
+    with pytest.MonkeyPatch.context() as mp:
+        launches = _recorded_launches(mp)
+    specs = {}
+    for kernel, args, warps in launches:
+        v = aot.launch_variant(kernel, args, warps)
+        specs.setdefault(v.name, aot.to_spec(v))
+    ccs = [cc for cc in CCS if aot.toolchain_status(cc) is None]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_cache_launch")))
+        rows = aot.report(ccs, timeout=600, specs=list(specs.values())) if ccs else []
+    return {cc: [r for r in rows if r["cc"] == cc] for cc in ccs}, specs
+
+
+@pytest.mark.parametrize("cc", CCS)
+def test_the_variants_real_launches_compile_without_spills(cc, launch_rows):
+    """Each distinct kernel variant that the recorded launches of the optimizers get
+    (IVON-PoCoMo with and without AMP arguments, bf16 parameters, IVON with two draws and
+    sample_ahead, SVRG-AdamW) compiles for the target without a spill, as launched."""
+    if aot.toolchain_status(cc) is not None:
+        pytest.skip(aot.toolchain_status(cc))
+    rows, specs = launch_rows
+    assert len(specs) > 15
+    problems = _problems(rows[cc], list(specs))
+    print(f"\n{len(rows[cc])} launched variants on sm_{cc}:\n" + aot.format_table(rows[cc]))
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("cc", CCS)

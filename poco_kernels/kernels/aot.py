@@ -15,6 +15,9 @@ What a launch from :mod:`~poco_kernels.kernels.triton_ops` gets is mirrored exac
 :mod:`poco_kernels._layout`), ``n`` and ``seed`` i64 (annotated in the kernels), the other
 ints i32, default options otherwise.  ``step[ivon,full,fp32,unpadded]`` is the heaviest
 step over an exact, odd length (a direct call on unpadded buffers: scalar loads).
+Besides these hand-picked code paths, ``tests/test_triton_aot.py`` compiles every
+distinct variant that recorded launches of the optimizers get (:func:`launch_variant`,
+passed as :func:`to_spec` data: ``--specs FILE``) and fails on any spill there too.
 
 Run ``python -m poco_kernels.kernels.aot`` for the table (``--json`` for machine-readable
 rows, ``--cc 80 --cc 90`` to choose targets); ``tests/test_triton_aot.py`` fails on any
@@ -39,7 +42,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 __all__ = ["Variant", "variants", "signature", "divisible", "launch_signature",
-           "compile_variant", "ptxas_path",
+           "launch_variant", "to_spec", "from_spec", "compile_variant", "ptxas_path",
            "toolchain_status", "parse_ptxas_log", "resource_report", "sass", "instruction_mix",
            "report", "format_table", "main"]
 
@@ -386,15 +389,46 @@ def resource_report(ptx: str, cc: int) -> Dict[str, Any]:
     return dict(parse_ptxas_log(log), log=log)
 
 
-def _row(name: str, cc: int) -> Dict[str, Any]:
-    """Compile one variant for one target and measure it (one pool task)."""
+def to_spec(v: Variant) -> Dict[str, Any]:
+    """A variant as plain data (JSON): kernel by name, signature, constexprs, warps,
+    padding."""
+    return {"name": v.name, "kernel": v.kernel.__name__, "signature": dict(v.signature),
+            "constexprs": dict(v.constexprs), "num_warps": v.num_warps, "padded": v.padded}
+
+
+def from_spec(spec: Dict[str, Any]) -> Variant:
+    """The variant of :func:`to_spec`'s data."""
+    from . import triton_kernels as K
+    return Variant(spec["name"], getattr(K, spec["kernel"]), dict(spec["signature"]),
+                   dict(spec["constexprs"]), int(spec["num_warps"]), bool(spec["padded"]))
+
+
+def launch_variant(kernel, args: Dict[str, Any], num_warps: int) -> Variant:
+    """The variant a launch of ``kernel`` with ``args`` (by name, constexprs included)
+    compiles: :func:`launch_signature`'s types, its constexpr values, ``padded`` when it
+    specialises ``n`` as divisible by 16; named by its kernel and constexprs."""
+    sig, div = launch_signature(kernel, args)
+    cx = {c: args[c] for c in constexpr_names(kernel)}
+    ptrs = ",".join(f"{a[:-4]}:{t[1:]}" for a, t in sig.items() if t.startswith("*")
+                    and t != "*fp32" and a not in ("ctl_ptr",))
+    flags = [k if v is True else f"{k}={int(v)}" for k, v in cx.items()
+             if k != "BLOCK" and v is not False]
+    unpadded = "n" in sig and "n" not in div
+    name = (f"launch:{kernel.__name__[:-7]}[" + ",".join(flags) + (f";{ptrs}" if ptrs else "")
+            + (";unpadded" if unpadded else "") + "]")
+    return Variant(name, kernel, sig, cx, num_warps, not unpadded)
+
+
+def _row(name: str, cc: int, spec: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Compile one variant (of :func:`variants` by name, or given as ``spec``) for one
+    target and measure it (one pool task)."""
     row: Dict[str, Any] = {"variant": name, "cc": cc, "arch": None, "registers": None,
                            "spill_stores": None, "spill_loads": None, "stack": None,
                            "mix": None, "seconds": None, "error": None}
     t0 = time.perf_counter()
     try:
         row["arch"] = _arch(cc)
-        compiled = compile_variant(_variant(name), cc)
+        compiled = compile_variant(from_spec(spec) if spec else _variant(name), cc)
         res = resource_report(compiled.asm["ptx"], cc)
         res.pop("log")
         row.update(res)
@@ -405,18 +439,23 @@ def _row(name: str, cc: int) -> Dict[str, Any]:
     return row
 
 
-def _report_here(ccs: Sequence[int], workers: Optional[int]) -> List[Dict[str, Any]]:
-    tasks = [(v.name, cc) for cc in ccs for v in variants()]
+def _report_here(ccs: Sequence[int], workers: Optional[int],
+                 specs: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
+    if specs is None:
+        tasks = [(v.name, cc, None) for cc in ccs for v in variants()]
+    else:
+        tasks = [(sp["name"], cc, sp) for cc in ccs for sp in specs]
     workers = workers or min(len(tasks), os.cpu_count() or 1)
     if workers <= 1:
-        return [_row(n, cc) for n, cc in tasks]
+        return [_row(*t) for t in tasks]
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(_row, n, cc) for n, cc in tasks]
+        futures = [pool.submit(_row, *t) for t in tasks]
         return [f.result() for f in futures]
 
 
 def _report_subprocess(ccs: Sequence[int], workers: Optional[int],
-                       timeout: Optional[float]) -> List[Dict[str, Any]]:
+                       timeout: Optional[float],
+                       specs: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -425,7 +464,14 @@ def _report_subprocess(ccs: Sequence[int], workers: Optional[int],
         cmd += ["--cc", str(cc)]
     if workers:
         cmd += ["--workers", str(workers)]
-    p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="poco_aot_specs_") as d:
+        if specs is not None:
+            path = os.path.join(d, "specs.json")
+            with open(path, "w") as f:
+                json.dump(specs, f)
+            cmd += ["--specs", path]
+        p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True,
+                           timeout=timeout)
     lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
     if p.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
@@ -433,15 +479,17 @@ def _report_subprocess(ccs: Sequence[int], workers: Optional[int],
 
 
 def report(ccs: Iterable[int] = DEFAULT_CCS, workers: Optional[int] = None,
-           timeout: Optional[float] = None) -> List[Dict[str, Any]]:
+           timeout: Optional[float] = None,
+           specs: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
     """One row per (variant, cc): ``variant, cc, arch, registers, spill_stores, spill_loads,
     stack, mix`` (SASS instructions by class, :func:`poco_kernels.kernels.budget.
     instruction_mix`), ``seconds, error`` (``error`` is None when it compiled).  Compiles in parallel
-    processes; in a subprocess without ``TRITON_INTERPRET`` when this one interprets."""
+    processes; in a subprocess without ``TRITON_INTERPRET`` when this one interprets.
+    ``specs``: compile these variants (:func:`to_spec` data) instead of :func:`variants`."""
     ccs = tuple(int(c) for c in ccs)
     if interpreting():
-        return _report_subprocess(ccs, workers, timeout)
-    return _report_here(ccs, workers)
+        return _report_subprocess(ccs, workers, timeout, specs)
+    return _report_here(ccs, workers, specs)
 
 
 def format_table(rows: Sequence[Dict[str, Any]]) -> str:
@@ -470,11 +518,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cc", type=int, action="append",
                     help="compute capability (repeatable; default 80 and 90)")
     ap.add_argument("--workers", type=int, default=None, help="parallel compile processes")
+    ap.add_argument("--specs", default=None,
+                    help="a JSON file of variants (to_spec data) to compile instead")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON line")
     args = ap.parse_args(argv)
     ccs = tuple(args.cc or DEFAULT_CCS)
     t0 = time.perf_counter()
-    rows = report(ccs, args.workers)
+    specs = None
+    if args.specs:
+        with open(args.specs) as f:
+            specs = json.load(f)
+    rows = report(ccs, args.workers, specs=specs)
     if args.json:
         print(json.dumps(rows))
     else:
