@@ -162,9 +162,9 @@ class Bucket:
         ``fill``, in ``dtype`` (default: the state dtype)."""
         return alloc_flat(self.numel, self.device, dtype or self.dtype, fill)
 
-    def flat_params(self) -> Tensor:
-        """The parameters as one flat state-dtype buffer (padded)."""
-        out = self.new_buffer()
+    def flat_params(self, out: Optional[Tensor] = None) -> Tensor:
+        """The parameters as one flat state-dtype buffer: a new padded one, or ``out``."""
+        out = self.new_buffer() if out is None else out
         parts = [local(p.detach()).reshape(-1) for p in self.params]
         if parts and self.param_dtype == self.dtype:
             torch.cat(parts, out=out)

@@ -34,7 +34,7 @@ class TorchBackend(Backend):
         with torch.no_grad():
             for b in self.opt._buckets:
                 if b.param_dtype == b.dtype:
-                    b.buffers["mean"].copy_(b.flat_params())
+                    b.flat_params(out=b.buffers["mean"])
 
     def sample(self, kind: int, draw: int) -> None:
         if self.takes_ahead(kind, draw):      # the step left it there (its eps kept)
