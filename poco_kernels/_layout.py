@@ -16,8 +16,8 @@ Padding: every flat buffer is allocated with room for a multiple of :data:`PAD` 
 (:func:`alloc_flat`) and is a view of its first ``numel``; the elements past it belong to
 no parameter.  A Triton launch whose every buffer is such a view (:func:`launch_numel`)
 runs over the padded length, so the length the kernel is specialised on is divisible by
-16 and its loads and stores are vectorised; what it writes past ``numel`` is never read
-as a value (each element depends only on the same element of its inputs, and the
+16 and its loads and stores are vectorised; what it writes past ``numel`` (any value, NaN
+included: the state padding starts at zero) is never read as a value (each element depends only on the same element of its inputs, and the
 gradient padding the non-finite check reads stays zero: kernels never write gradients).
 Any other tensor (a clone, a user's, a loaded state dict's) makes the launch use the
 exact length, the scalar path: the same values.
