@@ -42,7 +42,8 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 __all__ = ["Variant", "variants", "signature", "divisible", "launch_signature",
-           "launch_variant", "to_spec", "from_spec", "compile_variant", "ptxas_path",
+           "launch_variant", "to_spec", "from_spec", "json_subprocess", "compile_variant",
+           "ptxas_path",
            "toolchain_status", "parse_ptxas_log", "resource_report", "sass", "instruction_mix",
            "report", "format_table", "main"]
 
@@ -453,29 +454,35 @@ def _report_here(ccs: Sequence[int], workers: Optional[int],
         return [f.result() for f in futures]
 
 
-def _report_subprocess(ccs: Sequence[int], workers: Optional[int],
-                       timeout: Optional[float],
-                       specs: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
+def json_subprocess(module: str, args: Sequence[str],
+                    timeout: Optional[float] = None) -> Any:
+    """Run ``python -m module --json *args`` in a process without ``TRITON_INTERPRET``
+    (from the repository root, the package on its path) and return the JSON of its last
+    output line: how an interpreting process compiles for real targets."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    cmd = [sys.executable, "-m", "poco_kernels.kernels.aot", "--json"]
-    for cc in ccs:
-        cmd += ["--cc", str(cc)]
+    cmd = [sys.executable, "-m", module, "--json", *args]
+    p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return json.loads(lines[-1])
+
+
+def _report_subprocess(ccs: Sequence[int], workers: Optional[int],
+                       timeout: Optional[float],
+                       specs: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
+    args = [a for cc in ccs for a in ("--cc", str(cc))]
     if workers:
-        cmd += ["--workers", str(workers)]
+        args += ["--workers", str(workers)]
     with tempfile.TemporaryDirectory(prefix="poco_aot_specs_") as d:
         if specs is not None:
             path = os.path.join(d, "specs.json")
             with open(path, "w") as f:
                 json.dump(specs, f)
-            cmd += ["--specs", path]
-        p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True,
-                           timeout=timeout)
-    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return json.loads(lines[-1])
+            args += ["--specs", path]
+        return json_subprocess("poco_kernels.kernels.aot", args, timeout)
 
 
 def report(ccs: Iterable[int] = DEFAULT_CCS, workers: Optional[int] = None,

@@ -31,10 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -130,18 +127,8 @@ def rows(ccs: Sequence[int] = (80,), workers: Optional[int] = None,
     """One row per (budget variant, cc); in a subprocess when this process interprets."""
     ccs = tuple(int(c) for c in ccs)
     if aot.interpreting():
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-        cmd = [sys.executable, "-m", "poco_kernels.kernels.budget", "--json"]
-        for cc in ccs:
-            cmd += ["--cc", str(cc)]
-        p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True,
-                           timeout=timeout)
-        lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
-        if p.returncode != 0 or not lines:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr}")
-        return json.loads(lines[-1])
+        return aot.json_subprocess("poco_kernels.kernels.budget",
+                                   [a for cc in ccs for a in ("--cc", str(cc))], timeout)
     tasks = [(v.name, cc) for cc in ccs for v in budget_variants()]
     workers = workers or min(len(tasks), os.cpu_count() or 1)
     with ProcessPoolExecutor(max_workers=workers) as pool:
