@@ -475,7 +475,8 @@ class BucketedOptimizer(torch.optim.Optimizer):
         """The noise stream definition this optimizer draws (:mod:`poco_kernels.noise`):
         ``noise.STREAM_VERSION`` (2) when built, that of a loaded state dict after
         ``load_state_dict``, so a resumed run continues its own noise.  Settable (1 or 2),
-        outside a sample; a sample the step left in the parameters (``sample_ahead``) is
+        outside a sample and with no gradients pending (their noise is drawn again by the
+        step or refresh, under the version they were sampled with); a sample the step left in the parameters (``sample_ahead``) is
         drawn again under the new version before the next step uses it."""
         return self._noise_version
 
@@ -483,9 +484,14 @@ class BucketedOptimizer(torch.optim.Optimizer):
     def noise_version(self, version: int) -> None:
         check(type(version) is int and version in _noise.STREAM_VERSIONS,
               f"noise_version must be one of {_noise.STREAM_VERSIONS}, got {version!r}")
+        if version == self._noise_version:
+            return
         if self._active is not None:
             raise RuntimeError("noise_version changed while a sample is in the parameters: "
                                "call restore() first")
+        if any(self._pending.count.values()):   # their noise must be drawn again as sampled
+            raise RuntimeError("noise_version changed with gradients pending from "
+                               "sample()/accumulate(): call step() or refresh() first")
         self._noise_version = version
         self._eps_cache.clear()
 

@@ -226,3 +226,41 @@ def test_noise_version_is_validated_and_refused_inside_a_sample():
         with pytest.raises(RuntimeError, match="restore"):
             opt.noise_version = 1
         assert opt.noise_version == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pending", ["inner", "refresh"])
+def test_noise_version_is_refused_with_gradients_pending_and_changes_nothing(backend, pending):
+    """Between a sample's gradient and the step (or refresh) that uses it, the fused kernels
+    draw the sample's noise again: a new version there would pair the gradient with other
+    noise.  The change is refused, and the run equals that of a twin that never saw it;
+    setting the version it already has is a no-op."""
+    runs = []
+    for poke in (False, True):
+        prob = Problem()
+        m = mlp()
+        opt = pk.IVONPoCoMo(m.parameters(), lr=0.05, ess=200.0, seed=5, backend=backend)
+        for t in range(4):
+            kinds = ["inner", "outer"] if opt.correction_active() else ["inner"]
+            if pending == "refresh" and t == 2:
+                kinds = ["refresh"]
+            for kind in kinds:
+                with opt.sampled(kind):
+                    prob.loss(m, t % 3).backward()
+            if poke and t == 2:
+                with pytest.raises(RuntimeError, match="gradients pending"):
+                    opt.noise_version = 1
+                assert opt.noise_version == 2
+                opt.noise_version = 2                   # unchanged: accepted
+            if kinds == ["refresh"]:
+                opt.refresh()
+            else:
+                opt.step()
+        opt.restore()
+        runs.append(([p.detach().clone() for p in params_of(m)], _state(opt),
+                      opt.state_dict()["poco"]["noise"]))
+    (p0, s0, v0), (p1, s1, v1) = runs
+    assert v0 == v1 == 2
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    for k in s0:
+        assert all(torch.equal(a, b) for a, b in zip(s0[k], s1[k])), k
