@@ -15,6 +15,7 @@ mega-batch example.  Over ``n`` epochs with inner steps on all ``N`` examples th
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
@@ -72,6 +73,12 @@ class DoubleLoop:
     non-finite gradient) still counts as an iteration, as it does for an lr scheduler;
     ``steps`` is the optimizer's count of updates taken (a device read on the fused
     backends).
+
+    Resuming: the loop starts from the optimizer's step count, and follows it again
+    whenever the optimizer loads a state dict (one read, at the next schedule decision),
+    so building model, optimizer and loop first and loading the optimizer's checkpoint
+    after continues the schedule.  Loading the loop's own :meth:`state_dict` after the
+    optimizer's restores its exact count (with skipped updates) and ``grad_evals``.
     """
 
     def __init__(self, optimizer, *, refresh_every: int, warmup_steps: int = 0,
@@ -87,10 +94,32 @@ class DoubleLoop:
         self.warmup_steps = warmup_steps
         self.alpha = Constant(float(alpha)) if isinstance(alpha, (int, float)) else alpha
         self.grad_evals = 0
-        #: calls of :meth:`step` so far (from the optimizer's step count when it has
-        #: stepped before the loop took it over: the only device read)
-        self.iterations = optimizer.step_count
         self.refresh_steps = []      # iterations at which a refresh happened
+        self._iterations = optimizer.step_count   # (it may have stepped before: one read)
+        self._follow = False         # True: take the optimizer's count at the next decision
+        if hasattr(optimizer, "register_load_state_dict_post_hook"):
+            me = weakref.ref(self)
+
+            def loaded(opt):
+                loop = me()
+                if loop is not None:
+                    loop._follow = True
+            self._hook = optimizer.register_load_state_dict_post_hook(loaded)
+
+    @property
+    def iterations(self) -> int:
+        """Calls of :meth:`step` so far, counted on the host; the optimizer's step count
+        (a device read) when the loop takes over an optimizer, or after that optimizer
+        loaded a state dict."""
+        if self._follow:
+            self._iterations = self.optimizer.step_count
+            self._follow = False
+        return self._iterations
+
+    @iterations.setter
+    def iterations(self, value: int) -> None:
+        self._iterations = int(value)
+        self._follow = False
 
     @property
     def steps(self) -> int:
@@ -121,7 +150,7 @@ class DoubleLoop:
         evals = samples * examples * (2 if opt.correction_active() else 1)
         loss = opt.step(closure)
         self.grad_evals += evals
-        self.iterations += 1
+        self.iterations = self.iterations + 1
         return loss
 
     def state_dict(self):
@@ -129,7 +158,20 @@ class DoubleLoop:
                 "iterations": self.iterations}
 
     def load_state_dict(self, d):
-        self.grad_evals = int(d["grad_evals"])
-        self.refresh_steps = list(d["refresh_steps"])
-        # (a dict from before the key: the optimizer's count, loaded before this one)
-        self.iterations = int(d.get("iterations", self.optimizer.step_count))
+        """Restore :meth:`state_dict`'s counts (validated first: a bad dict changes
+        nothing).  A dict from before ``iterations`` was recorded takes the optimizer's
+        step count (load the optimizer's state first)."""
+        def count(v, name):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"DoubleLoop state: {name} must be a non-negative int, "
+                                 f"got {v!r}")
+            return v
+        if not isinstance(d, dict) or not {"grad_evals", "refresh_steps"} <= set(d):
+            raise ValueError("not a DoubleLoop state dict (needs 'grad_evals' and "
+                             "'refresh_steps')")
+        grad_evals = count(d["grad_evals"], "grad_evals")
+        refresh_steps = [count(t, "refresh_steps[i]") for t in d["refresh_steps"]]
+        iterations = (count(d["iterations"], "iterations") if "iterations" in d
+                      else self.optimizer.step_count)
+        self.grad_evals, self.refresh_steps = grad_evals, refresh_steps
+        self.iterations = iterations

@@ -235,3 +235,54 @@ def test_double_loop_reads_no_device_counter_in_steady_state(backend, monkeypatc
     loop2 = DoubleLoop(o, refresh_every=4, warmup_steps=3)
     loop2.load_state_dict({k: v for k, v in d.items() if k != "iterations"})   # older dict
     assert loop2.iterations == 12
+
+
+@pytest.mark.parametrize("order", ["optimizer only", "loop then optimizer",
+                                   "optimizer then loop"])
+def test_double_loop_resumes_whatever_the_order_of_loading(order):
+    """Model, optimizer and loop built first, then the checkpoint loaded: the schedule
+    (refreshes, alpha) continues where it stopped, whether the loop's own state dict is
+    loaded too (before or after the optimizer's) or not at all; a bad loop dict is
+    refused and changes nothing."""
+    prob = Problem(n=96)
+    batches = prob.batches(16, size=8)
+
+    def make():
+        m = mlp()
+        o = pk.SVRG(m.parameters(), lr=0.05, backend="torch")
+        return m, o, DoubleLoop(o, refresh_every=4, warmup_steps=2, alpha=Linear(0.2, 0.8, 16))
+
+    def drive(m, o, loop, ts, log):
+        for t in ts:
+            if loop.refresh_due():
+                loop.refresh([prob.closure(o, m, c) for c in prob.chunks(4)], examples=96)
+                log.append(("refresh", t))
+            loop.step(prob.closure(o, m, batches[t]), examples=8)
+            log.append(("alpha", t, o.param_groups[0]["alpha"]))
+
+    m, o, loop = make()
+    ref = []
+    drive(m, o, loop, range(16), ref)
+    m1, o1, l1 = make()
+    got = []
+    drive(m1, o1, l1, range(9), got)
+    msd, osd, lsd = m1.state_dict(), o1.state_dict(), l1.state_dict()
+    m2, o2, l2 = make()
+    m2.load_state_dict(msd)
+    if order == "loop then optimizer":
+        l2.load_state_dict(lsd)
+    o2.load_state_dict(osd)
+    if order == "optimizer then loop":
+        for bad in ({"grad_evals": 1}, {"grad_evals": -1, "refresh_steps": []},
+                    {"grad_evals": 0, "refresh_steps": [2.5]}, dict(lsd, iterations="9")):
+            with pytest.raises(ValueError):
+                l2.load_state_dict(bad)
+        assert l2.grad_evals == 0 and l2.refresh_steps == []
+        l2.load_state_dict(lsd)
+    drive(m2, o2, l2, range(9, 16), got)
+    assert got == ref
+    assert l2.iterations == 16 == loop.iterations
+    if order != "optimizer only":
+        assert l2.grad_evals == loop.grad_evals and l2.refresh_steps == loop.refresh_steps
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
