@@ -42,7 +42,9 @@ later keeps what came before):
    (``--sizes``, ``--record``, ``--out``, ...).
 4. Output in ``--out``: ``bench_gpu_report.json`` (device and checks) beside run.py's
    ``bench.csv``, ``bench.md`` and ``bench_report.json``; with ``--record``,
-   ``benchmarks/results/gpu_<device>_<date>.{csv,md}``.
+   ``benchmarks/results/gpu_<device>_<date>[_partN].{csv,md}`` and, where checks ran,
+   ``..._checks.json`` (a ``--part``'s files carry its name, so the four parts of one day
+   keep four sets; a ``--skip`` given with ``--part`` adds to the part's skips).
 
 Exit status: 0 all passed; otherwise the OR of 1 (parity above tolerance), 2 (a
 synchronisation, JIT-cache, memory or graph-replay check failed) and 4 (a benchmark
@@ -67,6 +69,7 @@ if SMOKE:
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -118,7 +121,6 @@ def main(argv=None):
             log("--part and --only are exclusive")
             return 8
         sections = set(PARTS[args.part][0])
-        rest = ["--skip", *PARTS[args.part][1]] + rest
     if args.smoke:
         rest = SMOKE_SUITE_ARGS + rest
         dev = torch.device("cpu")
@@ -128,6 +130,11 @@ def main(argv=None):
             return 8
         dev = torch.device("cuda", torch.cuda.current_device())
     bargs = suite_mod.build_parser().parse_args(rest)
+    if args.part is not None:
+        # a user's --skip adds to the part's (never runs what another part runs), and a
+        # recording names its part, so four parts on one day keep four files
+        bargs.skip = sorted(set(bargs.skip) | set(PARTS[args.part][1]))
+        bargs.record_tag = bargs.record_tag or f"part{args.part}"
     if args.smoke and bargs.record:
         log("    --record ignored with --smoke (results/ holds device measurements)")
         bargs.record = False
@@ -215,6 +222,10 @@ def main(argv=None):
     report["warnings"] = warns
     report["seconds"] = time.perf_counter() - t_start
     dump(report_path, report)
+    if bargs.record and sections - {"bench"}:     # the checks' report beside the tables
+        path = suite_mod.record_base(info, bargs) + "_checks.json"
+        shutil.copyfile(report_path, path)
+        log(f"    recorded {path}")
 
     code = (1 if failures["parity"] else 0) | (2 if failures["checks"] else 0) | (
         4 if failures["bench"] else 0)

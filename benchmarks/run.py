@@ -33,13 +33,14 @@ Outputs in ``--out`` (default ``bench_out/``): ``bench.csv`` (kernel, provider, 
 size, median, p20, p80, bytes_per_param, gbps, pct_of_copy, timing, device, date),
 ``bench.md`` (the short tables), ``bench_report.json`` (everything, the memory
 breakdown included).  ``--record`` copies the CSV and the tables to
-``benchmarks/results/<device>_<date>.{csv,md}``.  Exit status 0, or 4 if a benchmark
+``benchmarks/results/<device>_<date>[_<tag>].{csv,md}`` (``--record-tag``).  Exit status 0, or 4 if a benchmark
 raised (the others still ran).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -110,8 +111,18 @@ def build_parser():
                     choices=["micro", "memory", "train", "pretrain"])
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--record", action="store_true",
-                    help="also write benchmarks/results/<device>_<date>.csv and .md")
+                    help="also write benchmarks/results/<device>_<date>[_<tag>].csv and .md")
+    ap.add_argument("--record-tag", default="",
+                    help="appended to the recorded files' names (bench_gpu.py --part N: partN)")
     return ap
+
+
+def record_base(info, args) -> str:
+    """``benchmarks/results/<slug>_<date>[_<tag>]``: the recorded files' path, less the
+    extension."""
+    tag = re.sub(r"[^A-Za-z0-9_-]+", "_", args.record_tag or "").strip("_")
+    name = f"{info['slug']}_{info['date'][:10]}" + (f"_{tag}" if tag else "")
+    return os.path.join(HERE, "results", name)
 
 
 def pick_device(name):
@@ -216,7 +227,7 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
         write()
     rows, md = write()
     if args.record:
-        base = os.path.join(HERE, "results", f"{info['slug']}_{date}")
+        base = record_base(info, args)
         shutil.copyfile(os.path.join(args.out, "bench.csv"), base + ".csv")
         shutil.copyfile(os.path.join(args.out, "bench.md"), base + ".md")
         log(f"    recorded {base}.csv and .md")

@@ -189,3 +189,24 @@ def test_bench_gpu_parts_cover_every_section_once(tmp_path, bench_modules, monke
     assert sorted(ran) == sorted(["parity", "check_sync", "check_jit_and_memory",
                                   "check_graph", *sections])
     assert bench_gpu.main(["--smoke", "--part", "1", "--only", "bench"]) == 8
+    # a user's --skip adds to the part's: never a section of another part
+    seen = {}
+
+    def suite2(bargs, dev, info):
+        seen.update(skip=set(bargs.skip), tag=bargs.record_tag)
+        return 0, None
+    monkeypatch.setattr(suite_mod, "suite", suite2)
+    for part, skip, runs in ((2, ["memory"], {"micro"}), (3, ["memory"], {"train"}),
+                             (4, ["micro", "pretrain"], set())):
+        assert bench_gpu.main(["--smoke", "--part", str(part), "--skip", *skip,
+                               "--out", str(tmp_path / "q")]) == 0
+        assert set(sections) - seen["skip"] == runs, (part, seen)
+        assert seen["tag"] == f"part{part}"
+    # recordings of different parts on one day are different files
+    info = {"slug": "gpu_X", "date": "2026-11-24T10:00:00"}
+    names = {suite_mod.record_base(info, suite_mod.build_parser().parse_args(
+        ["--record", "--record-tag", t])) for t in ("", "part2", "part3", "part 4/x")}
+    assert len(names) == 4 and all(os.path.dirname(n).endswith("results") for n in names)
+    assert {os.path.basename(n) for n in names} == {
+        "gpu_X_2026-11-24", "gpu_X_2026-11-24_part2", "gpu_X_2026-11-24_part3",
+        "gpu_X_2026-11-24_part_4_x"}
