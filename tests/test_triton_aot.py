@@ -73,7 +73,8 @@ def _recorded_launches(monkeypatch):
     """Every kernel launch (kernel, arguments by name) of short runs of the optimizers on
     the Triton backend (interpreted here): IVON-PoCoMo with a refresh and AMP arguments,
     float32 and bfloat16 parameters, the default 63-bit seed and a small explicit one;
-    IVON with two draws and sample_ahead; SVRG-AdamW."""
+    float16 parameters; a resumed pre-v2 run (noise version 1); IVON with two draws and
+    sample_ahead; SVRG-AdamW."""
     import torch
     import poco_kernels as pk
     from helpers import Problem, mlp, run
@@ -105,10 +106,17 @@ def _recorded_launches(monkeypatch):
         run(opt, m, prob, 3, refresh_every=2, warmup=1)
         opt.step(prob.closure(opt, m, prob.batches(1)[0]), grad_scale=torch.tensor(2.0),
                  found_inf=torch.tensor(0.0))
-    m = mlp()
-    opt = pk.IVON(m.parameters(), lr=0.05, ess=200.0, mc_samples=2, backend="triton",
-                  sample_ahead=True)
-    run(opt, m, prob, 2)
+    for dtype, version in ((torch.float16, 2), (torch.float32, 1)):
+        m = mlp(dtype=dtype)
+        opt = pk.IVONPoCo(m.parameters(), lr=0.05, ess=200.0, alpha=0.5, backend="triton")
+        opt.noise_version = version
+        run(opt, m, prob, 3, refresh_every=2, warmup=1)
+    for version in (2, 1):
+        m = mlp()
+        opt = pk.IVON(m.parameters(), lr=0.05, ess=200.0, mc_samples=2, backend="triton",
+                      sample_ahead=True)
+        opt.noise_version = version
+        run(opt, m, prob, 2)
     m = mlp()
     opt = pk.SVRGAdamW(m.parameters(), lr=1e-3, backend="triton")
     run(opt, m, prob, 3, refresh_every=2, warmup=1)

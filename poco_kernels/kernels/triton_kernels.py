@@ -56,6 +56,11 @@ BRANCH_FREE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 # would otherwise type them by value (i32 below 2**31), so a small explicit seed and the
 # default 63-bit one would compile different kernels; annotated, every launch gets the
 # types that poco_kernels.kernels.aot compiles (tests/test_triton_aot.py checks).
+# ``stream`` (noise.stream_id: bucket << 16 | kind << 12 | draw) stays typed by value: i32
+# for every bucket index below 32768, the variant compiled; a bucket index from 32768 on
+# (65536 are allowed) gets an i64 ``stream`` with the same bits (``.to(tl.uint32)``) and
+# bucket (``>> 16``), so the same numbers, from one more JIT compilation that the AOT
+# test does not compile.
 _NO_SPEC = ["seed", "stream", "stream_o", "counter_slot", "slot"]
 
 
