@@ -17,8 +17,12 @@ Padding: every flat buffer is allocated with room for a multiple of :data:`PAD` 
 no parameter.  A Triton launch whose every buffer is such a view (:func:`launch_numel`)
 runs over the padded length, so the length the kernel is specialised on is divisible by
 16 and its loads and stores are vectorised; what it writes past ``numel`` (any value, NaN
-included: the state padding starts at zero) is never read as a value (each element depends only on the same element of its inputs, and the
-gradient padding the non-finite check reads stays zero: kernels never write gradients).
+included: the state padding starts at zero) is never read as a value: each element
+depends only on the same element of its inputs.  The one padding that is read is the
+gradients', by the non-finite check, and it stays zero: gradient buffers start zeroed,
+backward writes only their first ``numel``, and a kernel writes into a gradient buffer
+only while it is lent as a pending sum (``accumulate`` adds the next gradient to it),
+which adds zero padding to zero padding.
 Any other tensor (a clone, a user's, a loaded state dict's) makes the launch use the
 exact length, the scalar path: the same values.
 """

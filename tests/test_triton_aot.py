@@ -170,7 +170,8 @@ def launch_rows(tmp_path_factory):
 @pytest.mark.parametrize("cc", CCS)
 def test_the_variants_real_launches_compile_without_spills(cc, launch_rows):
     """Each distinct kernel variant that the recorded launches of the optimizers get
-    (IVON-PoCoMo with and without AMP arguments, bf16 parameters, IVON with two draws and
+    (IVON-PoCoMo with and without AMP arguments, bf16 and fp16 parameters, noise version 1,
+    IVON with two draws and
     sample_ahead, SVRG-AdamW) compiles for the target without a spill, as launched."""
     if aot.toolchain_status(cc) is not None:
         pytest.skip(aot.toolchain_status(cc))
