@@ -409,3 +409,44 @@ def test_launch_length_is_padded_only_for_padded_buffers():
     assert launch_numel(32, torch.zeros(32)) == 32             # (already a multiple of 16)
     c = padded_copy(torch.arange(5.0))
     assert is_padded(c) and padded_copy(c) is c and torch.equal(c, torch.arange(5.0))
+
+
+@pytest.mark.skipif("triton" not in FUSED_BACKENDS, reason="triton not available")
+def test_gradient_padding_stays_zero_though_lent_sums_are_written():
+    """The non-finite check reads the gradient buffers over their padded length, so their
+    padding must stay zero: with two draws per step, a gradient buffer lent as the pending
+    sum is written by ``accumulate`` (checked: it happens), a NaN gradient's step is
+    skipped, and every gradient buffer's padding is still zero, every bucket's length not
+    a multiple of 16."""
+    from poco_kernels._layout import PAD
+    from poco_kernels.kernels import triton_ops
+    written = []
+    real = triton_ops.accumulate
+
+    def spy(grad, acc_g, *args):
+        written.append(id(acc_g))
+        return real(grad, acc_g, *args)
+    prob = Problem()
+    m = mlp()
+    opt = pk.IVONPoCo(m.parameters(), lr=0.05, ess=200.0, alpha=0.5, mc_samples=2,
+                      backend="triton", seed=1)
+    assert all(b.numel % PAD for b in opt._buckets)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_ops, "accumulate", spy)
+        run(opt, m, prob, 3, refresh_every=2, warmup=0)
+
+        def nan_closure():
+            opt.zero_grad()
+            loss = prob.loss(m, prob.batches(1)[0]) * float("nan")
+            loss.backward()
+            return loss
+        opt.step(nan_closure)
+        run(opt, m, prob, 2, refresh_every=2, warmup=0)
+    assert opt.skipped_updates == 1
+    grad_ids = {id(g.flat) for b in opt._buckets for g in b.grad_bufs}
+    assert grad_ids & set(written)              # a lent gradient buffer was written
+    for b in opt._buckets:
+        for g in b.grad_bufs:
+            storage = torch.empty(0, dtype=g.flat.dtype).set_(g.flat.untyped_storage())
+            assert storage.numel() > b.numel
+            assert torch.equal(storage[b.numel:], torch.zeros_like(storage[b.numel:]))
