@@ -12,7 +12,10 @@ every parameter and state tensor, and the counters, bit for bit.
 Only the public API is used, and the gradients are elementwise (no matmul), so nothing
 depends on BLAS.  Noise transforms use vectorised log/cos: the write and the check run
 with ATen and the C++ kernels pinned to AVX2 (``ENV``), so the bits do not depend on the
-CPU having AVX-512 or not.
+CPU having AVX-512 or not.  They still depend on its vendor for the torch backend: MKL
+(VON-PoCo's LAPACK, and ATen paths that call MKL) gives other last bits on an Intel CPU
+than on the AMD EPYC that wrote the file, even under ``MKL_CBWR=COMPATIBLE``; there the
+torch backend's cases are compared to ``OTHER_VENDOR_RTOL`` (the C++ kernels' stay exact).
 """
 import copy
 import os
@@ -138,9 +141,29 @@ def write():
     print(f"wrote {len(out)} cases to {FILE}")
 
 
+#: the CPU vendor the checkpoints were recorded on (an AMD EPYC with AVX2)
+RECORDED_VENDOR = "AuthenticAMD"
+#: the torch backend on another vendor's CPU: MKL (LAPACK for VON-PoCo, and other ATen
+#: paths) gives other last bits there even under MKL_CBWR=COMPATIBLE (measured on an Intel
+#: Xeon: 3e-8 at most, after 6 resumed steps); the C++ kernels stay bit for bit everywhere
+OTHER_VENDOR_RTOL, OTHER_VENDOR_ATOL = 1e-5, 1e-7
+
+
+def cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def check():
     cases = torch.load(FILE, weights_only=False)
     bad = []
+    exact_torch = cpu_vendor() == RECORDED_VENDOR
     for c in cases:
         d = c["data"]
         ps = [torch.nn.Parameter(t.clone()) for t in c["saved"]["params"]]
@@ -150,19 +173,27 @@ def check():
         _run(opt, ps, d, von, SAVE_AT + von, SAVE_AT + CONTINUE, resumed=True)
         got, exp = _state(opt, ps), c["final"]
         tag = f"{c['name']}/{c['backend']}"
+        exact = exact_torch or c["backend"] != "torch"
+
+        def same(a, b):
+            if exact or not (a.is_floating_point() and b.is_floating_point()):
+                return torch.equal(a, b)
+            return a.shape == b.shape and torch.allclose(a, b, rtol=OTHER_VENDOR_RTOL,
+                                                         atol=OTHER_VENDOR_ATOL)
         for i, (a, b) in enumerate(zip(got["params"], exp["params"])):
-            if not torch.equal(a, b):
+            if not same(a, b):
                 bad.append(f"{tag}: parameter {i} differs by {(a - b).abs().max():.3g}")
         if got["poco"] != exp["poco"]:
             bad.append(f"{tag}: counters {got['poco']} != {exp['poco']}")
         for i, s in exp["state"].items():
             for k, v in s.items():
-                if not torch.equal(got["state"][i][k], v):
+                if not same(got["state"][i][k], v):
                     bad.append(f"{tag}: state {i}/{k} differs")
         for k, v in exp["bucket_buffers"].items():
-            if not torch.equal(got["bucket_buffers"][k], v):
+            if not same(got["bucket_buffers"][k], v):
                 bad.append(f"{tag}: bucket buffer {k} differs")
-    print("\n".join(bad) if bad else f"ok: {len(cases)} cases")
+    how = "" if exact_torch else f" (torch backend to rtol {OTHER_VENDOR_RTOL}: a {cpu_vendor()} CPU)"
+    print("\n".join(bad) if bad else f"ok: {len(cases)} cases{how}")
     return not bad
 
 
