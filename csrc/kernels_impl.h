@@ -57,7 +57,7 @@ void sample_impl(const SampleArgs& a, int64_t t0, int64_t t1) {
           if (MODE == kSigmaBuffer) pf_r(a.sigma + i);
         }
       };
-      noise_tile(eps, len, (uint64_t)i0, key, a.noise.counter, a.noise.stream, a.noise.sign,
+      noise_tile(eps, len, a.noise.base + (uint64_t)i0, key, a.noise.counter, a.noise.stream, a.noise.sign,
                  prefetch);
     }
     if (LOW) {       // widen the tile's bfloat16 centre and sigma into L1 first
@@ -123,7 +123,7 @@ bool accumulate_impl(const AccumulateArgs& a, int64_t t0, int64_t t1) {
         pf_w(a.acc_g + i0 + j);
         pf_w(a.acc_ge + i0 + j);
       };
-      noise_tile(eps, len, (uint64_t)i0, key, a.noise.counter, a.noise.stream, a.noise.sign,
+      noise_tile(eps, len, a.noise.base + (uint64_t)i0, key, a.noise.counter, a.noise.stream, a.noise.sign,
                  prefetch);
     }
     const PT* __restrict grad = (const PT*)a.grad + i0;
@@ -175,7 +175,7 @@ void fold_ge_impl(const FoldArgs& a, int64_t t0, int64_t t1) {
       pf_r(a.acc_g + i0 + j);
       pf_w(a.acc_ge + i0 + j);
     };
-    noise_tile(eps, len, (uint64_t)i0, key, a.noise.counter, a.noise.stream, a.noise.sign,
+    noise_tile(eps, len, a.noise.base + (uint64_t)i0, key, a.noise.counter, a.noise.stream, a.noise.sign,
                prefetch);
     const float* __restrict acc_g = a.acc_g + i0;
     float* __restrict acc_ge = a.acc_ge + i0;
@@ -255,7 +255,7 @@ POCO_INLINE void step_prelude(const StepArgs& a, const PhiloxKey& key, int64_t i
   if (a.ge_in_sum) {
     scaled_copy(st.ge_in, a.ge_in + i0, a.scale_in, len);
   } else {
-    noise_tile(st.eps, len, (uint64_t)i0, key, a.counter, a.stream_in, 1.0f,
+    noise_tile(st.eps, len, a.base + (uint64_t)i0, key, a.counter, a.stream_in, 1.0f,
                StepPrefetch<PT>{a, i0});
     ge_product(st.ge_in, a.g_in + i0, a.scale_in, st.eps, 1.0f, len);
   }
@@ -264,7 +264,7 @@ POCO_INLINE void step_prelude(const StepArgs& a, const PhiloxKey& key, int64_t i
     scaled_copy(st.ge_o, a.ge_o + i0, a.scale_o, len);
   } else {
     if (!a.shared_noise)      // (shared: the inner draw's eps, still in st.eps)
-      noise_tile(st.eps, len, (uint64_t)i0, key, a.counter, a.stream_o, 1.0f);
+      noise_tile(st.eps, len, a.base + (uint64_t)i0, key, a.counter, a.stream_o, 1.0f);
     ge_product(st.ge_o, a.g_o + i0, a.scale_o, st.eps, a.sign_o, len);
   }
 }
@@ -286,7 +286,7 @@ void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
     const int64_t i0 = t * kTile, len = tile_len(t, a.n);
     step_prelude<PT>(a, key, i0, len, st);
     if (NEXT)      // the next step's inner sample: draw 0 of the inner stream, counter + 1
-      noise_tile(st.eps_next, len, (uint64_t)i0, key, a.counter + 1u, a.stream_in, 1.0f);
+      noise_tile(st.eps_next, len, a.base + (uint64_t)i0, key, a.counter + 1u, a.stream_in, 1.0f);
     if (LOW) {
       load_bf16(st.s1, (const uint16_t*)a.s1 + i0, len);
       if (CORR) {
@@ -346,7 +346,7 @@ void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
       }
     }
     if (LOW)
-      store_sr((uint16_t*)a.s1 + i0, st.s1, len, i0, a.seed, a.counter, a.stream_in >> 16,
+      store_sr((uint16_t*)a.s1 + i0, st.s1, len, a.base + (uint64_t)i0, a.seed, a.counter, a.stream_in >> 16,
                kTagMomentum);
   }
 }
@@ -477,7 +477,7 @@ void refresh_ivon(const RefreshArgs& a, int64_t t0, int64_t t1) {
           pf_w(a.sigma_out + i);
         }
       };
-      noise_tile(eps, len, (uint64_t)i0, key, a.noise.counter, a.noise.stream, 1.0f, prefetch);
+      noise_tile(eps, len, a.noise.base + (uint64_t)i0, key, a.noise.counter, a.noise.stream, 1.0f, prefetch);
     }
     if (LOW) {
       load_bf16(low[0], (const uint16_t*)a.g_out + i0, len);
@@ -509,7 +509,7 @@ void refresh_ivon(const RefreshArgs& a, int64_t t0, int64_t t1) {
       float* const outs[4] = {a.g_out, a.h_out, a.m_out, a.sigma_out};
       const uint32_t tags[4] = {kTagGOut, kTagHOut, kTagMOut, kTagSigmaOut};
       for (int k = 0; k < 4; ++k)
-        store_sr((uint16_t*)outs[k] + i0, low[k], len, i0, a.noise.seed, a.noise.counter, bucket,
+        store_sr((uint16_t*)outs[k] + i0, low[k], len, a.noise.base + (uint64_t)i0, a.noise.seed, a.noise.counter, bucket,
                  tags[k]);
     }
   }
@@ -532,7 +532,7 @@ void refresh_sgd(const RefreshArgs& a, int64_t t0, int64_t t1) {
         pf_w(a.g_out + i);
         pf_w(a.m_out + i);
       };
-      noise_tile(eps, len, (uint64_t)i0, key, a.noise.counter, a.noise.stream, 1.0f, prefetch);
+      noise_tile(eps, len, a.noise.base + (uint64_t)i0, key, a.noise.counter, a.noise.stream, 1.0f, prefetch);
     }
     const float* __restrict mean = a.mean + i0;
     const float* __restrict acc_g = a.acc_g + i0;

@@ -187,6 +187,12 @@ uint32_t noise_version(int64_t v) {
   return (uint32_t)v;
 }
 
+// `offset`: the stream index of a buffer's element 0 (Noise::base)
+uint64_t base_of(int64_t offset) {
+  TORCH_CHECK(offset >= 0, "poco_kernels_cpp: offset must be >= 0, got ", offset);
+  return (uint64_t)offset;
+}
+
 int64_t counter_of(const int64_t* ctl, int64_t slot) {
   TORCH_CHECK(slot == 0 || slot == 1, "poco_kernels_cpp: counter slot must be 0 or 1");
   return ctl[slot];
@@ -205,8 +211,9 @@ void sample_op(const at::Tensor& param, const at::Tensor& centre, const at::Tens
                const c10::optional<at::Tensor>& h, const c10::optional<at::Tensor>& sigma,
                const at::Tensor& ctl, int64_t seed, int64_t noise, int64_t stream, int64_t counter_slot,
                double ess, double wd, double sigma_const, double sign, int64_t sigma_mode,
-               bool sync) {
+               bool sync, int64_t offset) {
   const uint32_t nv = noise_version(noise);
+  const uint64_t base = base_of(offset);
   const int64_t n = param.numel();
   TORCH_CHECK(sigma_mode >= kSigmaNone && sigma_mode <= kSigmaConst,
               "poco_kernels_cpp: invalid sigma_mode ", sigma_mode);
@@ -225,7 +232,7 @@ void sample_op(const at::Tensor& param, const at::Tensor& centre, const at::Tens
   const int64_t* c = ctl_ptr(ctl);
   a.n = n;
   a.noise = Noise{(uint64_t)seed, u32(counter_of(c, counter_slot), "counter"),
-                  u32(stream, "stream"), (float)sign, nv};
+                  u32(stream, "stream"), (float)sign, nv, base};
   a.ess = (float)ess;
   a.wd = (float)wd;
   a.sigma_const = (float)sigma_const;
@@ -238,8 +245,9 @@ void sample_op(const at::Tensor& param, const at::Tensor& centre, const at::Tens
 void accumulate_op(const at::Tensor& grad, const at::Tensor& acc_g,
                    const c10::optional<at::Tensor>& acc_ge, const at::Tensor& ctl,
                    int64_t seed, int64_t noise, int64_t stream, int64_t counter_slot, double sign, bool first,
-                   bool ge) {
+                   bool ge, int64_t offset) {
   const uint32_t nv = noise_version(noise);
+  const uint64_t base = base_of(offset);
   const int64_t n = grad.numel();
   AccumulateArgs a{};
   a.pdtype = pdtype_of(grad, n, "grad");
@@ -249,7 +257,7 @@ void accumulate_op(const at::Tensor& grad, const at::Tensor& acc_g,
   int64_t* c = ctl_ptr(ctl);
   a.n = n;
   a.noise = Noise{(uint64_t)seed, ge ? u32(counter_of(c, counter_slot), "counter") : 0u,
-                  u32(stream, "stream"), (float)sign, nv};
+                  u32(stream, "stream"), (float)sign, nv, base};
   a.first = first;
   a.ge = ge;
   const KernelTable& k = kernels();
@@ -274,8 +282,10 @@ void check_op(const at::Tensor& grad, const at::Tensor& ctl) {
 }
 
 void fold_ge_op(const at::Tensor& acc_g, const at::Tensor& acc_ge, const at::Tensor& ctl,
-                int64_t seed, int64_t noise, int64_t stream, int64_t counter_slot, double sign) {
+                int64_t seed, int64_t noise, int64_t stream, int64_t counter_slot, double sign,
+                int64_t offset) {
   const uint32_t nv = noise_version(noise);
+  const uint64_t base = base_of(offset);
   const int64_t n = acc_g.numel();
   FoldArgs a{};
   a.acc_g = state_ptr(acc_g, n, "acc_g");
@@ -283,7 +293,7 @@ void fold_ge_op(const at::Tensor& acc_g, const at::Tensor& acc_ge, const at::Ten
   const int64_t* c = ctl_ptr(ctl);
   a.n = n;
   a.noise = Noise{(uint64_t)seed, u32(counter_of(c, counter_slot), "counter"),
-                  u32(stream, "stream"), (float)sign, nv};
+                  u32(stream, "stream"), (float)sign, nv, base};
   const KernelTable& k = kernels();
   for_tiles(n, [&](int64_t t0, int64_t t1) { k.fold_ge(a, t0, t1); });
 }
@@ -346,8 +356,10 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
              const c10::optional<at::Tensor>& m_out, const c10::optional<at::Tensor>& sigma_out,
              const at::Tensor& ctl, const c10::optional<at::Tensor>& found_inf,
              const c10::optional<at::Tensor>& grad_scale, int64_t seed, int64_t noise, int64_t stream,
-             int64_t stream_o, at::ArrayRef<double> hp_list, int64_t family, int64_t flag_bits) {
+             int64_t stream_o, at::ArrayRef<double> hp_list, int64_t family, int64_t flag_bits,
+             int64_t offset) {
   const uint32_t nv = noise_version(noise);
+  const uint64_t base = base_of(offset);
   const int64_t n = mean.numel();
   const StepHyper hp = step_hyper(hp_list);
   const StepFlags f = step_flags(flag_bits);
@@ -399,7 +411,8 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
       s.mean = a.mean;
       s.h = a.s2;
       s.n = n;
-      s.noise = Noise{(uint64_t)seed, u32(c[0], "step counter"), u32(stream, "stream"), 1.0f, nv};
+      s.noise = Noise{(uint64_t)seed, u32(c[0], "step counter"), u32(stream, "stream"), 1.0f, nv,
+                      base};
       s.ess = (float)hp.ess;
       s.wd = (float)hp.wd;
       s.mode = kSigmaIvon;
@@ -416,6 +429,7 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
   const double alpha_eff = a.corr && c[1] > 0 ? hp.alpha : 0.0;
   a.seed = (uint64_t)seed;
   a.noise_version = nv;
+  a.base = base;
   a.counter = u32(steps, "step counter");
   a.stream_in = u32(stream, "stream");
   a.stream_o = u32(stream_o, "stream_o");
@@ -455,8 +469,9 @@ void refresh_op(const at::Tensor& mean, const c10::optional<at::Tensor>& h,
                 const at::Tensor& m_out, const c10::optional<at::Tensor>& sigma_out,
                 const at::Tensor& ctl, const c10::optional<at::Tensor>& found_inf,
                 const c10::optional<at::Tensor>& grad_scale, int64_t seed, int64_t noise, int64_t stream,
-                at::ArrayRef<double> hp_list, int64_t family, int64_t flag_bits) {
+                at::ArrayRef<double> hp_list, int64_t family, int64_t flag_bits, int64_t offset) {
   const uint32_t nv = noise_version(noise);
+  const uint64_t base = base_of(offset);
   const int64_t n = mean.numel();
   const RefreshHyper hp = refresh_hyper(hp_list);
   const RefreshFlags f = refresh_flags(flag_bits);
@@ -483,7 +498,8 @@ void refresh_op(const at::Tensor& mean, const c10::optional<at::Tensor>& h,
   if (skip_update(c, found_inf)) return;
   const int64_t refreshes = c[1];
   a.n = n;
-  a.noise = Noise{(uint64_t)seed, u32(refreshes, "refresh counter"), u32(stream, "stream"), 1.0f, nv};
+  a.noise = Noise{(uint64_t)seed, u32(refreshes, "refresh counter"), u32(stream, "stream"), 1.0f, nv,
+                  base};
   a.scale = (float)hp.inv_n * inv_scale(grad_scale);
   a.family = (int)family;
   a.ge = f.ge;
@@ -519,7 +535,7 @@ void randn_op(const at::Tensor& out, int64_t seed, int64_t noise, int64_t counte
   const int64_t n = out.numel();
   float* o = state_ptr(out, n, "out");
   TORCH_CHECK(offset >= 0, "poco_kernels_cpp::randn: offset must be >= 0");
-  const Noise def{(uint64_t)seed, u32(counter, "counter"), u32(stream, "stream"), 1.0f, nv};
+  const Noise def{(uint64_t)seed, u32(counter, "counter"), u32(stream, "stream"), 1.0f, nv, 0};
   const KernelTable& k = kernels();
   for_tiles(n, [&](int64_t t0, int64_t t1) { k.randn(o, n, (uint64_t)offset, def, t0, t1); });
 }
@@ -530,21 +546,22 @@ void randn_op(const at::Tensor& out, int64_t seed, int64_t noise, int64_t counte
 TORCH_LIBRARY(poco_kernels_cpp, m) {
   m.def("sample(Tensor(a!) param, Tensor centre, Tensor(b!) mean, Tensor? h, Tensor? sigma, "
         "Tensor ctl, int seed, int noise, int stream, int counter_slot, float ess, float wd, "
-        "float sigma_const, float sign, int sigma_mode, bool sync) -> ()");
+        "float sigma_const, float sign, int sigma_mode, bool sync, int offset=0) -> ()");
   m.def("accumulate(Tensor grad, Tensor(a!) acc_g, Tensor(b!)? acc_ge, Tensor(c!) ctl, "
-        "int seed, int noise, int stream, int counter_slot, float sign, bool first, bool ge) -> ()");
+        "int seed, int noise, int stream, int counter_slot, float sign, bool first, bool ge, "
+        "int offset=0) -> ()");
   m.def("check(Tensor grad, Tensor(a!) ctl) -> ()");
   m.def("fold_ge(Tensor acc_g, Tensor(a!) acc_ge, Tensor ctl, int seed, int noise, int stream, "
-        "int counter_slot, float sign) -> ()");
+        "int counter_slot, float sign, int offset=0) -> ()");
   m.def("step(Tensor(a!) mean, Tensor(b!) param, Tensor(c!)? s1, Tensor(d!)? s2, Tensor g_in, "
         "Tensor? ge_in, Tensor? g_o, Tensor? ge_o, Tensor? g_out, Tensor? h_out, "
         "Tensor? m_out, Tensor? sigma_out, Tensor ctl, Tensor? found_inf, "
         "Tensor? grad_scale, int seed, int noise, int stream, int stream_o, float[] hp, int family, "
-        "int flags) -> ()");
+        "int flags, int offset=0) -> ()");
   m.def("refresh(Tensor mean, Tensor? h, Tensor acc_g, Tensor? acc_ge, Tensor(a!) g_out, "
         "Tensor(b!)? h_out, Tensor(c!) m_out, Tensor(d!)? sigma_out, Tensor ctl, "
         "Tensor? found_inf, Tensor? grad_scale, int seed, int noise, int stream, float[] hp, int family, "
-        "int flags) -> ()");
+        "int flags, int offset=0) -> ()");
   m.def("finish(Tensor(a!) ctl, Tensor? found_inf, int slot) -> ()");
   m.def("randn(Tensor(a!) out, int seed, int noise, int counter, int stream, int offset) -> ()");
   m.def("isa() -> str", &poco::isa_op);

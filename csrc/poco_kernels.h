@@ -57,14 +57,18 @@ struct RefreshFlags { POCO_REFRESH_FLAGS(POCO_BOOL_FIELD) };
 #undef POCO_DOUBLE_FIELD
 #undef POCO_BOOL_FIELD
 
-// One noise stream: element i gets randn(seed, i, counter, stream) * sign, drawn under
-// the stream definition `version` (1 or 2: poco_kernels/noise.py).
+// One noise stream: element i of a buffer gets randn(seed, base + i, counter, stream) *
+// sign, drawn under the stream definition `version` (1 or 2: poco_kernels/noise.py).
+// `base`: the index of the buffer's first element in the stream (0 for a whole bucket; a
+// shard's place in the unsharded bucket under FSDP2); the stochastic rounding of
+// low-precision state uses the same indices.
 struct Noise {
   uint64_t seed;
   uint32_t counter;
   uint32_t stream;
   float sign;
   uint32_t version;
+  uint64_t base;
 };
 
 struct SampleArgs {
@@ -110,6 +114,7 @@ struct StepArgs {
   int64_t n;
   uint64_t seed;
   uint32_t noise_version;     // the stream definition (1 or 2)
+  uint64_t base;              // stream index of element 0 (Noise::base)
   uint32_t counter;           // the step: noise counter of inner and outer samples
   uint32_t stream_in, stream_o;
   float sign_o;

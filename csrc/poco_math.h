@@ -438,15 +438,25 @@ POCO_INLINE uint16_t round_bf16_sr(float v, uint32_t bits) {
   const uint32_t special = (u >> 16) | ((u & 0x007FFFFFu) != 0u ? 0x40u : 0u);
   return (uint16_t)(finite ? (u + bits) >> 16 : special);
 }
-// dst[j] <- stochastic rounding of src[j], element index i0 + j of the buffer (j < len;
-// a tile never crosses a multiple of 2^32)
+// dst[j] <- stochastic rounding of src[j], element index i0 + j of the buffer's stream
+// (j < len; split where the index crosses a multiple of 2^32, which a shard's base can make
+// happen inside a tile)
 POCO_INLINE void store_sr(uint16_t* __restrict dst, const float* __restrict src, int64_t len,
-                          int64_t i0, uint64_t seed, uint32_t counter, uint32_t bucket,
+                          uint64_t i0, uint64_t seed, uint32_t counter, uint32_t bucket,
                           uint32_t tag) {
-  const uint32_t salt = round_salt(seed, counter, bucket, tag, (uint32_t)((uint64_t)i0 >> 32));
-  const uint32_t lo0 = (uint32_t)i0;
+  while (len > 0) {
+    const uint32_t lo0 = (uint32_t)i0;
+    const uint64_t room = 0x100000000ull - (uint64_t)lo0;
+    const int64_t m = (uint64_t)len < room ? len : (int64_t)room;
+    const uint32_t salt = round_salt(seed, counter, bucket, tag, (uint32_t)(i0 >> 32));
 #pragma omp simd
-  for (int64_t j = 0; j < len; ++j) dst[j] = round_bf16_sr(src[j], round_bits(lo0 + (uint32_t)j, salt));
+    for (int64_t j = 0; j < m; ++j)
+      dst[j] = round_bf16_sr(src[j], round_bits(lo0 + (uint32_t)j, salt));
+    dst += m;
+    src += m;
+    len -= m;
+    i0 += (uint64_t)m;
+  }
 }
 // dst[j] <- bfloat16 src[j], widened exactly
 POCO_INLINE void load_bf16(float* __restrict dst, const uint16_t* __restrict src, int64_t len) {

@@ -238,6 +238,11 @@ def build_buckets(param_groups: Sequence[dict], max_buckets: int) -> List[Bucket
                 n_full += p.numel()
             buckets.append(Bucket(len(buckets), gi, ps, offsets, n, dev, dt, state_dtype(dt),
                                   segments=segments if sharded else None))
+    kinds = {is_sharded(p) for b in buckets for p in b.params}
+    check(len(kinds) < 2,
+          "the trainable parameters are partly sharded (some DTensor, some plain tensors): "
+          "shard the whole model (e.g. fully_shard the root module too) or none of it, so "
+          "every parameter's gradient is reduced the same way")
     check(len(buckets) <= max_buckets,
           f"at most {max_buckets} (group, device, dtype) buckets are supported")
     return buckets

@@ -263,7 +263,7 @@ def test_ddp_two_ranks(tmp_path, stdlib):
 
 
 def test_fsdp2_two_ranks_and_resume(tmp_path):
-    """FSDP2 (fully_shard) over 2 gloo processes on the torch backend: each rank
+    """FSDP2 (fully_shard) over 2 gloo processes ("auto": the C++ backend): each rank
     samples its shards at their places in the unsharded noise stream, so the run equals
     the single-process run to float rounding; a sharded checkpoint taken mid inner loop
     resumes to the same final state."""
@@ -436,40 +436,3 @@ def test_resume_refuses_another_run_and_changes_nothing(tmp_path, stdlib):
         P.Trainer(P.resolve_config("ivon", "cpu", preset="gpt-test", vocab_size=256,
                                    resume=True, out_dir=str(tmp_path / "none")), data=stdlib)
     assert (tmp_path / "ckpt.pt").read_bytes() == before
-
-
-def test_sharded_parameters_in_one_process(tmp_path):
-    """DTensor parameters (a one-rank gloo group): Shard(0) buckets sample what plain
-    parameters sample and take the same step; other placements and the fused backends
-    are refused with a clear error."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    import poco_kernels as pk
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
-                            world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        w = torch.randn(7, 5)
-        plain = [torch.nn.Parameter(w.clone()), torch.nn.Parameter(torch.randn(3))]
-        sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)]))
-                   for p in plain]
-        kw = dict(lr=0.1, ess=1e4, hess_init=1.0, backend="torch", seed=0)
-        a, b = pk.IVONPoCo(plain, **kw), pk.IVONPoCo(sharded, **kw)
-        assert b._buckets[0].segments == [(0, 35, 0), (35, 3, 35)]
-        for opt, ps in ((a, plain), (b, sharded)):
-            with opt.sampled("inner"):
-                sum((p * p).sum() for p in ps).backward()
-            opt.step()
-        for p, q in zip(plain, sharded):
-            assert torch.equal(p.detach(), q.to_local().detach())
-            assert torch.equal(a.state[p]["h"], b.state[q]["h"])
-        with pytest.raises(RuntimeError, match="sharded"):
-            pk.IVON([torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))],
-                    lr=0.1, ess=1e4, backend="cpp")
-        with pytest.raises(ValueError, match="Shard\\(0\\)"):
-            pk.IVON([torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(1)]))],
-                    lr=0.1, ess=1e4, backend="torch")
-    finally:
-        dist.destroy_process_group()

@@ -20,6 +20,12 @@ module with one function per operation, :mod:`poco_kernels.kernels.triton_ops` o
   accumulating) leaves it and the state as they were, without the host looking.  The
   host reads the step count when asked (``step_count``, ``state_dict``), and after each
   refresh whether it was taken: that decides whether the correction is active.
+* **Sharded parameters** (FSDP2's ``DTensor``, ``Bucket.segments``): FSDP2 owns the
+  storage of the local shards (it all-gathers from it), so they are not re-pointed: each
+  operation runs one launch per local shard, over that shard itself and its slice of the
+  bucket's flat state, with the shard's place in the unsharded bucket as the noise offset
+  (so every element draws the noise it draws unsharded).  Gradients are FSDP2's
+  reduce-scattered ``.grad`` (no views handed out), read in place by ``accumulate``.
 * **No host synchronisation inside a step** on a GPU, unless ``check_finite=True`` asks
   for the torch backend's error on non-finite gradients (one device-to-host read per
   update; free on the CPU, where it is the default).
@@ -33,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .. import noise as _noise
-from .._layout import alloc_flat, is_padded
+from .._layout import alloc_flat, is_padded, local
 from .._protocol import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER,
                          KIND_REFRESH)
 from ..kernels import cpp_status, triton_status
@@ -46,9 +52,6 @@ def bucket_reasons(backend: str, buckets) -> List[str]:
     label = {"triton": "Triton", "cpp": "C++"}[backend]
     reasons = []
     for b in buckets:
-        if b.segments is not None:
-            reasons.append(f"sharded (DTensor, e.g. FSDP2) parameters run on the torch "
-                           f"backend only, not the {label} kernels")
         if b.param_dtype == torch.float64:
             reasons.append(f"float64 parameters are not supported by the {label} kernels "
                            "(float32, bfloat16, float16)")
@@ -119,7 +122,11 @@ class FusedBackend(Backend):
         gradient buffer).  Idempotent: buckets already flat keep their storage."""
         for b in self.opt._buckets:
             flat = getattr(b, "flat_param", None)
-            if flat is None or not self._is_flat(b):
+            if b.segments is not None:        # FSDP2 owns the shards: launched per shard
+                b.flat_param, b.grad_bufs, b.handed = None, [], None
+                b.grad_flat, b.grad_views = None, None
+                self._check_shards(b)
+            elif flat is None or not self._is_flat(b):
                 flat = alloc_flat(b.numel, b.device, b.param_dtype)
                 with torch.no_grad():
                     for p, off in zip(b.params, b.offsets):
@@ -141,6 +148,65 @@ class FusedBackend(Backend):
         c = torch.zeros(K.CTL_SIZE, dtype=torch.int64)
         c[K.CTL_STEPS], c[K.CTL_REFRESHES], c[K.CTL_SKIPPED] = steps, refreshes, skipped
         return c.to(device)
+
+    # ------------------------------------------------------------------ sharded buckets
+    @staticmethod
+    def _pieces(b):
+        """The launches of an operation on bucket ``b``: ``(lo, n, offset, param)`` per
+        launch, the elements ``lo .. lo + n - 1`` of the bucket's flat buffers, the noise
+        (and rounding) offset of element ``lo``, and the parameter tensor written.  One
+        launch over the flat parameter buffer at offset 0, or per non-empty local shard of
+        a sharded bucket its slice, its place in the unsharded bucket and the shard itself
+        (FSDP2's storage, flattened: a view)."""
+        if b.segments is None:
+            return ((0, b.numel, 0, b.flat_param),)
+        return tuple((lo, n, start, b.local(i).view(-1))
+                     for i, (lo, n, start) in enumerate(b.segments) if n > 0)
+
+    @staticmethod
+    def _cutter(b, lo: int, n: int):
+        """The slice ``lo .. lo + n - 1`` of a flat buffer of ``b`` (None stays None; an
+        unsharded bucket's one launch takes the buffers themselves: their padding counts)."""
+        if b.segments is None:
+            return lambda t: t
+        return lambda t: None if t is None else t[lo:lo + n]
+
+    def _params_to(self, b, dst: Tensor) -> None:
+        """``dst`` (a flat buffer of ``b``) takes the parameters' values."""
+        if b.segments is None:
+            dst.copy_(b.flat_param)
+            return
+        pieces = self._pieces(b)
+        if pieces:
+            torch._foreach_copy_([dst[lo:lo + n] for lo, n, _, _ in pieces],
+                                 [prm for _, _, _, prm in pieces])
+
+    def _params_from(self, b, src: Tensor) -> None:
+        """The parameters take the values of ``src`` (a flat buffer of ``b``)."""
+        if b.segments is None:
+            b.flat_param.copy_(src)
+            return
+        pieces = self._pieces(b)
+        if pieces:
+            torch._foreach_copy_([prm for _, _, _, prm in pieces],
+                                 [src[lo:lo + n] for lo, n, _, _ in pieces])
+
+    def _check_shards(self, b) -> None:
+        """The local shards of a sharded bucket are still contiguous tensors of the
+        bucket's dtype, device and sizes (FSDP2 may replace their storage, e.g. when a
+        state dict is loaded into the model: the launches follow it)."""
+        for i, (lo, n, _) in enumerate(b.segments):
+            loc = b.local(i)
+            if (loc.numel() != n or loc.dtype != b.param_dtype or loc.device != b.device
+                    or not loc.is_contiguous()):
+                group = self.opt.param_groups[b.group_index]["params"]
+                j = next(j for j, q in enumerate(group) if q is b.params[i])
+                raise RuntimeError(
+                    f"parameter {j} of param group {b.group_index}: its local shard changed "
+                    f"since the optimizer was built (now {tuple(loc.shape)} {loc.dtype} on "
+                    f"{loc.device}, contiguous={loc.is_contiguous()}; expected {n} elements "
+                    f"of {b.param_dtype} on {b.device}): build the optimizer after sharding, "
+                    "moving or converting the model (a state dict carries its state over)")
 
     @staticmethod
     def _is_flat(b) -> bool:
@@ -168,6 +234,10 @@ class FusedBackend(Backend):
             return
         loose = []
         for b in self.opt._buckets:           # all checked before any is re-linked
+            if b.segments is not None:
+                if strict:
+                    self._check_shards(b)
+                continue
             if self._is_flat(b):
                 continue
             why = self._changed(b)
@@ -240,7 +310,7 @@ class FusedBackend(Backend):
             return
         for b in self.opt._buckets:
             if b.param_dtype == b.dtype:
-                b.buffers["mean"].copy_(b.flat_param)
+                self._params_to(b, b.buffers["mean"])
 
     def at_mean(self) -> None:
         self.check_layout()
@@ -270,16 +340,16 @@ class FusedBackend(Backend):
                 self.active_noise[b.index] = None
                 if is_mean:
                     if sync:
-                        b.buffers["mean"].copy_(b.flat_param)
+                        self._params_to(b, b.buffers["mean"])
                     elif not self.params_hold_mean or b.param_dtype != b.dtype:
-                        b.flat_param.copy_(spec.centre)
+                        self._params_from(b, spec.centre)
                 else:
                     if self.params_hold_mean and b.param_dtype == b.dtype:
-                        b.buffers["mean"].copy_(b.flat_param)
-                    b.flat_param.copy_(spec.centre)
+                        self._params_to(b, b.buffers["mean"])
+                    self._params_from(b, spec.centre)
                 continue
             if self.params_hold_mean and not is_mean and b.param_dtype == b.dtype:
-                b.buffers["mean"].copy_(b.flat_param)
+                self._params_to(b, b.buffers["mean"])
             nk, nd, slot, sign = spec.noise
             stream = _noise.stream_id(b.index, nk, nd)
             self.active_noise[b.index] = (stream, slot, float(sign))
@@ -289,17 +359,19 @@ class FusedBackend(Backend):
                 mode, h, sig, const = K.SIGMA_BUFFER, None, spec.sigma, 0.0
             else:
                 mode, h, sig, const = K.SIGMA_CONST, None, None, float(spec.sigma)
-            self.ops.sample(b.flat_param, b.flat_param if sync else spec.centre,
-                            b.buffers["mean"], h, sig, self._ctl(b), opt.seed, opt.noise_version,
-                            stream, slot,
-                            float(spec.ess), float(spec.wd), const, float(sign), mode, sync)
+            for lo, n, off, prm in self._pieces(b):
+                cut = self._cutter(b, lo, n)
+                self.ops.sample(prm, prm if sync else cut(spec.centre), cut(b.buffers["mean"]),
+                                cut(h), cut(sig), self._ctl(b), opt.seed, opt.noise_version,
+                                stream, slot, float(spec.ess), float(spec.wd), const,
+                                float(sign), mode, sync, off)
         self.params_hold_mean = False
 
     @torch.no_grad()
     def restore(self) -> None:
         self._relink(strict=False)            # the mean goes where the parameters are
         for b in self.opt._buckets:
-            b.flat_param.copy_(b.buffers["mean"])
+            self._params_from(b, b.buffers["mean"])
         self.params_hold_mean = True
         self.ahead = None
 
@@ -357,6 +429,8 @@ class FusedBackend(Backend):
             return
         lent = self._lent()
         for b in self.opt._buckets:
+            if b.segments is not None:        # FSDP2 hands out the sharded gradients
+                continue
             if cleared_only and any(p.grad is not None for p in b.params):
                 continue
             i = self._free_buffer(b, lent, b.handed)
@@ -450,6 +524,38 @@ class FusedBackend(Backend):
             torch._foreach_zero_(zero)
         return gb
 
+    def _shard_grads(self, b) -> List[Optional[Tensor]]:
+        """The local gradients of a sharded bucket, one per launch of :meth:`_pieces`
+        (FSDP2's reduce-scattered shards, read in place; None: no gradient, a zero one)."""
+        out = []
+        for i, (lo, n, _) in enumerate(b.segments):
+            if n == 0:
+                continue
+            g = b.params[i].grad
+            if g is None:
+                out.append(None)
+                continue
+            if g.is_sparse:
+                raise RuntimeError("poco_kernels optimizers do not support sparse gradients "
+                                   "(e.g. nn.Embedding(sparse=True)): nothing was accumulated")
+            g = local(g.detach())
+            if g.numel() != n:
+                raise RuntimeError(f"a sharded gradient has {g.numel()} elements where its "
+                                   f"parameter's local shard has {n}: nothing was accumulated")
+            if g.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
+                    or g.device != b.device:
+                g = g.to(device=b.device, dtype=b.param_dtype)
+            out.append(g.reshape(-1).contiguous())
+        return out
+
+    def _fold_ge(self, b, acc_g: Tensor, acc_ge: Tensor, stream: int, slot: int,
+                 sign: float) -> None:
+        """``acc_ge = acc_g * eps`` of the given draw (per shard for a sharded bucket)."""
+        for lo, n, off, _ in self._pieces(b):
+            cut = self._cutter(b, lo, n)
+            self.ops.fold_ge(cut(acc_g), cut(acc_ge), self._ctl(b), self.opt.seed,
+                             self.opt.noise_version, stream, slot, sign, off)
+
     def noise_of(self, kind: int, b, draw: int = 0) -> Optional[Tuple[int, int, float]]:
         """(stream, counter slot, sign) of draw ``draw`` of a kind, or None (no noise)."""
         spec = self.opt._spec(b, kind, draw)
@@ -464,17 +570,21 @@ class FusedBackend(Backend):
         sums = opt._pending.sums
         lent = self._lent()
         # gather every bucket first: a refused gradient (sparse) raises before a sum changes
-        bufs = [self._gather_grads(b, lent) for b in opt._buckets]
+        bufs = [self._shard_grads(b) if b.segments is not None else self._gather_grads(b, lent)
+                for b in opt._buckets]
         compiling = torch.compiler.is_compiling()
         for b, gb in zip(opt._buckets, bufs):
-            grad = gb.flat
             first = (kind, b.index, "g") not in sums
             noise = self.active_noise.get(b.index)
             want_ge = opt.uses_hessian and noise is not None
             ge_live = (kind, b.index, "ge") in sums
             needs_ge = want_ge and (draw >= 1 or ge_live)
-            gb.clean = None                    # it holds a gradient now
-            if first and not needs_ge and b.param_dtype == b.dtype and lend and not compiling:
+            sharded = b.segments is not None
+            if not sharded:
+                grad = gb.flat
+                gb.clean = None                # it holds a gradient now
+            if (first and not needs_ge and b.param_dtype == b.dtype and lend and not compiling
+                    and not sharded):
                 # the sum of one gradient is the gradient: the buffer itself becomes the
                 # pending sum (lent until the update), checked for non-finite values
                 self.ops.check(grad, self._ctl(b))
@@ -488,14 +598,22 @@ class FusedBackend(Backend):
                     if first:
                         acc_ge.zero_()
                     else:              # sums so far are all of draw 0: materialise g * eps_0
-                        s0, slot0, sign0 = self.noise_of(kind, b, 0)
-                        self.ops.fold_ge(acc_g, acc_ge, self._ctl(b), opt.seed, opt.noise_version,
-                                         s0, slot0, sign0)
+                        self._fold_ge(b, acc_g, acc_ge, *self.noise_of(kind, b, 0))
                     sums[(kind, b.index, "ge")] = acc_ge
             stream, slot, sign = noise if noise is not None else (0, 0, 1.0)
-            self.ops.accumulate(grad, acc_g, acc_ge, self._ctl(b), opt.seed, opt.noise_version,
-                                stream, slot, sign,
-                                first, acc_ge is not None)
+            if not sharded:
+                self.ops.accumulate(grad, acc_g, acc_ge, self._ctl(b), opt.seed,
+                                    opt.noise_version, stream, slot, sign, first,
+                                    acc_ge is not None)
+            else:
+                for (lo, n, off, _), g in zip(self._pieces(b), gb):
+                    cut = self._cutter(b, lo, n)
+                    if g is not None:
+                        self.ops.accumulate(g, cut(acc_g), cut(acc_ge), self._ctl(b), opt.seed,
+                                            opt.noise_version, stream, slot, sign, first,
+                                            acc_ge is not None, off)
+                    elif first:                # no gradient: a zero one
+                        acc_g[lo:lo + n].zero_()
             sums[(kind, b.index, "g")] = acc_g
 
     @torch.no_grad()
@@ -516,7 +634,7 @@ class FusedBackend(Backend):
                     continue
                 acc_g = self._acc(kind, b, "g")
                 acc_ge = self._acc(kind, b, "ge")
-                self.ops.fold_ge(acc_g, acc_ge, self._ctl(b), opt.seed, opt.noise_version, *noise)
+                self._fold_ge(b, acc_g, acc_ge, *noise)
                 opt._pending.sums[(kind, b.index, "ge")] = acc_ge
 
     # ------------------------------------------------------------------ updates
@@ -578,12 +696,13 @@ class FusedBackend(Backend):
             streams = K.StepStreams(opt.seed, noise_in[0] if noise_in else 0,
                                     noise_o[0] if noise_o else 0, opt.noise_version)
             fi, gs = self._amp(b, found_inf, grad_scale)
-            self.ops.step(b.buffers["mean"], b.flat_param, t.s1, t.s2, g_in, ge_in,
-                          g_o, ge_o, b.buffers.get("g_out") if c else None,
-                          b.buffers.get("h_out") if c else None,
-                          b.buffers.get("m_out") if c else None,
-                          b.buffers.get("sigma_out") if c else None,
-                          self._ctl(b), fi, gs, streams, hyper, flags)
+            outs = [b.buffers.get(k) if c else None for k in ("g_out", "h_out", "m_out",
+                                                               "sigma_out")]
+            for lo, n, off, prm in self._pieces(b):
+                cut = self._cutter(b, lo, n)
+                self.ops.step(cut(b.buffers["mean"]), prm, cut(t.s1), cut(t.s2), cut(g_in),
+                              cut(ge_in), cut(g_o), cut(ge_o), *(cut(o) for o in outs),
+                              self._ctl(b), fi, gs, streams, hyper, flags, off)
         self.params_hold_mean = not nxt
         if nxt:
             self.ahead = self._ahead_key()
@@ -609,10 +728,14 @@ class FusedBackend(Backend):
                       if (KIND_REFRESH, b.index, "ge") in pend.sums else None)
             noise = self.noise_of(KIND_REFRESH, b, 0)
             fi, gs = self._amp(b, found_inf, grad_scale)
-            self.ops.refresh(b.buffers["mean"], r.h, acc_g, acc_ge, r.g_out, r.h_out, r.m_out,
-                             r.sigma_out, self._ctl(b), fi, gs, opt.seed, opt.noise_version,
-                             noise[0] if noise else 0, K.RefreshHyper.of(r.hp, inv_n=1.0 / n),
-                             K.RefreshFlags(r.family, acc_ge is not None, noise is not None))
+            hp = K.RefreshHyper.of(r.hp, inv_n=1.0 / n)
+            flags = K.RefreshFlags(r.family, acc_ge is not None, noise is not None)
+            for lo, m, off, _ in self._pieces(b):
+                cut = self._cutter(b, lo, m)
+                self.ops.refresh(cut(b.buffers["mean"]), cut(r.h), cut(acc_g), cut(acc_ge),
+                                 cut(r.g_out), cut(r.h_out), cut(r.m_out), cut(r.sigma_out),
+                                 self._ctl(b), fi, gs, opt.seed, opt.noise_version,
+                                 noise[0] if noise else 0, hp, flags, off)
         if opt.check_finite:
             self._raise_if_bad(COUNTER_REFRESHES, found_inf)
         self._finish(COUNTER_REFRESHES, found_inf)

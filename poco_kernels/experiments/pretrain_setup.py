@@ -139,10 +139,7 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module, dev: torch.device, fs
                              "sharded parameters: use --parallel ddp")
         return ivon_opt.IVON(groups, **ivon)
     import poco_kernels as pk
-    backend = cfg.backend
-    if fsdp and backend == "auto":
-        backend = "torch"
-    common = dict(seed=cfg.seed, backend=backend,
+    common = dict(seed=cfg.seed, backend=cfg.backend,
                   state_dtype=torch.bfloat16 if cfg.state_dtype == "bfloat16" else None)
     if name == "ivon":
         return pk.IVON(groups, **ivon, **common)

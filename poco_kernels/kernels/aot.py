@@ -54,7 +54,7 @@ DEFAULT_CCS = (80, 90)
 # other ``*_ptr`` is float32 state, except the int64 control tensor.
 _PARAM_PTRS = {"param_ptr", "grad_ptr"}
 _PTR_TYPES = {"ctl_ptr": "*i64", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32"}
-_I64 = {"n", "seed"}
+_I64 = {"n", "seed", "offset"}
 _I32 = {"stream", "stream_o", "counter_slot", "slot"}
 _FP32 = {"ess", "wd", "sigma_const", "sign", "sign_o", "inv_n_in", "inv_n_o", "inv_n", "lr",
          "beta1", "beta2", "alpha", "hess_corr", "floor", "clip", "momentum", "dampening",
@@ -145,6 +145,8 @@ def variants() -> List[Variant]:
             constexprs.setdefault("BLOCK", block)
         if "NOISE" in constexpr_names(kernel):      # the current stream definition
             constexprs.setdefault("NOISE", STREAM_VERSION)
+        if "SHARD" in constexpr_names(kernel):      # a whole bucket (offset 0)
+            constexprs.setdefault("SHARD", 0)
         sig = signature(kernel, constexprs, dtype)
         sig.update(types or {})
         out.append(Variant(name, kernel, sig, constexprs, num_warps, padded))
@@ -172,6 +174,12 @@ def variants() -> List[Variant]:
         **dict(ivon_full, NEXT_SAMPLE=True, NOISE=1))
     # an exact, odd length: no tt.divisibility on n, so every load and store is scalar
     add("step[ivon,full,fp32,unpadded]", K.step_kernel, "fp32", padded=False, **ivon_full)
+    # shards of FSDP2 (exact lengths) at a place in their bucket that is a multiple of 4,
+    # and that is not (every element runs its own Philox call)
+    add("step[ivon,full,next,fp32,shard]", K.step_kernel, "fp32", padded=False,
+        **dict(ivon_full, NEXT_SAMPLE=True, SHARD=1))
+    add("step[ivon,full,next,fp32,shard-unaligned]", K.step_kernel, "fp32", padded=False,
+        **dict(ivon_full, NEXT_SAMPLE=True, SHARD=2))
     add("step[ivon,nocorr,bf16]", K.step_kernel, "bf16",
         **dict(_STEP_OFF, FAMILY=K.FAMILY_IVON, CLIP=True, DEBIAS=True))
     add("step[ivon,ge_in+ge_o,fp32]", K.step_kernel, "fp32",

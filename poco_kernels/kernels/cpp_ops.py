@@ -33,19 +33,21 @@ for _name in ("sample", "accumulate", "check", "fold_ge", "step", "refresh", "fi
 def sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
            sigma: Optional[Tensor], ctl: Tensor, seed: int, noise: int, stream: int,
            counter_slot: int, ess: float, wd: float, sigma_const: float, sign: float,
-           sigma_mode: int, sync: bool) -> None:
+           sigma_mode: int, sync: bool, offset: int = 0) -> None:
     """``param = centre + sigma * sign * eps`` (see ``triton_kernels.sample_kernel``).
-    ``noise``: the stream definition, 1 or 2 (:mod:`poco_kernels.noise`)."""
+    ``noise``: the stream definition, 1 or 2 (:mod:`poco_kernels.noise`); ``offset``: the
+    stream index of element 0 (a shard's place in its unsharded bucket; the same in every
+    operator below)."""
     _ops.sample(param, centre, mean, h, sigma, ctl, seed, noise, stream, counter_slot, float(ess),
-                float(wd), float(sigma_const), float(sign), sigma_mode, sync)
+                float(wd), float(sigma_const), float(sign), sigma_mode, sync, int(offset))
 
 
 def accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor, seed: int,
                noise: int, stream: int, counter_slot: int, sign: float, first: bool,
-               ge: bool) -> None:
+               ge: bool, offset: int = 0) -> None:
     """``acc_g (+)= g`` (and ``acc_ge += g * eps``); flags non-finite gradients in ``ctl``."""
     _ops.accumulate(grad, acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, float(sign),
-                    first, ge)
+                    first, ge, int(offset))
 
 
 def check(grad: Tensor, ctl: Tensor) -> None:
@@ -54,9 +56,9 @@ def check(grad: Tensor, ctl: Tensor) -> None:
 
 
 def fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, stream: int,
-            counter_slot: int, sign: float) -> None:
+            counter_slot: int, sign: float, offset: int = 0) -> None:
     """``acc_ge = acc_g * eps`` of draw 0."""
-    _ops.fold_ge(acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, float(sign))
+    _ops.fold_ge(acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, float(sign), int(offset))
 
 
 def step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
@@ -64,7 +66,7 @@ def step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor]
          g_out: Optional[Tensor], h_out: Optional[Tensor], m_out: Optional[Tensor],
          sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
          grad_scale: Optional[Tensor], streams: StepStreams, hp: StepHyper,
-         flags: StepFlags) -> None:
+         flags: StepFlags, offset: int = 0) -> None:
     """One inner step of every optimizer of the diagonal family (``step_kernel``); the
     records of :mod:`~poco_kernels.kernels.interface` are read by name in ``csrc/``."""
     streams = require(streams, StepStreams, "streams")
@@ -72,19 +74,21 @@ def step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor]
     flags = require(flags, StepFlags, "flags")
     _ops.step(mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out, m_out, sigma_out, ctl,
               found_inf, grad_scale, int(streams.seed), int(streams.noise), int(streams.stream),
-              int(streams.stream_o), [float(v) for v in hp], int(flags.family), flags.bits())
+              int(streams.stream_o), [float(v) for v in hp], int(flags.family), flags.bits(),
+              int(offset))
 
 
 def refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
             g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor, sigma_out: Optional[Tensor],
             ctl: Tensor, found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
-            noise: int, stream: int, hp: RefreshHyper, flags: RefreshFlags) -> None:
+            noise: int, stream: int, hp: RefreshHyper, flags: RefreshFlags,
+            offset: int = 0) -> None:
     """The outer refresh (``refresh_kernel``)."""
     hp = require(hp, RefreshHyper, "hp")
     flags = require(flags, RefreshFlags, "flags")
     _ops.refresh(mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out, ctl, found_inf,
                  grad_scale, seed, noise, stream, [float(v) for v in hp], int(flags.family),
-                 flags.bits())
+                 flags.bits(), int(offset))
 
 
 def finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:

@@ -61,7 +61,7 @@ BRANCH_FREE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 # (65536 are allowed) gets an i64 ``stream`` with the same bits (``.to(tl.uint32)``) and
 # bucket (``>> 16``), so the same numbers, from one more JIT compilation that the AOT
 # test does not compile.
-_NO_SPEC = ["seed", "stream", "stream_o", "counter_slot", "slot"]
+_NO_SPEC = ["seed", "stream", "stream_o", "counter_slot", "slot", "offset"]
 
 
 @triton.jit
@@ -132,12 +132,13 @@ def _normal_pair(wa, wb):
 
 
 @triton.jit
-def _randn_v2(seed, pid, counter, stream, BLOCK: tl.constexpr):
-    """Version 2: the normals of elements ``pid * BLOCK .. pid * BLOCK + BLOCK - 1``, from
-    the ``BLOCK // 4`` Philox calls that cover them: call ``q`` gives elements
-    ``4q .. 4q + 3``, both Box-Muller branches of both word pairs (``tl.randn4x``),
-    interleaved in element order by two joins and a reshape."""
-    q = pid * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+def _randn_v2(seed, pid, offset, counter, stream, BLOCK: tl.constexpr):
+    """Version 2: the normals of elements ``offset + pid * BLOCK .. offset + pid * BLOCK +
+    BLOCK - 1`` (``offset`` a multiple of 4), from the ``BLOCK // 4`` Philox calls that
+    cover them: call ``q`` gives elements ``4q .. 4q + 3``, both Box-Muller branches of
+    both word pairs (``tl.randn4x``), interleaved in element order by two joins and a
+    reshape."""
+    q = (offset >> 2) + pid * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
     c0 = (q & 0xFFFFFFFF).to(tl.uint32)
     c1 = (q >> 32).to(tl.uint32)
     zero = c0 * 0
@@ -151,14 +152,42 @@ def _randn_v2(seed, pid, counter, stream, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _noise(seed, idx, pid, counter, stream, NOISE: tl.constexpr, BLOCK: tl.constexpr):
-    """The normals of this block's elements ``idx = pid * BLOCK + arange(BLOCK)`` in
-    stream ``(seed, counter, stream)``, stream definition ``NOISE`` (1 or 2):
-    :func:`poco_kernels.noise.randn`."""
+def _randn_v2_at(seed, gidx, counter, stream):
+    """Version 2 at element indices ``gidx`` in any alignment: element ``i`` runs call
+    ``i >> 2`` itself and keeps lane ``i & 3`` (the word pair ``lane >> 1``, the branch
+    ``lane & 1``): the numbers of :func:`_randn_v2`, at four times its Philox work (a
+    shard whose place in its bucket is not a multiple of 4)."""
+    q = gidx >> 2
+    lane = (gidx & 3).to(tl.int32)
+    c0 = (q & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (q >> 32).to(tl.uint32)
+    zero = c0 * 0
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero + counter.to(tl.uint32),
+                               zero + stream.to(tl.uint32))
+    hi = lane >= 2
+    a, b = _normal_pair(tl.where(hi, w2, w0), tl.where(hi, w3, w1))
+    return tl.where((lane & 1) == 0, a, b)
+
+
+@triton.jit
+def _noise(seed, idx, pid, offset, counter, stream, NOISE: tl.constexpr,
+           SHARD: tl.constexpr, BLOCK: tl.constexpr):
+    """The normals of this block's elements ``idx = pid * BLOCK + arange(BLOCK)``, which
+    are elements ``offset + idx`` of stream ``(seed, counter, stream)``, stream definition
+    ``NOISE`` (1 or 2): :func:`poco_kernels.noise.randn`.  ``SHARD``: 0, a whole bucket
+    (``offset`` is 0 and unused: the variants audited in docs/gpu-budget.md); 1, a shard
+    at ``offset``, a multiple of 4; 2, a shard at any other ``offset``."""
     if NOISE == 1:
-        eps = _randn_v1(seed, idx, counter, stream)
+        if SHARD == 0:
+            eps = _randn_v1(seed, idx, counter, stream)
+        else:
+            eps = _randn_v1(seed, idx + offset, counter, stream)
+    elif SHARD == 0:
+        eps = _randn_v2(seed, pid, 0, counter, stream, BLOCK)
+    elif SHARD == 1:
+        eps = _randn_v2(seed, pid, offset, counter, stream, BLOCK)
     else:
-        eps = _randn_v2(seed, pid, counter, stream, BLOCK)
+        eps = _randn_v2_at(seed, idx + offset, counter, stream)
     return eps
 
 
@@ -195,14 +224,19 @@ def _round_bits(idx, seed, counter, bucket, TAG: tl.constexpr):
 
 
 @triton.jit
-def _store_state(ptr, idx, x, mask, seed, counter, bucket, TAG: tl.constexpr):
+def _store_state(ptr, idx, offset, x, mask, seed, counter, bucket, TAG: tl.constexpr,
+                 SHARD: tl.constexpr):
     """Store float32 state ``x``; into a bfloat16 buffer (``state_dtype``) with stochastic
-    rounding, :func:`poco_kernels.reference.stochastic_round`."""
+    rounding, :func:`poco_kernels.reference.stochastic_round` (the bits of element
+    ``offset + idx``, as the noise: ``SHARD``)."""
     if ptr.dtype.element_ty == tl.bfloat16:
         u = x.to(tl.uint32, bitcast=True)
         finite = (u & 0x7F800000) != 0x7F800000
         special = (u >> 16) | tl.where((u & 0x007FFFFF) != 0, 0x40, 0).to(tl.uint32)
-        r = _round_bits(idx, seed, counter, bucket, TAG)
+        if SHARD == 0:
+            r = _round_bits(idx, seed, counter, bucket, TAG)
+        else:
+            r = _round_bits(idx + offset, seed, counter, bucket, TAG)
         bits = tl.where(finite, (u + r) >> 16, special)
         tl.store(ptr + idx, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
     else:
@@ -227,10 +261,10 @@ def _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, n: tl.int64,
-                  seed: tl.int64, stream,
+                  offset: tl.int64, seed: tl.int64, stream,
                   counter_slot, ess, wd, sigma_const, sign,
                   SIGMA_MODE: tl.constexpr, SYNC: tl.constexpr, NOISE: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  SHARD: tl.constexpr, BLOCK: tl.constexpr):
     """Write the posterior sample ``theta = centre + sigma * sign * eps`` into the flat
     parameters, in their dtype.  ``SYNC``: the parameters hold the mean (float32
     parameters, torch.optim convention) and are first copied to the ``mean`` buffer,
@@ -253,16 +287,16 @@ def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, n:
         else:
             sigma = sigma_const
         counter = tl.load(ctl_ptr + counter_slot)
-        eps = _noise(seed, idx, pid, counter, stream, NOISE, BLOCK) * sign
+        eps = _noise(seed, idx, pid, offset, counter, stream, NOISE, SHARD, BLOCK) * sign
         theta = centre + sigma * eps
     tl.store(param_ptr + idx, _to_param(theta, param_ptr), mask=mask)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, n: tl.int64, seed: tl.int64,
-                      stream, counter_slot,
+def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, n: tl.int64, offset: tl.int64,
+                      seed: tl.int64, stream, counter_slot,
                       sign, FIRST: tl.constexpr, GE: tl.constexpr, NOISE: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      SHARD: tl.constexpr, BLOCK: tl.constexpr):
     """Fold one gradient (flat, parameter dtype) into the running sums of its sample kind:
     ``acc_g (+)= g``; with ``GE`` (several draws of the kind) also ``acc_ge += g * eps``
     of the active draw.  A non-finite gradient sets the control tensor's bad flag (one
@@ -281,7 +315,7 @@ def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, n: tl.int64, see
     if GE:
         ge = tl.load(acc_ge_ptr + idx, mask=mask)          # (loads before the noise)
         counter = tl.load(ctl_ptr + counter_slot)
-        eps = _noise(seed, idx, pid, counter, stream, NOISE, BLOCK) * sign
+        eps = _noise(seed, idx, pid, offset, counter, stream, NOISE, SHARD, BLOCK) * sign
         tl.store(acc_ge_ptr + idx, ge + g * eps, mask=mask)
 
 
@@ -298,9 +332,9 @@ def check_kernel(grad_ptr, ctl_ptr, n: tl.int64, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def fold_ge_kernel(acc_g_ptr, acc_ge_ptr, ctl_ptr, n: tl.int64, seed: tl.int64, stream,
-                   counter_slot, sign,
-                   NOISE: tl.constexpr, BLOCK: tl.constexpr):
+def fold_ge_kernel(acc_g_ptr, acc_ge_ptr, ctl_ptr, n: tl.int64, offset: tl.int64,
+                   seed: tl.int64, stream, counter_slot, sign,
+                   NOISE: tl.constexpr, SHARD: tl.constexpr, BLOCK: tl.constexpr):
     """``acc_ge = acc_g * eps`` of draw 0: when a second draw of a kind starts, the sum of
     ``g * eps`` that the update would otherwise regenerate is materialised."""
     pid = tl.program_id(0).to(tl.int64)
@@ -308,7 +342,7 @@ def fold_ge_kernel(acc_g_ptr, acc_ge_ptr, ctl_ptr, n: tl.int64, seed: tl.int64, 
     mask = idx < n
     g = tl.load(acc_g_ptr + idx, mask=mask)
     counter = tl.load(ctl_ptr + counter_slot)
-    eps = _noise(seed, idx, pid, counter, stream, NOISE, BLOCK) * sign
+    eps = _noise(seed, idx, pid, offset, counter, stream, NOISE, SHARD, BLOCK) * sign
     tl.store(acc_ge_ptr + idx, g * eps, mask=mask)
 
 
@@ -328,7 +362,7 @@ def step_kernel(
         g_out_ptr, h_out_ptr, m_out_ptr, sigma_out_ptr,
         # control
         ctl_ptr, found_inf_ptr, grad_scale_ptr,
-        n: tl.int64, seed: tl.int64, stream, stream_o,
+        n: tl.int64, offset: tl.int64, seed: tl.int64, stream, stream_o,
         # StepHyper (poco_kernels/kernels/interface.py)
         sign_o, inv_n_in, inv_n_o,
         lr, beta1, beta2, wd, ess, alpha, hess_corr, floor, clip, momentum, dampening, eps,
@@ -339,7 +373,7 @@ def step_kernel(
         FLOOR: tl.constexpr,
         CLIP: tl.constexpr, DEBIAS: tl.constexpr, MOMENTUM: tl.constexpr,
         NESTEROV: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr,
-        NOISE: tl.constexpr, BLOCK: tl.constexpr):
+        NOISE: tl.constexpr, SHARD: tl.constexpr, BLOCK: tl.constexpr):
     """One inner step of every optimizer of the diagonal family, in one pass.  The scalars
     and switches are the fields of ``StepStreams``, ``StepHyper`` and ``StepFlags``
     (:mod:`poco_kernels.kernels.interface`), by name.
@@ -403,7 +437,7 @@ def step_kernel(
                 m_out = tl.load(m_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         sigma = _ivon_sigma(h, ess, wd)
         if not GE_IN:
-            eps_i = _noise(seed, idx, pid, steps, stream, NOISE, BLOCK)
+            eps_i = _noise(seed, idx, pid, offset, steps, stream, NOISE, SHARD, BLOCK)
             ge_in = g_in * eps_i
         hhat = ge_in / sigma
         extra = 0.0
@@ -412,7 +446,8 @@ def step_kernel(
                 if SHARED_NOISE:
                     eps_o = eps_i
                 else:
-                    eps_o = _noise(seed, idx, pid, steps, stream_o, NOISE, BLOCK)
+                    eps_o = _noise(seed, idx, pid, offset, steps, stream_o, NOISE, SHARD,
+                                   BLOCK)
                 ge_o = g_o * (eps_o * sign_o)
             h_o = ge_o / sigma_out
             hhat = hhat - a * (h_o - h_out)
@@ -432,7 +467,7 @@ def step_kernel(
         if CLIP:
             u = tl.minimum(tl.maximum(u, -clip), clip)
         m_new = m - lr * u
-        _store_state(s1_ptr, idx, g_new, wmask, seed, steps, stream >> 16, 0)
+        _store_state(s1_ptr, idx, offset, g_new, wmask, seed, steps, stream >> 16, 0, SHARD)
         tl.store(s2_ptr + idx, h_new, mask=wmask)
         h_param = tl.where(wmask, h_new, h)
     elif FAMILY == 1:
@@ -465,7 +500,8 @@ def step_kernel(
     # with NEXT_SAMPLE the inner sample of the state they keep
     m_param = tl.where(wmask, m_new, m)
     if NEXT_SAMPLE:
-        eps_next = _noise(seed, idx, pid, steps + 1 - skip, stream, NOISE, BLOCK)
+        eps_next = _noise(seed, idx, pid, offset, steps + 1 - skip, stream, NOISE, SHARD,
+                          BLOCK)
         m_param = m_param + _ivon_sigma(h_param, ess, wd) * eps_next
     tl.store(param_ptr + idx, _to_param(m_param, param_ptr), mask=mask)
 
@@ -473,13 +509,13 @@ def step_kernel(
 @triton.jit(do_not_specialize=_NO_SPEC)
 def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr, m_out_ptr,
                    sigma_out_ptr, ctl_ptr, found_inf_ptr, grad_scale_ptr,
-                   n: tl.int64, seed: tl.int64, stream,
+                   n: tl.int64, offset: tl.int64, seed: tl.int64, stream,
                    # RefreshHyper (poco_kernels/kernels/interface.py)
                    inv_n, ess, wd, rho1, rho2, sigma,
                    # RefreshFlags
                    FAMILY: tl.constexpr, GE: tl.constexpr, NOISY: tl.constexpr,
                    HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr, NOISE: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   SHARD: tl.constexpr, BLOCK: tl.constexpr):
     """The outer refresh, one pass.
 
     ``FAMILY_IVON``: ``sigma``, the Price Hessian of the mega-batch gradient (noise of the
@@ -510,21 +546,24 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
             geM = _estimate(acc_ge_ptr, idx, mask, inv_n * scale)
         sigma_r = _ivon_sigma(h, ess, wd)
         if not GE:
-            geM = gM * _noise(seed, idx, pid, refreshes, stream, NOISE, BLOCK)
+            geM = gM * _noise(seed, idx, pid, offset, refreshes, stream, NOISE, SHARD,
+                              BLOCK)
         hM = geM / sigma_r
         first = refreshes == 0
         g_new = tl.where(first, gM, rho1 * g_old + (1.0 - rho1) * gM)
         h_new = tl.where(first, hM, rho2 * h_old + (1.0 - rho2) * hM)
         # (bfloat16 buffers, state_dtype: stochastically rounded, tags of noise.ROUND_TAGS)
         bucket = stream >> 16
-        _store_state(g_out_ptr, idx, g_new, wmask, seed, refreshes, bucket, 1)
-        _store_state(h_out_ptr, idx, h_new, wmask, seed, refreshes, bucket, 2)
-        _store_state(m_out_ptr, idx, m, wmask, seed, refreshes, bucket, 3)
-        _store_state(sigma_out_ptr, idx, sigma_r, wmask, seed, refreshes, bucket, 4)
+        _store_state(g_out_ptr, idx, offset, g_new, wmask, seed, refreshes, bucket, 1, SHARD)
+        _store_state(h_out_ptr, idx, offset, h_new, wmask, seed, refreshes, bucket, 2, SHARD)
+        _store_state(m_out_ptr, idx, offset, m, wmask, seed, refreshes, bucket, 3, SHARD)
+        _store_state(sigma_out_ptr, idx, offset, sigma_r, wmask, seed, refreshes, bucket, 4,
+                     SHARD)
     else:
         tl.store(g_out_ptr + idx, gM, mask=wmask)
         if NOISY:
-            theta = m + sigma * _noise(seed, idx, pid, refreshes, stream, NOISE, BLOCK)
+            theta = m + sigma * _noise(seed, idx, pid, offset, refreshes, stream, NOISE,
+                                       SHARD, BLOCK)
         else:
             theta = m
         tl.store(m_out_ptr + idx, theta, mask=wmask)

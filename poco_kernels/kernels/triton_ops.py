@@ -28,6 +28,12 @@ def _grid(n: int):
     return (triton.cdiv(n, K.BLOCK),)
 
 
+def _shard(offset: int) -> int:
+    """The kernels' ``SHARD``: 0 for a whole bucket (offset 0), 1 for a shard at a multiple
+    of 4, 2 for another shard (``triton_kernels._noise``)."""
+    return 0 if offset == 0 else (1 if offset % 4 == 0 else 2)
+
+
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
@@ -36,26 +42,27 @@ def _compiling() -> bool:
 def _sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
             sigma: Optional[Tensor], ctl: Tensor, seed: int, noise: int, stream: int,
             counter_slot: int, ess: float, wd: float, sigma_const: float, sign: float,
-            sigma_mode: int, sync: bool) -> None:
+            sigma_mode: int, sync: bool, offset: int = 0) -> None:
     n = launch_numel(param.numel(), param, centre, mean, h, sigma)
     if n == 0:
         return
     K.sample_kernel[_grid(n)](
         param, centre, mean, h if h is not None else mean, sigma if sigma is not None else mean,
-        ctl, n, seed, stream, counter_slot, ess, wd, sigma_const, sign,
-        SIGMA_MODE=sigma_mode, SYNC=sync, NOISE=noise, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+        ctl, n, offset, seed, stream, counter_slot, ess, wd, sigma_const, sign,
+        SIGMA_MODE=sigma_mode, SYNC=sync, NOISE=noise, SHARD=_shard(offset), BLOCK=K.BLOCK,
+        num_warps=K.NUM_WARPS)
 
 
 def _accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor, seed: int,
                 noise: int, stream: int, counter_slot: int, sign: float, first: bool,
-                ge: bool) -> None:
+                ge: bool, offset: int = 0) -> None:
     n = launch_numel(grad.numel(), grad, acc_g, acc_ge)
     if n == 0:
         return
     K.accumulate_kernel[_grid(n)](
-        grad, acc_g, acc_ge if acc_ge is not None else acc_g, ctl, n, seed, stream,
-        counter_slot, sign, FIRST=first, GE=ge, NOISE=noise, BLOCK=K.BLOCK,
-        num_warps=K.NUM_WARPS)
+        grad, acc_g, acc_ge if acc_ge is not None else acc_g, ctl, n, offset, seed, stream,
+        counter_slot, sign, FIRST=first, GE=ge, NOISE=noise, SHARD=_shard(offset),
+        BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
 
 def _check(grad: Tensor, ctl: Tensor) -> None:
@@ -66,12 +73,13 @@ def _check(grad: Tensor, ctl: Tensor) -> None:
 
 
 def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, stream: int,
-             counter_slot: int, sign: float) -> None:
+             counter_slot: int, sign: float, offset: int = 0) -> None:
     n = launch_numel(acc_g.numel(), acc_g, acc_ge)
     if n == 0:
         return
-    K.fold_ge_kernel[_grid(n)](acc_g, acc_ge, ctl, n, seed, stream, counter_slot, sign,
-                               NOISE=noise, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+    K.fold_ge_kernel[_grid(n)](acc_g, acc_ge, ctl, n, offset, seed, stream, counter_slot, sign,
+                               NOISE=noise, SHARD=_shard(offset), BLOCK=K.BLOCK,
+                               num_warps=K.NUM_WARPS)
 
 
 def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
@@ -79,7 +87,7 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
           g_out: Optional[Tensor], h_out: Optional[Tensor], m_out: Optional[Tensor],
           sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
           grad_scale: Optional[Tensor], streams: StepStreams, hp: StepHyper,
-          flags: StepFlags) -> None:
+          flags: StepFlags, offset: int = 0) -> None:
     n = launch_numel(mean.numel(), mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out,
                      m_out, sigma_out)
     if n == 0:
@@ -93,8 +101,8 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
         sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
         grad_scale if grad_scale is not None else ctl,
-        n, streams.seed, streams.stream, streams.stream_o, **hp._asdict(), **flags.constexprs(),
-        NOISE=streams.noise,
+        n, offset, streams.seed, streams.stream, streams.stream_o, **hp._asdict(),
+        **flags.constexprs(), NOISE=streams.noise, SHARD=_shard(offset),
         HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
         BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
@@ -102,7 +110,8 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
 def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
              g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor, sigma_out: Optional[Tensor],
              ctl: Tensor, found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
-             noise: int, stream: int, hp: RefreshHyper, flags: RefreshFlags) -> None:
+             noise: int, stream: int, hp: RefreshHyper, flags: RefreshFlags,
+             offset: int = 0) -> None:
     n = launch_numel(mean.numel(), mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out)
     if n == 0:
         return
@@ -112,7 +121,8 @@ def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[
         h_out if h_out is not None else d, m_out, sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
         grad_scale if grad_scale is not None else ctl,
-        n, seed, stream, **hp._asdict(), **flags.constexprs(), NOISE=noise,
+        n, offset, seed, stream, **hp._asdict(), **flags.constexprs(), NOISE=noise,
+        SHARD=_shard(offset),
         HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
         BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
@@ -127,16 +137,17 @@ def _finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:
 def _sample_op(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
                sigma: Optional[Tensor], ctl: Tensor, seed: int, noise: int, stream: int,
                counter_slot: int, ess: float, wd: float, sigma_const: float, sign: float,
-               sigma_mode: int, sync: bool) -> None:
+               sigma_mode: int, sync: bool, offset: int = 0) -> None:
     _sample(param, centre, mean, h, sigma, ctl, seed, noise, stream, counter_slot, ess, wd,
-            sigma_const, sign, sigma_mode, sync)
+            sigma_const, sign, sigma_mode, sync, offset)
 
 
 @torch.library.custom_op("poco_kernels::accumulate", mutates_args=("acc_g", "acc_ge", "ctl"))
 def _accumulate_op(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor,
                    seed: int, noise: int, stream: int, counter_slot: int, sign: float,
-                   first: bool, ge: bool) -> None:
-    _accumulate(grad, acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, sign, first, ge)
+                   first: bool, ge: bool, offset: int = 0) -> None:
+    _accumulate(grad, acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, sign, first, ge,
+                offset)
 
 
 @torch.library.custom_op("poco_kernels::check", mutates_args=("ctl",))
@@ -146,8 +157,8 @@ def _check_op(grad: Tensor, ctl: Tensor) -> None:
 
 @torch.library.custom_op("poco_kernels::fold_ge", mutates_args=("acc_ge",))
 def _fold_ge_op(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int,
-                stream: int, counter_slot: int, sign: float) -> None:
-    _fold_ge(acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, sign)
+                stream: int, counter_slot: int, sign: float, offset: int = 0) -> None:
+    _fold_ge(acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, sign, offset)
 
 
 @torch.library.custom_op("poco_kernels::step", mutates_args=("mean", "param", "s1", "s2"))
@@ -156,10 +167,10 @@ def _step_op(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Ten
              ge_o: Optional[Tensor], g_out: Optional[Tensor], h_out: Optional[Tensor],
              m_out: Optional[Tensor], sigma_out: Optional[Tensor], ctl: Tensor,
              found_inf: Optional[Tensor], grad_scale: Optional[Tensor], streams: List[int],
-             hp: List[float], flags: List[int]) -> None:
+             hp: List[float], flags: List[int], offset: int = 0) -> None:
     _step(mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out, m_out, sigma_out, ctl,
           found_inf, grad_scale, StepStreams(*streams), StepHyper(*hp),
-          StepFlags(flags[0], *(bool(v) for v in flags[1:])))
+          StepFlags(flags[0], *(bool(v) for v in flags[1:])), offset)
 
 
 @torch.library.custom_op("poco_kernels::refresh",
@@ -168,10 +179,10 @@ def _refresh_op(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Option
                 g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor,
                 sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
                 grad_scale: Optional[Tensor], seed: int, noise: int, stream: int,
-                hp: List[float], flags: List[int]) -> None:
+                hp: List[float], flags: List[int], offset: int = 0) -> None:
     _refresh(mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out, ctl, found_inf,
              grad_scale, seed, noise, stream, RefreshHyper(*hp),
-             RefreshFlags(flags[0], *(bool(v) for v in flags[1:])))
+             RefreshFlags(flags[0], *(bool(v) for v in flags[1:])), offset)
 
 
 @torch.library.custom_op("poco_kernels::finish", mutates_args=("ctl",))

@@ -1,0 +1,173 @@
+"""FSDP2 (``fully_shard``) on the fused C++ backend: 2 gloo ranks on the CPU against one
+process (tests/fsdp_ranks.py runs the ranks).
+
+Every rank trains on the same batches, so FSDP2's gradient average over the ranks is exact
+and the reductions are those of the single process: the sharded run must equal it bit for
+bit, parameters and every piece of optimizer state, through refreshes (the correction
+active), several Monte-Carlo draws (the ``g * eps`` sums) and bfloat16 state (stochastic
+rounding at global positions).  A shard that drew the noise of its local position instead
+fails these comparisons (checked when this was written)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import available_backends
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _ranks(tmp_path, name, **spec):
+    spec = dict(dict(world=2, fsdp=True, backend="cpp", steps=6, refresh_at=[2, 4]), **spec,
+                out=str(tmp_path / name))
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get(
+                   "PYTHONPATH", "").split(os.pathsep) if p]))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "fsdp_ranks.py"), str(path)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return [torch.load(tmp_path / name / f"rank{i}.pt") for i in range(spec["world"])]
+
+
+def _whole(ranks, kind, name, key=None):
+    """The unsharded tensor: the ranks' Shard(0) pieces in rank order (torch.chunk rows)."""
+    parts = [r[kind][name] if key is None else r[kind][name][key] for r in ranks]
+    return torch.cat([p.reshape(-1, *parts[0].shape[1:]) if p.dim() else p.reshape(1)
+                      for p in parts])
+
+
+def _assert_same(sharded, single):
+    ref = single[0]
+    assert [r["step"] for r in sharded] == [ref["step"]] * len(sharded)
+    for name, p in ref["params"].items():
+        got = _whole(sharded, "params", name).reshape(p.shape)
+        assert got.dtype == p.dtype and torch.equal(got, p), name
+        assert set(sharded[0]["state"][name]) == set(ref["state"][name])
+        for key, v in ref["state"][name].items():
+            got = _whole(sharded, "state", name, key).reshape(v.shape)
+            assert got.dtype == v.dtype and torch.equal(got, v), (name, key)
+
+
+@pytest.mark.parametrize("extra", [{}, {"mc_samples": 2, "state_dtype": "bfloat16"}],
+                         ids=["fp32", "mc2-bf16state"])
+def test_fsdp2_two_ranks_equal_one_process(tmp_path, extra):
+    single = _ranks(tmp_path, "single", world=1, fsdp=False, **extra)
+    sharded = _ranks(tmp_path, "fsdp", **extra)
+    # the uneven shards really are uneven, and some rank holds an empty one
+    assert sharded[0]["params"]["blocks.0.weight"].shape == (4, 13)
+    assert sharded[1]["params"]["blocks.0.weight"].shape == (3, 13)
+    assert sharded[1]["params"]["scale"].numel() == 0
+    _assert_same(sharded, single)
+
+
+def test_fsdp2_mixed_precision(tmp_path):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over float32 shards: the
+    parameters and state stay float32 and 2 ranks equal 1 rank under the same policy."""
+    one = _ranks(tmp_path, "one", world=1, mixed=True)
+    two = _ranks(tmp_path, "two", mixed=True)
+    for r in one + two:
+        assert all(p.dtype == torch.float32 for p in r["params"].values())
+        assert all(v.dtype == torch.float32 for s in r["state"].values() for v in s.values())
+    _assert_same(two, one)
+    plain = _ranks(tmp_path, "plain", world=1)      # (the policy does change the run)
+    assert not torch.equal(plain[0]["params"]["head.weight"], one[0]["params"]["head.weight"])
+
+
+# --------------------------------------------------------------------------- one process
+@pytest.fixture
+def mesh1(tmp_path):
+    """A one-rank gloo group and its 1-D mesh (DTensor parameters in this process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(mesh, tensors, placement=None):
+    from torch.distributed.tensor import Shard, distribute_tensor
+    return [torch.nn.Parameter(distribute_tensor(t.detach().clone(), mesh,
+                                                 [placement or Shard(0)])) for t in tensors]
+
+
+def test_sharded_buckets_in_one_process(mesh1):
+    """Shard(0) DTensor parameters: one launch per shard at its place in the bucket (35:
+    not a multiple of 4, Triton's unaligned noise path); each fused backend equals itself
+    on plain parameters bit for bit, and the torch backend to float rounding."""
+    import poco_kernels as pk
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(7, 5, generator=g), torch.randn(3, generator=g)]
+    kw = dict(lr=0.1, ess=1e4, hess_init=1.0, seed=0)
+    runs = {}
+    fused = [b for b in ("cpp", "triton") if b in available_backends()]
+    for name, backend, sharded in ([(f"plain-{b}", b, False) for b in fused]
+                                   + [(b, b, True) for b in fused + ["torch"]]):
+        ps = _sharded(mesh1, ts) if sharded else [torch.nn.Parameter(t.clone()) for t in ts]
+        opt = pk.IVONPoCo(ps, backend=backend, **kw)
+        if sharded:
+            assert opt._buckets[0].segments == [(0, 35, 0), (35, 3, 35)]
+        for i in range(4):
+            if i == 1:
+                with opt.sampled("refresh"):
+                    sum((p ** 3).sum() for p in ps).backward()
+                opt.refresh()
+            with opt.sampled("inner"):
+                sum((p ** 3).sum() for p in ps).backward()
+            if opt.correction_active():
+                with opt.sampled("outer"):
+                    sum((p ** 3).sum() for p in ps).backward()
+            opt.step()
+        from poco_kernels._layout import local
+        runs[name] = ([local(p.detach()).clone() for p in ps],
+                      [dict(opt.state[p]) for p in ps])
+    assert "cpp" in fused
+    for b in fused:
+        for x, y in zip(runs[f"plain-{b}"][0], runs[b][0]):
+            assert torch.equal(x, y), b
+        for x, y in zip(runs[f"plain-{b}"][1], runs[b][1]):
+            assert all(torch.equal(x[k], y[k]) for k in x), b
+        for x, y in zip(runs["torch"][0], runs[b][0]):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_sharding_is_refused_and_changes_nothing(mesh1):
+    """A placement other than Shard(0) and a partly sharded model get clear errors; a
+    refused add_param_group leaves the optimizer as its twin."""
+    import poco_kernels as pk
+    from torch.distributed.tensor import Shard
+    w = torch.randn(7, 5)
+    for backend in ("cpp", "torch"):
+        with pytest.raises(ValueError, match="Shard\\(0\\)"):
+            pk.IVON(_sharded(mesh1, [w], Shard(1)), lr=0.1, ess=1e4, backend=backend)
+        with pytest.raises(ValueError, match="partly sharded"):
+            pk.IVON(_sharded(mesh1, [w]) + [torch.nn.Parameter(torch.randn(3))], lr=0.1,
+                    ess=1e4, backend=backend)
+    # add_param_group: refused, nothing changed (a twin that never saw the call)
+    ps, twin_ps = _sharded(mesh1, [w]), _sharded(mesh1, [w])
+    opt, twin = (pk.IVONPoCo(q, lr=0.1, ess=1e4, seed=3, backend="cpp") for q in (ps, twin_ps))
+    def steps(o, q, k):
+        for _ in range(k):
+            with o.sampled("inner"):
+                (q[0] ** 3).sum().backward()
+            o.step()
+    steps(opt, ps, 2)
+    steps(twin, twin_ps, 2)
+    with pytest.raises(ValueError, match="partly sharded"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))]})
+    assert len(opt.param_groups) == 1 and len(opt._buckets) == 1
+    steps(opt, ps, 2)
+    steps(twin, twin_ps, 2)
+    assert torch.equal(ps[0].to_local(), twin_ps[0].to_local())
+    assert all(torch.equal(opt.state[ps[0]][k], twin.state[twin_ps[0]][k])
+               for k in opt.state[ps[0]])
