@@ -141,6 +141,50 @@ def shard_start(p: Tensor) -> int:
     return start * (p.numel() // max(rows, 1))
 
 
+def as_saved(v: Tensor, p: Tensor) -> Tensor:
+    """A per-parameter state tensor ``v`` (this process's part) as a state dict holds it:
+    for a sharded ``p`` a ``DTensor`` of ``p``'s shape and placements (what
+    ``torch.distributed.checkpoint`` saves sharded and reshards), else ``v``."""
+    if not is_sharded(p):
+        return v
+    # torch.save fails on a DTensor whose local tensor has a storage offset (torch 2.13:
+    # "invalid python storage"): the same memory as a tensor at offset 0 of a storage
+    # slice (an alias: nothing is copied)
+    if v.numel() == 0:
+        v = v.new_empty(v.shape)
+    elif v.storage_offset() != 0:
+        es, off = v.element_size(), v.storage_offset()
+        st = v.untyped_storage()[off * es:(off + v.numel()) * es]
+        v = v.new_empty(0).set_(st, 0, v.shape, v.stride())
+    return _DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                               shape=p.shape, stride=p.stride())
+
+
+def as_local(t, p: Tensor, what: str):
+    """A saved per-parameter state value as this process holds ``p``: a ``DTensor`` placed
+    as ``p`` gives its local part; a plain tensor of ``p``'s whole shape, for a sharded
+    ``p``, this rank's part of it (a state dict of an unsharded run); anything else is
+    returned as it is (the caller checks the shape).  A ``DTensor`` placed otherwise is
+    refused (``torch.distributed.checkpoint`` reshards: load into the state dict of this
+    model and optimizer, ``get_state_dict``)."""
+    if is_sharded(t):
+        ok = (is_sharded(p) and tuple(t.placements) == tuple(p.placements)
+              and t.device_mesh.size() == p.device_mesh.size()
+              and tuple(t.shape) == tuple(p.shape))
+        check(ok, f"{what} is a DTensor of shape {tuple(t.shape)} placed {tuple(t.placements)} "
+                  f"over {t.device_mesh.size()} ranks, the parameter "
+                  + (f"{tuple(p.shape)} placed {tuple(p.placements)} over "
+                     f"{p.device_mesh.size()}" if is_sharded(p) else "is not sharded")
+                  + ": load sharded checkpoints with torch.distributed.checkpoint into "
+                    "get_state_dict(model, optimizer) of this model (it reshards)")
+        return t.to_local()
+    if is_sharded(p) and isinstance(t, Tensor) and tuple(t.shape) == tuple(p.shape) \
+            and tuple(p.shape) != tuple(local(p).shape):
+        start, n = shard_start(p), local(p).numel()
+        return t.reshape(-1)[start:start + n].view(local(p).shape)
+    return t
+
+
 @dataclass
 class Bucket:
     """Parameters of one group that share a device and a dtype, laid end to end."""

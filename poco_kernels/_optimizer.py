@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import backends as _backends
 from . import noise as _noise
-from ._layout import Bucket, build_buckets, expose, padded_copy
+from ._layout import Bucket, as_local, as_saved, build_buckets, expose, is_sharded, padded_copy
 from ._protocol import (COUNTER_STEPS, KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH,
                         KernelRefresh, KernelStep, Pending, SampleSpec, mean_loss)
 from ._validation import check, check_group_keys, hyperparameters, strict_keywords
@@ -599,10 +599,19 @@ class BucketedOptimizer(torch.optim.Optimizer):
             for name, buf in b.buffers.items():
                 if not b.is_flat_buffer(buf):
                     extra[f"{b.index}/{name}"] = buf
-        sd["poco"] = {"format": STATE_FORMAT, "noise": self.noise_version,
-                      "step": self._step, "refreshes": self._refreshes, "seed": self.seed,
-                      "optimizer": type(self).__name__, "pending": self._pending.to_dict(),
-                      "awaiting_refresh": sorted(self._awaiting), "bucket_buffers": extra}
+        meta = {"format": STATE_FORMAT, "noise": self.noise_version, "step": self._step,
+                "refreshes": self._refreshes, "seed": self.seed,
+                "optimizer": type(self).__name__, "awaiting_refresh": sorted(self._awaiting)}
+        sd["poco"] = {**meta, "pending": self._pending.to_dict(), "bucket_buffers": extra}
+        # torch.distributed.checkpoint keeps only 'state' and 'param_groups': each group
+        # carries the counters too, and whether gradients were pending (those it drops)
+        pending = any(self._pending.count.values())
+        for g in sd["param_groups"]:
+            g["poco"] = {**meta, "pending_gradients": pending}
+        params = [p for g in self._groups for p in g["params"]]
+        for i, p in enumerate(params):                # sharded: DTensors, as p is
+            if is_sharded(p) and isinstance(sd["state"].get(i), dict):
+                sd["state"][i] = {k: as_saved(v, p) for k, v in sd["state"][i].items()}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)
             if result is not None:
@@ -652,10 +661,10 @@ class BucketedOptimizer(torch.optim.Optimizer):
         def is_int(v, lo, hi):
             return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
 
-        check(isinstance(sd, dict) and {"state", "param_groups", "poco"} <= set(sd),
-              "not a poco_kernels optimizer state dict (missing 'state', 'param_groups' or "
-              "'poco')")
-        poco, saved_state, saved_groups = sd["poco"], sd["state"], sd["param_groups"]
+        check(isinstance(sd, dict) and {"state", "param_groups"} <= set(sd),
+              "not a poco_kernels optimizer state dict (missing 'state' or 'param_groups')")
+        saved_state, saved_groups = sd["state"], sd["param_groups"]
+        poco = sd["poco"] if "poco" in sd else self._poco_of_groups(saved_groups)
         check(isinstance(poco, dict), "state dict: 'poco' is not a dict")
         check(isinstance(saved_state, dict), "state dict: 'state' is not a dict")
         check(isinstance(saved_groups, (list, tuple)), "state dict: 'param_groups' is not a list")
@@ -701,11 +710,14 @@ class BucketedOptimizer(torch.optim.Optimizer):
                   f"param group {gi}: state dict has {len(sg['params'])} parameters, the "
                   f"optimizer {len(g['params'])}")
             for i, p in zip(sg["params"], g["params"]):
-                check(isinstance(i, int) and i not in seen,
-                      f"param group {gi}: parameter ids must be distinct ints, got {i!r}")
+                # (ints; names where torch.distributed.checkpoint's set_state_dict loads)
+                check(isinstance(i, (int, str)) and not isinstance(i, bool) and i not in seen,
+                      f"param group {gi}: parameter ids must be distinct ints or names, got "
+                      f"{i!r}")
                 seen.add(i)
                 saved_index[id(p)] = i
             # (from a class with fewer hyperparameters, this optimizer's values stay)
+            sg = {k: v for k, v in sg.items() if k != "poco"}      # (the counters' copy)
             merged = {**(g if fill else {}), **sg, "params": g["params"]}
             self._check_group(merged, gi)
             new_groups.append({k: v for k, v in merged.items() if k != "params"})
@@ -763,7 +775,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
                     if like is None:
                         like = torch.empty(b.local(i).shape, device=b.device, dtype=b.dtype)
                     what = f"parameter {idx}: {name!r}"
-                    t = tensor_for(t, like, what)
+                    t = tensor_for(as_local(t, p, what), like, what)
                     self._check_state_value(name, t, group, what)
                     copies.append((b.index, p, name, t))
         extra = poco.get("bucket_buffers", {})
@@ -812,6 +824,30 @@ class BucketedOptimizer(torch.optim.Optimizer):
                 b.write_params(b.buffers["mean"])
             self._backend.loaded()
         return commit
+
+    def _poco_of_groups(self, groups) -> Dict[str, Any]:
+        """The ``poco`` entry of a state dict that lost it (``torch.distributed.checkpoint``
+        keeps only 'state' and 'param_groups'), from the copy of the counters every group
+        carries; refused where that dict would have carried more (pending gradients, a
+        bucket's dense buffers), so nothing is dropped without a word."""
+        metas = [g.get("poco") if isinstance(g, dict) else None for g in groups]
+        check(bool(metas) and all(isinstance(m, dict) for m in metas),
+              "not a poco_kernels optimizer state dict (no 'poco' entry, and its param "
+              "groups carry no copy of it)")
+        check(all(m == metas[0] for m in metas),
+              "state dict: the param groups carry different 'poco' counters")
+        meta = metas[0]
+        check(not meta.get("pending_gradients"),
+              "state dict was taken with gradients pending (after sample()/accumulate(), "
+              "before step() or refresh()) and lost them on the way (it has no 'poco' entry: "
+              "torch.distributed.checkpoint keeps only 'state' and 'param_groups'): take it "
+              "between updates")
+        dense = [f"{b.index}/{n}" for b in self._buckets for n, buf in b.buffers.items()
+                 if not b.is_flat_buffer(buf)]
+        check(not dense, f"state dict has no 'poco' entry, which holds {type(self).__name__}'s "
+                         f"dense buffers ({', '.join(dense)}): save the whole state dict")
+        return {**{k: v for k, v in meta.items() if k != "pending_gradients"},
+                "pending": {"count": {}, "draws": {}, "sums": {}}, "bucket_buffers": {}}
 
     def _check_state_value(self, name: str, t: Tensor, group: Dict[str, Any],
                            what: str) -> None:

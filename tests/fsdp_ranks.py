@@ -4,7 +4,10 @@ SPEC: ``world`` (processes, spawned here over gloo on the CPU; 1 with ``"fsdp": 
 the plain single-process run), ``fsdp``, ``mixed`` (FSDP2's MixedPrecisionPolicy with
 bfloat16 compute and float32 reduction), ``backend``, ``steps``, ``refresh_at`` (steps
 before which a refresh is taken), ``state_dtype`` (null or "bfloat16"), ``out`` (a
-directory: ``rank<r>.pt`` per rank with the local parameters and optimizer state by name).
+directory: ``rank<r>.pt`` per rank with the local parameters and optimizer state by name);
+``load`` (a torch.distributed.checkpoint directory to start from, through ``get_state_dict``
+/ ``set_state_dict``: the run continues from its step count), ``save_at`` and ``save``
+(write one there before step ``save_at``).
 
 Every rank trains on the same batches, so FSDP2's average of the gradients over the ranks
 is exact ((g + g) / 2 = g) and the run equals the single-process run bit for bit where the
@@ -80,12 +83,25 @@ def _train(rank: int, spec: dict) -> None:
                       backend=spec["backend"], mc_samples=spec.get("mc_samples", 1),
                       state_dtype=getattr(torch, sd) if sd else None)
     lossf = torch.nn.CrossEntropyLoss()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    start = 0
+    if spec.get("load"):
+        msd, osd = get_state_dict(model, opt)
+        both = {"model": msd, "optim": osd}
+        dcp.load(both, checkpoint_id=spec["load"])
+        set_state_dict(model, opt, model_state_dict=both["model"],
+                       optim_state_dict=both["optim"])
+        start = opt.step_count
 
     def grad_of(step, kind):
         idx, y = batch(step, kind)
         lossf(model(idx), y).backward()
 
-    for step in range(spec["steps"]):
+    for step in range(start, spec["steps"]):
+        if step == spec.get("save_at"):
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=spec["save"])
         if step in spec["refresh_at"]:
             for chunk in range(2):
                 with opt.sampled("refresh"):
@@ -98,11 +114,25 @@ def _train(rank: int, spec: dict) -> None:
             with opt.sampled("outer"):
                 grad_of(step, "outer")
         opt.step()
+    full_ok = None
+    if spec.get("check_full"):
+        # the state dict all-gathered (plain tensors of the whole shapes, by name) loads
+        # into a second optimizer over the same shards: each takes its rows
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        _, full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        assert not any(hasattr(v, "placements") for s in full["state"].values()
+                       for v in s.values())
+        twin = pk.IVONPoCo(model.parameters(), lr=0.05, ess=500.0, hess_init=0.5, seed=11,
+                           backend=spec["backend"], mc_samples=spec.get("mc_samples", 1),
+                           state_dtype=getattr(torch, sd) if sd else None)
+        twin.load_state_dict(full)
+        full_ok = twin.step_count == opt.step_count and all(
+            torch.equal(twin.state[p][k], v) for p in opt.state for k, v in opt.state[p].items())
     from poco_kernels._layout import local
     params = {n: local(p.detach()).clone() for n, p in model.named_parameters()}
     state = {n: {k: v.clone() for k, v in opt.state[p].items()}
              for n, p in model.named_parameters()}
-    torch.save({"params": params, "state": state, "step": opt.step_count},
+    torch.save({"params": params, "state": state, "step": opt.step_count, "full_ok": full_ok},
                os.path.join(spec["out"], f"rank{rank}.pt"))
 
 

@@ -23,8 +23,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+COMMON = dict(steps=10, refresh_at=[2, 7])       # (the correction active from step 3)
+
+
 def _ranks(tmp_path, name, **spec):
-    spec = dict(dict(world=2, fsdp=True, backend="cpp", steps=6, refresh_at=[2, 4]), **spec,
+    spec = dict(dict(world=2, fsdp=True, backend="cpp", **COMMON), **spec,
                 out=str(tmp_path / name))
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(spec))
@@ -35,6 +38,14 @@ def _ranks(tmp_path, name, **spec):
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return [torch.load(tmp_path / name / f"rank{i}.pt") for i in range(spec["world"])]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The single-process run and the uninterrupted 2-rank FSDP2 run (fp32 state, one
+    draw), shared by the tests below (each run is a few seconds of process start-up)."""
+    d = tmp_path_factory.mktemp("runs")
+    return {"single": _ranks(d, "single", world=1, fsdp=False), "fsdp": _ranks(d, "fsdp")}
 
 
 def _whole(ranks, kind, name, key=None):
@@ -56,19 +67,53 @@ def _assert_same(sharded, single):
             assert got.dtype == v.dtype and torch.equal(got, v), (name, key)
 
 
-@pytest.mark.parametrize("extra", [{}, {"mc_samples": 2, "state_dtype": "bfloat16"}],
-                         ids=["fp32", "mc2-bf16state"])
-def test_fsdp2_two_ranks_equal_one_process(tmp_path, extra):
-    single = _ranks(tmp_path, "single", world=1, fsdp=False, **extra)
-    sharded = _ranks(tmp_path, "fsdp", **extra)
-    # the uneven shards really are uneven, and some rank holds an empty one
+def _check_layout(sharded):
+    """The uneven shards really are uneven, and rank 1 holds an empty one."""
     assert sharded[0]["params"]["blocks.0.weight"].shape == (4, 13)
     assert sharded[1]["params"]["blocks.0.weight"].shape == (3, 13)
     assert sharded[1]["params"]["scale"].numel() == 0
+
+
+def test_fsdp2_two_ranks_equal_one_process(runs):
+    _check_layout(runs["fsdp"])
+    _assert_same(runs["fsdp"], runs["single"])
+
+
+def test_fsdp2_two_draws_and_bfloat16_state(tmp_path):
+    """Two Monte-Carlo draws (the g * eps sums, fold_ge) and bfloat16 state (stochastic
+    rounding at the shards' places)."""
+    extra = {"mc_samples": 2, "state_dtype": "bfloat16"}
+    single = _ranks(tmp_path, "single", world=1, fsdp=False, **extra)
+    sharded = _ranks(tmp_path, "fsdp", **extra)
+    _check_layout(sharded)
     _assert_same(sharded, single)
 
 
-def test_fsdp2_mixed_precision(tmp_path):
+def test_dcp_checkpoints_reshard_2_1_2_bit_for_bit(tmp_path, runs):
+    """torch.distributed.checkpoint through get_state_dict/set_state_dict: 2 FSDP2 ranks
+    save mid-run (after a refresh, the correction active), one unsharded process loads
+    that, runs on across a refresh and saves, 2 ranks load that and finish: parameters
+    and state equal the uninterrupted 2-rank run bit for bit (the noise follows the
+    element, not the rank).  The all-gathered state dict loads into a second optimizer
+    over the shards (each rank takes its rows)."""
+    _ranks(tmp_path, "first", save_at=5, save=str(tmp_path / "ck1"))
+    one = _ranks(tmp_path, "one", world=1, fsdp=False, load=str(tmp_path / "ck1"),
+                 save_at=8, save=str(tmp_path / "ck2"))
+    two = _ranks(tmp_path, "two", load=str(tmp_path / "ck2"), check_full=True)
+    _assert_same(one, _joined(runs["fsdp"]))
+    _assert_same(two, _joined(runs["fsdp"]))
+    assert all(r["full_ok"] for r in two)
+
+
+def _joined(ranks):
+    """The ranks' results as one process's (for ``_assert_same``)."""
+    return [{"params": {n: _whole(ranks, "params", n) for n in ranks[0]["params"]},
+             "state": {n: {k: _whole(ranks, "state", n, k) for k in ranks[0]["state"][n]}
+                       for n in ranks[0]["state"]},
+             "step": ranks[0]["step"]}]
+
+
+def test_fsdp2_mixed_precision(tmp_path, runs):
     """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over float32 shards: the
     parameters and state stay float32 and 2 ranks equal 1 rank under the same policy."""
     one = _ranks(tmp_path, "one", world=1, mixed=True)
@@ -77,8 +122,9 @@ def test_fsdp2_mixed_precision(tmp_path):
         assert all(p.dtype == torch.float32 for p in r["params"].values())
         assert all(v.dtype == torch.float32 for s in r["state"].values() for v in s.values())
     _assert_same(two, one)
-    plain = _ranks(tmp_path, "plain", world=1)      # (the policy does change the run)
-    assert not torch.equal(plain[0]["params"]["head.weight"], one[0]["params"]["head.weight"])
+    # (the policy does change the run: bfloat16 forward and backward)
+    assert not torch.equal(runs["single"][0]["params"]["head.weight"],
+                           one[0]["params"]["head.weight"])
 
 
 # --------------------------------------------------------------------------- one process
@@ -171,3 +217,38 @@ def test_bad_sharding_is_refused_and_changes_nothing(mesh1):
     assert torch.equal(ps[0].to_local(), twin_ps[0].to_local())
     assert all(torch.equal(opt.state[ps[0]][k], twin.state[twin_ps[0]][k])
                for k in opt.state[ps[0]])
+
+
+def test_a_state_dict_that_lost_its_pending_gradients_is_refused(mesh1):
+    """Taken with gradients pending, a state dict keeps them in its 'poco' entry; without
+    that entry (torch.distributed.checkpoint keeps 'state' and 'param_groups') loading is
+    refused and changes nothing; between updates it loads from the groups' copy."""
+    import poco_kernels as pk
+    w = torch.randn(7, 5)
+    ps, twin_ps = _sharded(mesh1, [w]), _sharded(mesh1, [w])
+    opt, twin = (pk.IVONPoCo(q, lr=0.1, ess=1e4, seed=3, backend="cpp") for q in (ps, twin_ps))
+    for o, q in ((opt, ps), (twin, twin_ps)):
+        with o.sampled("inner"):
+            (q[0] ** 3).sum().backward()
+        o.step()
+    src = pk.IVONPoCo(_sharded(mesh1, [w * 2]), lr=0.1, ess=1e4, seed=3, backend="cpp")
+    with src.sampled("inner"):
+        (src.param_groups[0]["params"][0] ** 3).sum().backward()
+    sd = src.state_dict()
+    assert sd["param_groups"][0]["poco"]["pending_gradients"]
+    assert hasattr(sd["state"][0]["mean"], "placements")       # sharded: DTensor state
+    del sd["poco"]
+    with pytest.raises(ValueError, match="gradients pending"):
+        opt.load_state_dict(sd)
+    for o, q in ((opt, ps), (twin, twin_ps)):
+        with o.sampled("inner"):
+            (q[0] ** 3).sum().backward()
+        o.step()
+    assert torch.equal(ps[0].to_local(), twin_ps[0].to_local())
+    assert all(torch.equal(opt.state[ps[0]][k], twin.state[twin_ps[0]][k])
+               for k in opt.state[ps[0]])
+    src.step()
+    sd = src.state_dict()
+    del sd["poco"]
+    opt.load_state_dict(sd)
+    assert opt.step_count == 1 and torch.equal(ps[0].to_local(), src.param_groups[0]["params"][0].to_local())

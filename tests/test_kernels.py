@@ -532,7 +532,7 @@ if "triton" in FUSED_BACKENDS:
         indices int64, as in the kernels), written from ``out[0]`` on."""
         pid = tl.program_id(0).to(tl.int64)
         idx = (pid0 + pid) * BLOCK + tl.arange(0, BLOCK)
-        x = TK._noise(seed, idx, pid0 + pid, counter, stream, NOISE, BLOCK)
+        x = TK._noise(seed, idx, pid0 + pid, 0, counter, stream, NOISE, 0, BLOCK)
         tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), x)
 
 
@@ -578,6 +578,44 @@ def test_noise_of_element_indices_past_2_to_32(base, version, ops):
     assert not torch.allclose(_kernel_noise(ops, n, base, 8, 12345, version), exp, **NOISE)
     other = noise.randn(n, SEED, 7, 12345, offset=base, version=3 - version)
     assert not torch.allclose(out, other, **NOISE)
+
+
+@pytest.mark.parametrize("version", noise.STREAM_VERSIONS)
+def test_a_shard_offset_moves_the_noise_and_the_rounding(version, ops):
+    """The operators' ``offset`` (an FSDP2 shard's place in its bucket): a launch over a
+    slice at ``offset`` draws the stream's elements ``offset ..`` (the Triton kernels: 0, a
+    multiple of 4 and any other offset are their ``SHARD`` 0, 1 and 2), and the stochastic
+    rounding of bfloat16 state uses the same indices: the slice of a whole launch."""
+    n, ctl = 1001, torch.zeros(4, dtype=torch.int64)
+    g = torch.randn(n + 40, generator=torch.Generator().manual_seed(3))
+    whole = torch.empty(n + 40)
+    ops.fold_ge(g, whole, ctl, SEED, version, 9, 0, -1.0)
+    for off in (0, 4, 7, 2 ** 32 + 3):
+        out = torch.empty(n)
+        ops.fold_ge(g[:n].clone(), out, ctl, SEED, version, 9, 0, -1.0, off)
+        exp = g[:n] * -noise.randn(n, SEED, 0, 9, offset=off, version=version)
+        assert_close(out, exp, NOISE, f"offset {off}")
+        if off < 40:                # the slice of the whole launch, bit for bit
+            part = torch.empty(n)
+            ops.fold_ge(g[off:off + n].clone(), part, ctl, SEED, version, 9, 0, -1.0, off)
+            assert torch.equal(part, whole[off:off + n]), off
+    # rounding: a refresh into bfloat16 outer state over a slice at 7 = the whole's slice
+    m, acc = (torch.randn(n + 40, generator=torch.Generator().manual_seed(s)) for s in (4, 5))
+    h = torch.rand(n + 40, generator=torch.Generator().manual_seed(6)) + 0.5
+    hp = K.RefreshHyper(1.0, 100.0, 1e-3, 0.5, 0.5, 0.0)
+    flags = K.RefreshFlags(K.FAMILY_IVON, False, True)
+
+    def refresh(lo, k, off):
+        outs = [torch.zeros(k, dtype=torch.bfloat16) for _ in range(4)]
+        ops.refresh(m[lo:lo + k].clone(), h[lo:lo + k].clone(), acc[lo:lo + k].clone(), None,
+                    *outs, torch.zeros(4, dtype=torch.int64), None, None, SEED, version,
+                    (3 << 16) | 2, hp, flags, off)
+        return outs
+    whole_outs, part_outs = refresh(0, n + 40, 0), refresh(7, n, 7)
+    for w, q in zip(whole_outs, part_outs):
+        _assert_same_bits(q, w[7:7 + n])
+    shifted = refresh(7, n, 0)                  # (the offset matters to the rounding)
+    assert not torch.equal(shifted[0], part_outs[0])
 
 
 def _assert_same_bits(got, expected):

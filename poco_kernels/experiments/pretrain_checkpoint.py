@@ -131,12 +131,7 @@ def full_state(tr) -> Dict[str, Any]:
     model = {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu()
              for k, v in tr.raw.state_dict().items()}
     sd = tr.opt.state_dict()
-    if tr.fsdp and "poco" in sd:
-        from torch.distributed.tensor import DTensor
-        params = [p for g in tr.opt.param_groups for p in g["params"]]
-        for i, p in enumerate(params):
-            sd["state"][i] = {
-                k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
-                                      stride=p.stride()).full_tensor()
-                for k, v in sd["state"][i].items()}
+    if tr.fsdp:         # (the state of sharded parameters is DTensors, as they are)
+        sd["state"] = {i: ({k: v.full_tensor() if is_sharded(v) else v for k, v in s.items()}
+                           if isinstance(s, dict) else s) for i, s in sd["state"].items()}
     return {"model": model, "optimizer": sd}
