@@ -377,7 +377,9 @@ class FusedBackend(Backend):
 
     # ------------------------------------------------------------------ accumulation
     def _buffers(self, kind: int, b) -> List[Optional[Tensor]]:
-        key = (kind, b.index)
+        # (refresh sums and step sums are never pending together, _check_no_mix: the
+        # refresh borrows the inner kind's pool buffers)
+        key = (KIND_INNER if kind == KIND_REFRESH else kind, b.index)
         if key not in self.pool:
             self.pool[key] = [b.new_buffer(), None]
         return self.pool[key]
