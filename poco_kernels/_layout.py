@@ -147,6 +147,11 @@ def as_saved(v: Tensor, p: Tensor) -> Tensor:
     ``torch.distributed.checkpoint`` saves sharded and reshards), else ``v``."""
     if not is_sharded(p):
         return v
+    with torch.no_grad():           # (state is not part of any graph)
+        return _as_dtensor(v, p)
+
+
+def _as_dtensor(v: Tensor, p: Tensor) -> Tensor:
     # torch.save fails on a DTensor whose local tensor has a storage offset (torch 2.13:
     # "invalid python storage"): the same memory as a tensor at offset 0 of a storage
     # slice (an alias: nothing is copied)

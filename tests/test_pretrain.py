@@ -265,14 +265,20 @@ def test_ddp_two_ranks(tmp_path, stdlib):
 def test_fsdp2_two_ranks_and_resume(tmp_path):
     """FSDP2 (fully_shard) over 2 gloo processes ("auto": the C++ backend): each rank
     samples its shards at their places in the unsharded noise stream, so the run equals
-    the single-process run to float rounding; a sharded checkpoint taken mid inner loop
-    resumes to the same final state."""
+    the single-process run to float rounding; a sharded checkpoint (DCP) taken mid inner
+    loop resumes to the same final state on 2 ranks, and in one process (resharded: the
+    reductions of one process from there on)."""
+    import shutil
     args = SMALL + POCO + SMOOTH + ["--save-rank-states", "--parallel", "fsdp"]
     _torchrun(args + ["--out-dir", "fsdp"], tmp_path)
     _torchrun(args + ["--out-dir", "part", "--stop-after", "13"], tmp_path)
-    assert (tmp_path / "part" / "ckpt.rank1.pt").is_file()
+    assert [d.name for d in (tmp_path / "part").glob("ckpt.step*.dcp")] == ["ckpt.step13.dcp"]
+    shutil.copytree(tmp_path / "part", tmp_path / "part1")
     _torchrun(args + ["--out-dir", "part", "--resume"], tmp_path)
+    assert [d.name for d in (tmp_path / "part").glob("ckpt.step*.dcp")] == ["ckpt.step24.dcp"]
     P.main(SMALL + POCO + SMOOTH + ["--save-rank-states", "--out-dir", str(tmp_path / "one")])
+    P.main(SMALL + POCO + SMOOTH + ["--save-rank-states", "--out-dir", str(tmp_path / "part1"),
+                                    "--resume"])
     f0, f1 = _load(tmp_path / "fsdp" / "rank0.pt"), _load(tmp_path / "fsdp" / "rank1.pt")
     assert all(torch.equal(f0[k], f1[k]) for k in f0)          # gathered: the same
     rel, key = _max_rel(f0, _load(tmp_path / "one" / "rank0.pt"))
@@ -283,6 +289,10 @@ def test_fsdp2_two_ranks_and_resume(tmp_path):
     assert all(torch.equal(p[k], f0[k]) for k in f0)
     ck = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=False)
     assert ck["sharded"] and ck["step"] == 24
+    p1 = _load(tmp_path / "part1" / "rank0.pt")       # 2 -> 1 from step 13
+    assert not torch.equal(p1["model/blocks.0.fc.weight"], f0["model/blocks.0.fc.weight"])
+    rel, key = _max_rel(p1, f0)
+    assert rel < 1e-2, (rel, key)
 
 
 # --------------------------------------------------------------------------- continual

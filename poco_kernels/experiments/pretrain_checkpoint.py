@@ -1,14 +1,18 @@
 """Checkpoints of a pretraining run: ``ckpt.pt`` (model, optimizer, step, data position,
 RNG states of every rank, the log), written atomically by rank 0 every ``ckpt_every``
-steps; with FSDP each rank also writes its shards to ``ckpt.rank<r>.pt``.  ``--resume``
+steps; with FSDP the model and optimizer go to a ``torch.distributed.checkpoint``
+directory ``ckpt.step<N>.dcp`` beside it (every rank writes its shards; ``ckpt.pt``
+names it), which resumes on any number of FSDP ranks or in one process.  ``--resume``
 checks that a checkpoint fits the run before anything changes, then continues from it
-(bit for bit on the CPU).
+(bit for bit on the CPU at the same world size).
 
 The functions take the :class:`~poco_kernels.experiments.pretrain_loop.Trainer` whose
 model, optimizer and loop counters they save or restore."""
 from __future__ import annotations
 
 import os
+import shutil
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict
@@ -17,13 +21,18 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["save_checkpoint", "check_resumable", "load_checkpoint", "full_state",
-           "shard_file"]
+           "shard_file", "dcp_dir"]
 
 
 # --------------------------------------------------------------------------- files, RNG
 def shard_file(path: Path, rank: int) -> Path:
     """``ckpt.pt`` -> ``ckpt.rank<rank>.pt``: one FSDP rank's shards."""
     return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def dcp_dir(path: Path, step: int) -> Path:
+    """``ckpt.pt`` -> ``ckpt.step<step>.dcp``: an FSDP run's sharded model and optimizer."""
+    return path.with_name(f"{path.stem}.step{step}.dcp")
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -55,13 +64,20 @@ def save_checkpoint(tr, path: Path) -> None:
     if tr.world > 1:
         rngs = [None] * tr.world
         dist.all_gather_object(rngs, {k: v.cpu() for k, v in mine.items()})
-    state = {"model": tr.raw.state_dict(), "optimizer": tr.opt.state_dict()}
-    if tr.cfg.optimizer == "ivon-opt":
-        state["opt_step"] = tr.opt.current_step   # not in ivon-opt's state dict
     path.parent.mkdir(parents=True, exist_ok=True)
-    if tr.fsdp:
-        _atomic_save(state, shard_file(path, tr.rank))
-        state = {"sharded": True}
+    new_dir = None
+    if not tr.fsdp:
+        state = {"model": tr.raw.state_dict(), "optimizer": tr.opt.state_dict()}
+        if tr.cfg.optimizer == "ivon-opt":
+            state["opt_step"] = tr.opt.current_step   # not in ivon-opt's state dict
+    else:           # every rank writes its shards (DCP: reshards on load)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        msd, osd = get_state_dict(tr.raw, tr.opt)
+        new_dir = dcp_dir(path, tr.step)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(new_dir))
+        dist.barrier()
+        state = {"sharded": True, "dcp": new_dir.name}
     if tr.rank == 0:
         ck = {"version": 1, "config": asdict(tr.cfg), "model_config": tr.gcfg.as_dict(),
               **state, "optimizer_name": tr.cfg.optimizer, "step": tr.step,
@@ -69,6 +85,10 @@ def save_checkpoint(tr, path: Path) -> None:
               "history": tr.history, "rng": rngs, "world_size": tr.world,
               "data": {"name": tr.data.name, "fingerprint": tr.data.fingerprint}}
         _atomic_save(ck, path)
+        if new_dir is not None:     # ckpt.pt names the new directory: the older ones go
+            for old in path.parent.glob(f"{path.stem}.step*.dcp"):
+                if old.name != new_dir.name:
+                    shutil.rmtree(old, ignore_errors=True)
     if tr.world > 1:
         dist.barrier()
 
@@ -92,7 +112,9 @@ def check_resumable(tr, ck: Dict[str, Any]) -> None:
 def _model_and_optimizer_state(tr, ck: Dict[str, Any], path: Path) -> Dict[str, Any]:
     """Where this rank's model and optimizer state are: ``ck`` itself, or this rank's
     shard file for a sharded (FSDP) checkpoint, which needs as many FSDP ranks."""
-    if ck.get("sharded"):
+    if ck.get("sharded") and "dcp" in ck:
+        return _load_dcp(tr, path.with_name(ck["dcp"]))
+    if ck.get("sharded"):       # (per-rank shard files, before the DCP directories)
         if not tr.fsdp or ck["world_size"] != tr.world:
             raise ValueError(f"--resume: the checkpoint is sharded over {ck['world_size']} "
                              f"FSDP ranks: resume with --parallel fsdp on as many")
@@ -103,6 +125,26 @@ def _model_and_optimizer_state(tr, ck: Dict[str, Any], path: Path) -> Dict[str, 
     return ck
 
 
+def _load_dcp(tr, d: Path) -> Dict[str, Any]:
+    """The model and optimizer state of DCP directory ``d`` laid out as this run holds
+    them (FSDP over this run's ranks, or whole): read into copies of this run's own state
+    dicts (``dcp.load`` writes into the tensors it is given, and those alias the model and
+    the optimizer), so nothing changes before ``load_state_dict`` has checked them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.utils._pytree import tree_map_only
+    if not d.is_dir():
+        raise FileNotFoundError(f"--resume: the checkpoint's sharded state {d} is missing")
+    msd, osd = get_state_dict(tr.raw, tr.opt)
+    both = tree_map_only(torch.Tensor, lambda t: t.detach().clone(),
+                         {"model": msd, "optimizer": osd})
+    one = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():     # (one process: DCP says so, and that is the intent)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(both, checkpoint_id=str(d), no_dist=one)
+    return {"model": both["model"], "optimizer": both["optimizer"], "dcp": True}
+
+
 def load_checkpoint(tr, path: Path) -> None:
     """Continue from ``path``.  Everything is checked before the model or the optimizer
     changes."""
@@ -111,8 +153,13 @@ def load_checkpoint(tr, path: Path) -> None:
     ck = torch.load(path, map_location="cpu", weights_only=False)
     check_resumable(tr, ck)
     state = _model_and_optimizer_state(tr, ck, path)
-    tr.raw.load_state_dict(state["model"])
-    tr.opt.load_state_dict(state["optimizer"])
+    if state.get("dcp"):        # (keys are names: the state-dict helpers map them)
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        set_state_dict(tr.raw, tr.opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+    else:
+        tr.raw.load_state_dict(state["model"])
+        tr.opt.load_state_dict(state["optimizer"])
     if tr.cfg.optimizer == "ivon-opt":
         tr.opt.current_step = int(state["opt_step"])
     tr.step, tr.data_pos = int(ck["step"]), int(ck["data_pos"])
