@@ -190,6 +190,33 @@ def as_local(t, p: Tensor, what: str):
     return t
 
 
+def shard_groups(buckets) -> list:
+    """The process groups the sharded parameters of ``buckets`` are sharded over (each
+    once; empty when nothing is sharded)."""
+    out = []
+    for b in buckets:
+        if b.segments is None:
+            continue
+        for p in b.params:
+            if is_sharded(p):
+                g = p.device_mesh.get_group()
+                if all(g is not h for h in out):
+                    out.append(g)
+    return out
+
+
+def any_rank(flag: Tensor, groups) -> Tensor:
+    """``flag`` (a one-element integer tensor, nonzero where this rank saw something, e.g.
+    a non-finite gradient in its shards) made the maximum over the ranks of ``groups``,
+    in place, on its device (no host read).  Every rank then decides alike, as the
+    unsharded run, which sees every element, would."""
+    if groups:
+        import torch.distributed as dist
+        for g in groups:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g)
+    return flag
+
+
 @dataclass
 class Bucket:
     """Parameters of one group that share a device and a dtype, laid end to end."""

@@ -604,8 +604,9 @@ class BucketedOptimizer(torch.optim.Optimizer):
                 "optimizer": type(self).__name__, "awaiting_refresh": sorted(self._awaiting)}
         sd["poco"] = {**meta, "pending": self._pending.to_dict(), "bucket_buffers": extra}
         # torch.distributed.checkpoint keeps only 'state' and 'param_groups': each group
-        # carries the counters too, and whether gradients were pending (those it drops)
-        pending = any(self._pending.count.values())
+        # carries the counters too, and whether gradients were pending or a sample drawn
+        # since the last update (what it drops)
+        pending = any(self._pending.count.values()) or any(self._pending.draws.values())
         for g in sd["param_groups"]:
             g["poco"] = {**meta, "pending_gradients": pending}
         params = [p for g in self._groups for p in g["params"]]
@@ -833,15 +834,17 @@ class BucketedOptimizer(torch.optim.Optimizer):
         metas = [g.get("poco") if isinstance(g, dict) else None for g in groups]
         check(bool(metas) and all(isinstance(m, dict) for m in metas),
               "not a poco_kernels optimizer state dict (no 'poco' entry, and its param "
-              "groups carry no copy of it)")
+              "groups carry no copy of it; torch.distributed.checkpoint's "
+              "flatten_optimizer_state_dict=True rebuilds the groups without it: use the "
+              "default, False)")
         check(all(m == metas[0] for m in metas),
               "state dict: the param groups carry different 'poco' counters")
         meta = metas[0]
         check(not meta.get("pending_gradients"),
-              "state dict was taken with gradients pending (after sample()/accumulate(), "
-              "before step() or refresh()) and lost them on the way (it has no 'poco' entry: "
-              "torch.distributed.checkpoint keeps only 'state' and 'param_groups'): take it "
-              "between updates")
+              "state dict was taken with gradients pending or a sample drawn (after "
+              "sample()/accumulate(), before step() or refresh()) and lost them on the way "
+              "(it has no 'poco' entry: torch.distributed.checkpoint keeps only 'state' and "
+              "'param_groups'): take it between updates")
         dense = [f"{b.index}/{n}" for b in self._buckets for n, buf in b.buffers.items()
                  if not b.is_flat_buffer(buf)]
         check(not dense, f"state dict has no 'poco' entry, which holds {type(self).__name__}'s "

@@ -7,7 +7,9 @@ before which a refresh is taken), ``state_dtype`` (null or "bfloat16"), ``out`` 
 directory: ``rank<r>.pt`` per rank with the local parameters and optimizer state by name);
 ``load`` (a torch.distributed.checkpoint directory to start from, through ``get_state_dict``
 / ``set_state_dict``: the run continues from its step count), ``save_at`` and ``save``
-(write one there before step ``save_at``).
+(write one there before step ``save_at``); ``nan_at`` (a step: its inner gradient gets a
+NaN at element [4, 2] of ``blocks.0.weight``, on rank 1 when sharded) with
+``check_finite`` (the optimizer's; a refused step is caught and the run goes on).
 
 Every rank trains on the same batches, so FSDP2's average of the gradients over the ranks
 is exact ((g + g) / 2 = g) and the run equals the single-process run bit for bit where the
@@ -81,7 +83,8 @@ def _train(rank: int, spec: dict) -> None:
     sd = spec.get("state_dtype")
     opt = pk.IVONPoCo(model.parameters(), lr=0.05, ess=500.0, hess_init=0.5, seed=11,
                       backend=spec["backend"], mc_samples=spec.get("mc_samples", 1),
-                      state_dtype=getattr(torch, sd) if sd else None)
+                      state_dtype=getattr(torch, sd) if sd else None,
+                      check_finite=spec.get("check_finite"))
     lossf = torch.nn.CrossEntropyLoss()
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -97,6 +100,14 @@ def _train(rank: int, spec: dict) -> None:
     def grad_of(step, kind):
         idx, y = batch(step, kind)
         lossf(model(idx), y).backward()
+        if step == 10 * spec.get("nan_at", -1) and kind == "inner":     # (draw 0)
+            w = model.blocks[0].weight
+            if not spec["fsdp"]:
+                w.grad[4, 2] = float("nan")
+            elif rank == 1:                       # rows 4..6 here: global row 4
+                w.grad.to_local()[0, 2] = float("nan")
+
+    refused = 0
 
     for step in range(start, spec["steps"]):
         if step == spec.get("save_at"):
@@ -113,7 +124,10 @@ def _train(rank: int, spec: dict) -> None:
         if opt.correction_active():
             with opt.sampled("outer"):
                 grad_of(step, "outer")
-        opt.step()
+        try:
+            opt.step()
+        except ValueError:
+            refused += 1
     full_ok = None
     if spec.get("check_full"):
         # the state dict all-gathered (plain tensors of the whole shapes, by name) loads
@@ -132,7 +146,8 @@ def _train(rank: int, spec: dict) -> None:
     params = {n: local(p.detach()).clone() for n, p in model.named_parameters()}
     state = {n: {k: v.clone() for k, v in opt.state[p].items()}
              for n, p in model.named_parameters()}
-    torch.save({"params": params, "state": state, "step": opt.step_count, "full_ok": full_ok},
+    torch.save({"params": params, "state": state, "step": opt.step_count, "full_ok": full_ok,
+                "refused": refused, "skipped": opt.skipped_updates},
                os.path.join(spec["out"], f"rank{rank}.pt"))
 
 

@@ -89,6 +89,22 @@ def test_fsdp2_two_draws_and_bfloat16_state(tmp_path):
     _assert_same(sharded, single)
 
 
+@pytest.mark.parametrize("backend,check_finite", [("cpp", False), ("cpp", True),
+                                                   ("torch", True)])
+def test_a_nan_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path, backend,
+                                                                check_finite):
+    """A NaN in an inner gradient that only rank 1's shard holds: every rank skips the
+    step (fused, check_finite=False) or refuses it (check_finite=True), as one process
+    does, and the runs stay equal (the bad flag is all-reduced over the mesh)."""
+    spec = dict(backend=backend, nan_at=4, check_finite=check_finite, steps=6)
+    single = _ranks(tmp_path, "single", world=1, fsdp=False, **spec)
+    sharded = _ranks(tmp_path, "fsdp", **spec)
+    assert single[0]["step"] == 5
+    assert [r["refused"] for r in sharded] == [single[0]["refused"]] * 2
+    assert [r["skipped"] for r in sharded] == [single[0]["skipped"]] * 2
+    _assert_same(sharded, single)
+
+
 def test_dcp_checkpoints_reshard_2_1_2_bit_for_bit(tmp_path, runs):
     """torch.distributed.checkpoint through get_state_dict/set_state_dict: 2 FSDP2 ranks
     save mid-run (after a refresh, the correction active), one unsharded process loads
@@ -248,7 +264,13 @@ def test_a_state_dict_that_lost_its_pending_gradients_is_refused(mesh1):
     assert all(torch.equal(opt.state[ps[0]][k], twin.state[twin_ps[0]][k])
                for k in opt.state[ps[0]])
     src.step()
-    sd = src.state_dict()
+    sd = src.state_dict()                            # between updates
     del sd["poco"]
+    with src.sampled("inner", accumulate=False):     # a draw taken, no gradient kept
+        pass
+    drawn = src.state_dict()
+    del drawn["poco"]
+    with pytest.raises(ValueError, match="sample drawn"):
+        opt.load_state_dict(drawn)
     opt.load_state_dict(sd)
     assert opt.step_count == 1 and torch.equal(ps[0].to_local(), src.param_groups[0]["params"][0].to_local())

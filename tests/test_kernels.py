@@ -590,7 +590,7 @@ def test_a_shard_offset_moves_the_noise_and_the_rounding(version, ops):
     g = torch.randn(n + 40, generator=torch.Generator().manual_seed(3))
     whole = torch.empty(n + 40)
     ops.fold_ge(g, whole, ctl, SEED, version, 9, 0, -1.0)
-    for off in (0, 4, 7, 2 ** 32 + 3):
+    for off in (0, 4, 7, 2 ** 31, 2 ** 32 - 4, 2 ** 32 + 3):
         out = torch.empty(n)
         ops.fold_ge(g[:n].clone(), out, ctl, SEED, version, 9, 0, -1.0, off)
         exp = g[:n] * -noise.randn(n, SEED, 0, 9, offset=off, version=version)

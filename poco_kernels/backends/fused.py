@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .. import noise as _noise
-from .._layout import alloc_flat, is_padded, local
+from .._layout import alloc_flat, any_rank, is_padded, local, shard_groups
 from .._protocol import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER,
                          KIND_REFRESH)
 from ..kernels import cpp_status, triton_status
@@ -667,8 +667,19 @@ class FusedBackend(Backend):
             fi = None if found_inf is None else found_inf.to(dev, non_blocking=True)
             self.ops.finish(c, fi, slot)
 
+    def _agree(self) -> None:
+        """Sharded buckets: a non-finite gradient in any rank's shards skips (or refuses)
+        the update on every rank, as it does unsharded: the bad flag is the maximum over
+        the shards' process groups (an all-reduce on the device, before the kernels read
+        it)."""
+        groups = shard_groups(self.opt._buckets)
+        if groups and not torch.compiler.is_compiling():
+            for c in self.ctl.values():
+                any_rank(c[K.CTL_BAD:K.CTL_BAD + 1], groups)
+
     def step(self, corr, grad_scale, found_inf) -> Optional[bool]:
         self.check_layout()                   # the step writes the new mean into them
+        self._agree()
         opt = self.opt
         pend = opt._pending
         sums = pend.sums
@@ -720,6 +731,7 @@ class FusedBackend(Backend):
 
     def refresh(self, grad_scale, found_inf) -> bool:
         self.ahead = None
+        self._agree()
         opt = self.opt
         pend = opt._pending
         n = pend.count[KIND_REFRESH]

@@ -13,6 +13,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._layout import any_rank, shard_groups
 from .._protocol import COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KIND_REFRESH
 from ..reference import perturb, stochastic_round
 from .base import Backend
@@ -100,18 +101,27 @@ class TorchBackend(Backend):
             ge = None if ge is None else ge * inv
         return g, ge
 
-    @staticmethod
-    def check_gradients(*ts) -> None:
-        for t in ts:
-            if t is not None and not bool(torch.isfinite(t).all()):
-                raise ValueError("non-finite gradient (inf or nan): the step was not taken and the "
-                                 "optimizer state is unchanged (with AMP, pass found_inf to skip)")
+    def _on_any_rank(self, bad: bool) -> bool:
+        """``bad`` on this rank or on any rank the parameters are sharded over (the
+        unsharded run sees every element: every rank must refuse alike)."""
+        groups = shard_groups(self.opt._buckets)
+        if not groups:
+            return bad
+        flag = torch.tensor([int(bad)], device=self.opt._buckets[0].device)
+        return bool(any_rank(flag, groups).item())
+
+    def check_gradients(self, *ts) -> None:
+        bad = any(t is not None and not bool(torch.isfinite(t).all()) for t in ts)
+        if self._on_any_rank(bad):
+            raise ValueError("non-finite gradient (inf or nan): the step was not taken and the "
+                             "optimizer state is unchanged (with AMP, pass found_inf to skip)")
 
     def check_new(self, new: Dict[int, Dict[str, Tensor]], slot: int = COUNTER_STEPS) -> None:
         """Refuse an update that produced non-finite state (nothing committed).  A
         low-precision buffer's new value (``state_dtype``) is rounded here, so what is
         checked is what ``commit`` stores."""
         opt = self.opt
+        bad = None
         for b in opt._buckets:
             bufs = new.get(b.index, {})
             for name, t in list(bufs.items()):
@@ -119,11 +129,13 @@ class TorchBackend(Backend):
                 if have is not None and have.dtype == torch.bfloat16 != t.dtype:
                     bufs[name] = t = stochastic_round(
                         t, opt._rounding_bits(b, name, opt._counter(slot)))
-                if not bool(torch.isfinite(t).all()):
-                    raise FloatingPointError(
-                        f"the update produced non-finite values in {name!r}: the step was not "
-                        f"taken and the optimizer state is unchanged. "
-                        f"{self.opt._divergence_hint}")
+                if bad is None and not bool(torch.isfinite(t).all()):
+                    bad = name
+        if self._on_any_rank(bad is not None):
+            where = repr(bad) if bad is not None else "another rank's shards"
+            raise FloatingPointError(
+                f"the update produced non-finite values in {where}: the step was not taken "
+                f"and the optimizer state is unchanged. {self.opt._divergence_hint}")
 
     def commit(self, new: Dict[int, Dict[str, Tensor]]) -> None:
         """Copy the new buffers in (creating those made at their first use; low-precision

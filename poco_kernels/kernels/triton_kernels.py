@@ -138,7 +138,8 @@ def _randn_v2(seed, pid, offset, counter, stream, BLOCK: tl.constexpr):
     cover them: call ``q`` gives elements ``4q .. 4q + 3``, both Box-Muller branches of
     both word pairs (``tl.randn4x``), interleaved in element order by two joins and a
     reshape."""
-    q = (offset >> 2) + pid * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+    # (the sum first: the interpreter hands an int offset in [2^31, 2^32) over as a uint32)
+    q = ((pid * BLOCK + offset) >> 2) + tl.arange(0, BLOCK // 4)
     c0 = (q & 0xFFFFFFFF).to(tl.uint32)
     c1 = (q >> 32).to(tl.uint32)
     zero = c0 * 0
