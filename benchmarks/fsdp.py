@@ -38,14 +38,10 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from device import device_info  # noqa: E402
+from iteration import _rss  # noqa: E402  (the resident set, freed heap trimmed first)
 from memory import held_bytes  # noqa: E402
 from report import dump, write_csv  # noqa: E402
 from timing import quantiles  # noqa: E402
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _rank(rank: int, spec: dict) -> None:

@@ -243,10 +243,13 @@ def test_a_state_dict_that_lost_its_pending_gradients_is_refused(mesh1):
     w = torch.randn(7, 5)
     ps, twin_ps = _sharded(mesh1, [w]), _sharded(mesh1, [w])
     opt, twin = (pk.IVONPoCo(q, lr=0.1, ess=1e4, seed=3, backend="cpp") for q in (ps, twin_ps))
-    for o, q in ((opt, ps), (twin, twin_ps)):
-        with o.sampled("inner"):
-            (q[0] ** 3).sum().backward()
-        o.step()
+
+    def both_step():
+        for o, q in ((opt, ps), (twin, twin_ps)):
+            with o.sampled("inner"):
+                (q[0] ** 3).sum().backward()
+            o.step()
+    both_step()
     src = pk.IVONPoCo(_sharded(mesh1, [w * 2]), lr=0.1, ess=1e4, seed=3, backend="cpp")
     with src.sampled("inner"):
         (src.param_groups[0]["params"][0] ** 3).sum().backward()
@@ -256,10 +259,7 @@ def test_a_state_dict_that_lost_its_pending_gradients_is_refused(mesh1):
     del sd["poco"]
     with pytest.raises(ValueError, match="gradients pending"):
         opt.load_state_dict(sd)
-    for o, q in ((opt, ps), (twin, twin_ps)):
-        with o.sampled("inner"):
-            (q[0] ** 3).sum().backward()
-        o.step()
+    both_step()
     assert torch.equal(ps[0].to_local(), twin_ps[0].to_local())
     assert all(torch.equal(opt.state[ps[0]][k], twin.state[twin_ps[0]][k])
                for k in opt.state[ps[0]])

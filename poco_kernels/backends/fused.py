@@ -61,6 +61,13 @@ def bucket_reasons(backend: str, buckets) -> List[str]:
     return list(dict.fromkeys(reasons))
 
 
+def _refuse_sparse(g: Tensor) -> None:
+    """A sparse gradient is refused (before any sum changes)."""
+    if g.is_sparse:
+        raise RuntimeError("poco_kernels optimizers do not support sparse gradients "
+                           "(e.g. nn.Embedding(sparse=True)): nothing was accumulated")
+
+
 class GradBuffer:
     """A flat gradient buffer of a bucket (the parameter dtype) and, per parameter, a
     tensor over its part of the storage that is handed to the parameter as its ``.grad``.
@@ -514,9 +521,7 @@ class FusedBackend(Backend):
             if g is None:
                 zero.append(view)
                 continue
-            if g.is_sparse:
-                raise RuntimeError("poco_kernels optimizers do not support sparse gradients "
-                                   "(e.g. nn.Embedding(sparse=True)): nothing was accumulated")
+            _refuse_sparse(g)
             if compiling or g is not view:
                 srcs.append(g.detach())
                 dsts.append(view)
@@ -537,9 +542,7 @@ class FusedBackend(Backend):
             if g is None:
                 out.append(None)
                 continue
-            if g.is_sparse:
-                raise RuntimeError("poco_kernels optimizers do not support sparse gradients "
-                                   "(e.g. nn.Embedding(sparse=True)): nothing was accumulated")
+            _refuse_sparse(g)
             g = local(g.detach())
             if g.numel() != n:
                 raise RuntimeError(f"a sharded gradient has {g.numel()} elements where its "
