@@ -122,7 +122,8 @@ def test_github_slug():
 
 
 def test_docs_exist():
-    for name in ("design.md", "benchmarks.md", "logreg-study.md", "pretraining.md"):
+    for name in ("design.md", "benchmarks.md", "logreg-study.md", "pretraining.md",
+                 "lm-study.md"):
         assert os.path.exists(os.path.join(ROOT, "docs", name)), name
 
 

@@ -15,4 +15,10 @@
   starting from saved IVON states in :mod:`~poco_kernels.experiments.continual`; the code
   by role in ``pretrain_config``, ``pretrain_setup``, ``pretrain_loop``,
   ``pretrain_checkpoint`` and ``pretrain_report``.
+* :mod:`poco_kernels.experiments.lm_study`: the paper's language-model claims (Sec. 5.2,
+  App. 'Ablations') rerun with that loop at CPU scale over seeds, with lr sweeps, alpha,
+  schedule and refresh-interval ablations, plots and a verdict per claim
+  (``python -m poco_kernels.experiments.lm_study --quick``); the verdicts in
+  :mod:`~poco_kernels.experiments.lm_study_claims`, the figures in
+  :mod:`~poco_kernels.experiments.lm_study_plots`.
 """

@@ -1,0 +1,391 @@
+"""The language-model study's verdicts (:mod:`.lm_study`): each of the paper's claims
+judged on paired seed differences, and the tables, CSVs and plots that show them.
+
+How a comparison is decided.  Runs of two arms with the same seed share the
+initialisation and the training-data order, so each claim is judged on the per-seed
+differences ``d_s = L_A(s) - L_B(s)`` of validation losses (nats; lower is better).
+With ``n`` seeds, mean ``d``, standard error ``se = sd / sqrt(n)`` and Student's ``t`` at
+95% two-sided with ``n - 1`` degrees of freedom, the interval is ``d +- t se``:
+
+* "A below B" **holds** when the whole interval is below 0, **does not hold** when it is
+  above 0, and is **inconclusive** when it contains 0 (the difference does not exceed
+  the seed spread);
+* "A about as good as B" holds when the interval contains 0 and is narrower than
+  ``margin`` on each side (:func:`similar`), does not hold when it excludes 0, and is
+  inconclusive when it is too wide to say.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+from .lm_study_config import ALPHA
+
+__all__ = ["Diff", "paired", "below", "similar", "loss_at", "judge", "write_outputs",
+           "T95"]
+
+#: Student's t, 97.5th percentile (95% two-sided), by degrees of freedom
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+       9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def _t95(df: int) -> float:
+    if df in T95:
+        return T95[df]
+    ks = sorted(k for k in T95 if k <= df)
+    return T95[ks[-1]] if ks else float("inf")
+
+
+@dataclass
+class Diff:
+    """Per-seed differences A - B and their 95% interval."""
+    diffs: List[float]
+    mean: float
+    sd: float
+    lo: float
+    hi: float
+
+    def text(self) -> str:
+        if not self.diffs:
+            return "no paired runs"
+        return (f"{self.mean:+.4f} [{self.lo:+.4f}, {self.hi:+.4f}] "
+                f"(n={len(self.diffs)}, sd {self.sd:.4f})")
+
+
+def paired(a: Dict[int, float], b: Dict[int, float]) -> Diff:
+    """The differences ``a[s] - b[s]`` over the seeds both have, with a 95% interval."""
+    ds = [a[s] - b[s] for s in sorted(set(a) & set(b))]
+    n = len(ds)
+    if n == 0:
+        return Diff([], math.nan, math.nan, math.nan, math.nan)
+    m = sum(ds) / n
+    sd = math.sqrt(sum((d - m) ** 2 for d in ds) / (n - 1)) if n > 1 else math.inf
+    half = _t95(n - 1) * sd / math.sqrt(n) if n > 1 else math.inf
+    return Diff(ds, m, sd, m - half, m + half)
+
+
+def below(d: Diff) -> str:
+    """'A below B' from ``d = A - B``."""
+    if not d.diffs or math.isnan(d.mean):
+        return "inconclusive"
+    if d.hi < 0:
+        return "holds"
+    if d.lo > 0:
+        return "does not hold"
+    return "inconclusive"
+
+
+def similar(d: Diff, margin: float) -> str:
+    """'A about as good as B': the interval contains 0 and lies within +-margin."""
+    if not d.diffs or math.isnan(d.mean):
+        return "inconclusive"
+    if d.lo > 0 or d.hi < 0:
+        return "does not hold"
+    return "holds" if (d.lo > -margin and d.hi < margin) else "inconclusive"
+
+
+def _combine(vs: Sequence[str]) -> str:
+    if vs and all(v == "holds" for v in vs):
+        return "holds"
+    if any(v == "does not hold" for v in vs):
+        return "does not hold" if not any(v == "holds" for v in vs) else "partly"
+    return "partly" if any(v == "holds" for v in vs) else "inconclusive"
+
+
+# --------------------------------------------------------------------------- curves
+def loss_at(curve: Sequence[Dict[str, float]], x: float, key: str = "step") -> float:
+    """The validation loss at ``x`` on ``curve`` (by ``key``: step, evals or wall_s),
+    linearly interpolated; nan past the curve's end."""
+    pts = [(p[key], p["val_loss"]) for p in curve]
+    if not pts or x < pts[0][0] or x > pts[-1][0] + 1e-9:
+        return math.nan
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
+class _Runs:
+    def __init__(self, results):
+        self.by: Dict[str, Dict[int, Dict[str, Any]]] = {}
+        for r in results:
+            self.by.setdefault(r["arm"], {})[r["seed"]] = r
+
+    def final(self, arm: str) -> Dict[int, float]:
+        return {s: r["final_val_loss"] for s, r in self.by.get(arm, {}).items()}
+
+    def at(self, arm: str, x: float, key: str = "step") -> Dict[int, float]:
+        out = {s: loss_at(r["curve"], x, key) for s, r in self.by.get(arm, {}).items()}
+        return {s: v for s, v in out.items() if not math.isnan(v)}
+
+    def evals(self, arm: str) -> float:
+        rs = list(self.by.get(arm, {}).values())
+        return sum(r["evals"] for r in rs) / max(len(rs), 1)
+
+    def wall(self, arm: str) -> float:
+        rs = list(self.by.get(arm, {}).values())
+        return sum(r["train_wall_s"] for r in rs) / max(len(rs), 1)
+
+    def stat(self, arm: str) -> str:
+        v = list(self.final(arm).values())
+        if not v:
+            return "not run"
+        m = sum(v) / len(v)
+        sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else 0.0
+        return f"{m:.4f} +- {sd:.4f} (ppl {math.exp(m):.2f})"
+
+
+# --------------------------------------------------------------------------- claims
+def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, Any]:
+    """Every claim's verdict, with the numbers behind it."""
+    R = _Runs(results)
+    main = f"pocomo@{sc.start}"
+    m = sc.refresh_every
+    claims = []
+
+    def add(cid, claim, setting, result, verdict):
+        claims.append({"id": cid, "claim": claim, "setting": setting, "result": result,
+                       "verdict": verdict})
+
+    # (a) a drop in validation loss every time correction starts: at once (two
+    # refreshes after the start) and within a tenth of the run
+    parts, vs_once, vs_soon = [], [], []
+    soon = max(sc.steps // 10, 2 * m)
+    for s in sorted(set(sc.starts) | {sc.start}):
+        arm = f"pocomo@{s}"
+        same = paired(R.at(arm, s), R.at("ivon", s))
+        d = paired(R.at(arm, s + 2 * m), R.at("ivon", s + 2 * m))
+        d_soon = paired(R.at(arm, s + soon), R.at("ivon", s + soon))
+        end = paired(R.final(arm), R.final("ivon"))
+        vs_once.append(below(d))
+        if d_soon.diffs:
+            vs_soon.append(below(d_soon))
+        course = ", ".join(f"+{k}: {paired(R.at(arm, s + k), R.at('ivon', s + k)).mean:+.4f}"
+                           for k in sorted({m, 2 * m, 5 * m, soon, 2 * soon})
+                           if s + k <= sc.steps)
+        parts.append(f"start {s}: at +{2 * m} steps {d.text()} -> {vs_once[-1]}; at "
+                     f"+{soon} {d_soon.text()} -> {below(d_soon)}; mean by steps after the "
+                     f"start {course}; at the end {end.text()}; identical to IVON up to "
+                     f"{s}: {'yes' if same.diffs and max(map(abs, same.diffs)) == 0 else 'NO'}")
+    add("a", "every time correction starts, validation loss drops at once",
+        f"IVON-PoCoMo minus IVON (same seed): 'at once' {2 * m} steps (two refreshes) "
+        f"after each start, then within a tenth of the run ({soon} steps)", parts,
+        f"at once: {_combine(vs_once)}; within a tenth of the run: {_combine(vs_soon)}")
+
+    # (b) same steps: PoCoMo < IVON < AdamW
+    d1 = paired(R.final(main), R.final("ivon"))
+    d2 = paired(R.final("ivon"), R.final("adamw"))
+    v1, v2 = below(d1), below(d2)
+    add("b", "at the same number of steps IVON-PoCoMo ends below IVON, which ends below "
+        "AdamW", f"final validation loss after {sc.steps} steps ({sc.final_eval_batches} "
+        f"validation mini-batches); IVON-PoCoMo corrected from {sc.start}",
+        [f"IVON-PoCoMo {R.stat(main)}; IVON {R.stat('ivon')}; AdamW {R.stat('adamw')}",
+         f"IVON-PoCoMo - IVON: {d1.text()} -> {v1}",
+         f"IVON - AdamW: {d2.text()} -> {v2}"], _combine([v1, v2]))
+
+    # (c) per gradient evaluation: not faster than IVON; about IVON with a 3x batch
+    e_ivon = R.evals("ivon")
+    d3 = paired(R.at(main, e_ivon, "evals"), R.at("ivon", e_ivon, "evals"))
+    v3 = {"holds": "does not hold", "does not hold": "holds"}.get(below(d3), "inconclusive")
+    gain3x = paired(R.final("ivon-3x"), R.final("ivon"))
+    d4 = paired(R.final(main), R.final("ivon-3x"))
+    margin = abs(gain3x.mean) / 2 if gain3x.diffs else 0.0
+    v4 = similar(d4, margin)
+    e_main = R.evals(main)
+    d5 = paired(R.at(main, e_main, "evals"), R.at("ivon-3x", e_main, "evals"))
+    add("c", "per gradient evaluation IVON-PoCoMo is not faster than IVON, and it is about "
+        "as good as IVON with a 3x batch (the same compute)",
+        f"validation loss at IVON's {e_ivon:.0f} gradient evaluations (curve points, "
+        f"{sc.eval_batches} mini-batches); final losses of IVON-PoCoMo ({e_main:.0f} "
+        f"evaluations) and IVON-3x ({R.evals('ivon-3x'):.0f}) after {sc.steps} steps; "
+        f"'about as good': interval within +-half the 3x batch's gain over IVON",
+        [f"at {e_ivon:.0f} evaluations, IVON-PoCoMo - IVON: {d3.text()} -> not faster: {v3}",
+         f"IVON-3x {R.stat('ivon-3x')}; its gain over IVON {gain3x.text()}",
+         f"same steps, IVON-PoCoMo - IVON-3x: {d4.text()}, margin +-{margin:.4f} -> {v4}",
+         f"at {e_main:.0f} evaluations (IVON-3x's curve), IVON-PoCoMo - IVON-3x: {d5.text()}",
+         f"train wall time (s, mean): IVON {R.wall('ivon'):.0f}, IVON-PoCoMo "
+         f"{R.wall(main):.0f}, IVON-3x {R.wall('ivon-3x'):.0f}"],
+        _combine([v3, v4]))
+
+    # (d) alpha: correction beats none; U-shape
+    alphas = sorted(set(sc.alphas) | {ALPHA})
+    arm_of = {a: (main if abs(a - ALPHA) < 1e-12 else f"alpha={a:g}") for a in alphas}
+    arm_of[0.0] = "ivon"
+    grid = sorted(arm_of)
+    means = {a: _mean(R.final(arm_of[a])) for a in grid}
+    best = min((a for a in grid if not math.isnan(means[a])), key=means.get)
+    vs_none, parts = [], []
+    for a in grid:
+        if a == 0.0:
+            continue
+        d = paired(R.final(arm_of[a]), R.final("ivon"))
+        v = below(d)
+        if a < 1.0:
+            vs_none.append(v)
+        parts.append(f"alpha {a:g}: {R.stat(arm_of[a])}; minus IVON {d.text()} -> {v}")
+    v_none = _combine(vs_none)
+    ends = [paired(R.final(arm_of[e]), R.final(arm_of[best])) for e in (0.0, 1.0)]
+    if best in (0.0, 1.0):
+        other = paired(R.final(arm_of[best]), R.final(arm_of[[a for a in grid if a not in
+                                                               (0.0, 1.0)][0]]))
+        v_u = "does not hold" if below(other) == "holds" else "inconclusive"
+        u_text = f"the lowest mean is at alpha {best:g}, an end of the range"
+    else:
+        v_u = _combine([{"holds": "does not hold", "does not hold": "holds"}.get(
+            below(d), "inconclusive") for d in ends])
+        u_text = (f"lowest mean at alpha {best:g}; alpha 0 minus it {ends[0].text()}, "
+                  f"alpha 1 minus it {ends[1].text()}")
+    parts.append(u_text)
+    add("d", "over alpha, correction beats no correction, with a U-shape",
+        f"constant alpha from step {sc.start} (alpha 0: IVON), final validation loss "
+        f"after {sc.steps} steps", parts,
+        f"correction beats none: {v_none}; U-shape: {v_u}")
+
+    # (e) schedules: increasing < warm-up then 0.5 < decreasing < alpha 1
+    order = [("increasing 0.2 -> 0.8", "sched=increasing"),
+             (f"0 until {sc.start}, then 0.5", "alpha=0.5"),
+             ("decreasing 0.8 -> 0.2", "sched=decreasing"),
+             ("alpha = 1", "sched=one")]
+    parts = [f"{name}: {R.stat(arm)}" for name, arm in order]
+    vs = []
+    for (n1, a1), (n2, a2) in zip(order, order[1:]):
+        d = paired(R.final(a1), R.final(a2))
+        v = below(d)
+        vs.append(v)
+        parts.append(f"{n1} minus {n2}: {d.text()} -> {v}")
+    d = paired(R.final("sched=increasing"), R.final("sched=decreasing"))
+    parts.append(f"(outside the chain) increasing minus decreasing: {d.text()} -> {below(d)}")
+    add("e", "an increasing alpha schedule (0.2 -> 0.8) beats warm-up then 0.5, which "
+        "beats decreasing (0.8 -> 0.2), which beats alpha = 1",
+        f"ramps over the corrected steps from step {sc.early} (the warm-up schedule from "
+        f"{sc.start}); final validation loss after {sc.steps} steps", parts, _combine(vs))
+
+    # (f) refresh interval: too often and too seldom both hurt
+    ms = sorted(set(sc.refreshes) | {m})
+    arm_m = {k: (main if k == m else f"refresh={k}") for k in ms}
+    means = {k: _mean(R.final(arm_m[k])) for k in ms}
+    valid = [k for k in ms if not math.isnan(means[k])]
+    bestm = min(valid, key=means.get)
+    parts = [f"every {k}: {R.stat(arm_m[k])}, {R.evals(arm_m[k]):.0f} gradient "
+             f"evaluations, {R.wall(arm_m[k]):.0f} s" for k in ms]
+    if bestm in (ms[0], ms[-1]):
+        v_f = "does not hold" if len(ms) > 2 and below(paired(
+            R.final(arm_m[bestm]), R.final(arm_m[ms[1] if bestm == ms[0] else ms[-2]]))
+        ) == "holds" else "inconclusive"
+        parts.append(f"the lowest mean is at every {bestm}, an end of the range")
+    else:
+        ds = [paired(R.final(arm_m[e]), R.final(arm_m[bestm])) for e in (ms[0], ms[-1])]
+        v_f = _combine([{"holds": "does not hold", "does not hold": "holds"}.get(
+            below(d), "inconclusive") for d in ds])
+        parts.append(f"lowest mean at every {bestm}; every {ms[0]} minus it {ds[0].text()}, "
+                     f"every {ms[-1]} minus it {ds[-1].text()}")
+    add("f", "refreshing too often or too seldom both hurt",
+        f"mega-batch fixed at {sc.mega_batches} mini-batches, alpha {ALPHA:g} from "
+        f"step {sc.start}; final validation loss after {sc.steps} steps (same steps: more "
+        f"refreshes cost more evaluations)", parts, v_f)
+
+    spreads = {arm: _sd(R.final(arm)) for arm in R.by}
+    summary = {"claims": claims, "meta": meta,
+               "arms": {arm: {"final": R.final(arm), "stat": R.stat(arm),
+                              "evals": R.evals(arm), "wall_s": R.wall(arm),
+                              "sd": spreads[arm]} for arm in sorted(R.by)}}
+    summary["table_md"] = claims_markdown(summary)
+    summary["table_text"] = claims_text(summary)
+    return summary
+
+
+
+def _mean(d: Dict[int, float]) -> float:
+    v = list(d.values())
+    return sum(v) / len(v) if v else math.nan
+
+
+def _sd(d: Dict[int, float]) -> float:
+    v = list(d.values())
+    if len(v) < 2:
+        return math.nan
+    m = sum(v) / len(v)
+    return math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
+
+
+def claims_markdown(summary: Dict[str, Any]) -> str:
+    rows = ["| claim | setting | result (difference: mean [95% interval], nats) | verdict |",
+            "|---|---|---|---|"]
+    for c in summary["claims"]:
+        rows.append(f"| ({c['id']}) {c['claim']} | {c['setting']} | "
+                    f"{'<br>'.join(c['result'])} | **{c['verdict']}** |")
+    return "\n".join(rows)
+
+
+def claims_text(summary: Dict[str, Any]) -> str:
+    out = []
+    for c in summary["claims"]:
+        out.append(f"({c['id']}) {c['claim']}: {c['verdict'].upper()}")
+        out += [f"      {line}" for line in c["result"]]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- files
+CURVE_FIELDS = ("arm", "seed", "step", "evals", "wall_s", "val_loss", "train_loss",
+                "alpha", "lr")
+
+
+def write_outputs(out: Path, results, sweeps, summary, sc, meta) -> None:
+    """``curves.csv``, ``finals.csv``, ``claims.md``, ``claims.json`` and the plots."""
+    seen = {}
+    for r in list(sweeps) + list(results):
+        seen[(r["arm"], r["seed"])] = r
+    rows = sorted(seen.values(), key=lambda r: (r["arm"], r["seed"]))
+    with open(out / "curves.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, CURVE_FIELDS)
+        w.writeheader()
+        for r in rows:
+            for p in r["curve"]:
+                w.writerow({"arm": r["arm"], "seed": r["seed"],
+                            **{k: p.get(k) for k in CURVE_FIELDS[2:]}})
+    with open(out / "finals.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["arm", "seed", "optimizer", "lr", "poco_start", "alpha", "refresh_every",
+                    "batch_size", "steps", "evals", "train_wall_s", "final_val_loss",
+                    "backend"])
+        for r in rows:
+            s = r["settings"]
+            w.writerow([r["arm"], r["seed"], r["optimizer"], s.get("lr"),
+                        s.get("poco_start", ""), s.get("alpha", ""),
+                        s.get("refresh_every", ""), s["batch_size"], r["steps"],
+                        f"{r['evals']:.0f}", f"{r['train_wall_s']:.2f}",
+                        f"{r['final_val_loss']:.5f}", r["backend"]])
+    (out / "claims.json").write_text(json.dumps(
+        {k: v for k, v in summary.items() if k not in ("table_md", "table_text")},
+        indent=1, default=str))
+    settings = dict(sc.__dict__) if hasattr(sc, "__dict__") else meta["scale"]
+    lines = [f"# The paper's LLM claims at CPU scale ({sc.name})", "",
+             f"Command: `{meta['command']}`; {meta['date']}; {meta['machine']}; "
+             f"{meta['runs']} runs, {meta['run_s_total'] / 60:.1f} min of run time, "
+             f"{meta['jobs']} at a time (one thread each).",
+             "", f"Learning rates (seed-0 sweeps, final validation loss): AdamW "
+             f"{_sweep_text(meta['adamw_sweep'])} -> **{meta['adamw_lr']:g}**; IVON "
+             f"{_sweep_text(meta['ivon_sweep'])} -> **{meta['ivon_lr']:g}** (IVON-PoCoMo "
+             f"and IVON-3x take IVON's).", "",
+             summary["table_md"], "", "## Every arm (final validation loss, mean +- sd over "
+             "seeds)", "", "| arm | final loss | gradient evaluations | train wall s |",
+             "|---|---|---|---|"]
+    for arm, a in summary["arms"].items():
+        lines.append(f"| {arm} | {a['stat']} | {a['evals']:.0f} | {a['wall_s']:.1f} |")
+    lines += ["", "## Settings", "", "```", json.dumps(settings, indent=1, default=str),
+              "```", ""]
+    (out / "claims.md").write_text("\n".join(lines))
+    try:
+        from .lm_study_plots import plot_all
+    except ImportError:
+        return
+    plot_all(out, results, sc, meta)
+
+
+def _sweep_text(sweep: Dict[Any, float]) -> str:
+    return ", ".join(f"{float(k):g}: {v:.4f}" for k, v in sorted(sweep.items(),
+                                                                key=lambda kv: float(kv[0])))

@@ -1,0 +1,61 @@
+"""The language-model study's settings (:mod:`.lm_study`): its scales, the correction
+weight of the main arm and the alpha schedules."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+__all__ = ["Scale", "SCALES", "ALPHA", "SCHEDULES", "EVAL_SEED"]
+
+EVAL_SEED = 1234567          # the validation windows: the same for every run and seed
+
+
+@dataclass(frozen=True)
+class Scale:
+    """One size of the study."""
+    name: str
+    n_layer: int
+    n_head: int
+    n_embd: int
+    seq_len: int
+    batch: int                       # sequences per mini-batch (IVON-3x: 3x this)
+    steps: int
+    lr_warmup: int
+    eval_every: int
+    eval_batches: int                # mini-batches per curve point (fixed windows)
+    final_eval_batches: int          # mini-batches of the final evaluation
+    seeds: int
+    start: int                       # the main correction start
+    starts: Tuple[int, ...]          # claim (a): correction starts
+    early: int                       # the alpha schedules' correction start
+    refresh_every: int
+    mega_batches: int
+    alphas: Tuple[float, ...]        # constant alphas besides 0 (IVON) and ALPHA
+    refreshes: Tuple[int, ...]       # refresh intervals besides refresh_every
+    adamw_lrs: Tuple[float, ...]
+    ivon_lrs: Tuple[float, ...]
+    ivon_beta2: float                # 1 - 1/steps: the paper's horizon, 1e5 steps at 0.99999
+    preset: str = "gpt-tiny"         # the GPT preset the sizes above override
+    device: str = "cpu"
+
+
+ALPHA = 0.7                          # the package's recipes (the paper's continual runs)
+SCHEDULES = {"increasing": "0.2:0.8", "decreasing": "0.8:0.2", "one": "1.0"}
+
+SCALES = {
+    # 2 layers x 96 wide, context 64, 16 sequences: 0.29M weights, 1,024 tokens a step
+    "full": Scale("full", 2, 4, 96, 64, 16, 1000, 50, 10, 4, 64, 3, 500, (250, 500, 750),
+                  100, 10, 10, (0.2, 0.5, 0.9, 1.0), (2, 5, 25, 100),
+                  (1e-3, 3e-3, 1e-2), (0.3, 1.0, 3.0), 0.999),
+    # the pipeline in seconds (tests)
+    "quick": Scale("quick", 1, 2, 32, 32, 8, 40, 4, 5, 2, 4, 3, 20, (10, 20, 30), 5, 5, 5,
+                   (0.5, 1.0), (2, 20), (3e-3, 1e-2), (0.3, 1.0), 0.975),
+    # the paper's ablation set-up on one GPU (App., pretraining): GPT-2 with 4 layers, 4
+    # heads, 512 wide (33M weights with GPT-2's vocabulary), batch 64 x 128, about one
+    # epoch of wikitext-103 (--data: nanoGPT's uint16 train.bin/val.bin), correction
+    # after 5,000 steps; the paper's lrs and their neighbours
+    "ablation-33m": Scale("ablation-33m", 4, 4, 512, 128, 64, 12_000, 500, 250, 20, 200, 3,
+                          5000, (3000, 5000, 8000), 1000, 10, 10, (0.2, 0.5, 0.9, 1.0),
+                          (2, 5, 25, 100), (3e-4, 6e-4, 1.2e-3), (0.1, 0.3, 1.0),
+                          1 - 1 / 12_000, preset="gpt2-124m", device="cuda"),
+}

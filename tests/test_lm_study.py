@@ -1,0 +1,165 @@
+"""The language-model study (poco_kernels.experiments.lm_study): the whole pipeline in its
+quick mode (two worker processes, then a rerun that reuses every saved run), and the
+verdict logic on constructed results, where each verdict must flip with the numbers."""
+import csv
+import dataclasses
+import math
+
+import pytest
+
+from poco_kernels.experiments import lm_study as S
+from poco_kernels.experiments import lm_study_claims as C
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    pytest.importorskip("matplotlib")
+    out = tmp_path_factory.mktemp("lm_study")
+    summary = S.main(["--quick", "--out-dir", str(out), "--jobs", "2", "--quiet"])
+    return out, summary
+
+
+def test_quick_study_writes_every_output(quick):
+    out, summary = quick
+    sc = S.SCALES["quick"]
+    for f in ("claims.md", "claims.json", "curves.csv", "finals.csv", "curves.png",
+              "starts.png", "ablations.png"):
+        assert (out / f).stat().st_size > 0, f
+    assert [c["id"] for c in summary["claims"]] == list("abcdef")
+    words = ("holds", "does not hold", "inconclusive", "partly")
+    for c in summary["claims"]:
+        assert any(w in c["verdict"] for w in words), c
+    finals = list(csv.DictReader((out / "finals.csv").open()))
+    arms = {r["arm"] for r in finals}
+    expected = {"adamw", "ivon", "ivon-3x", "alpha=0.5", "alpha=1", "sched=increasing",
+                "sched=decreasing", "sched=one", "refresh=2", "refresh=20"}
+    expected |= {f"pocomo@{s}" for s in sc.starts}
+    assert expected <= arms
+    for arm in expected:
+        assert sorted(int(r["seed"]) for r in finals if r["arm"] == arm) == \
+            list(range(sc.seeds)), arm
+    # every run reached its last step, with a finite loss; the IVON family on the C++
+    # kernels, AdamW on torch.optim's
+    assert all(int(r["steps"]) == sc.steps and math.isfinite(float(r["final_val_loss"]))
+               and r["backend"] == ("torch" if r["optimizer"] == "adamw" else "cpp")
+               for r in finals)
+    # gradient evaluations: IVON-3x three per step, IVON-PoCoMo 2 + mega/m once corrected
+    ev = {r["arm"]: float(r["evals"]) for r in finals if r["seed"] == "0"}
+    assert ev["ivon"] == sc.steps and ev["ivon-3x"] == 3 * sc.steps
+    corrected = sc.steps - sc.start
+    assert ev[f"pocomo@{sc.start}"] == sc.steps + corrected + \
+        math.ceil(corrected / sc.refresh_every) * sc.mega_batches
+    # before its start IVON-PoCoMo is IVON bit for bit (claim a's pairing rests on it)
+    (a,) = [c for c in summary["claims"] if c["id"] == "a"]
+    assert len(a["result"]) == len(set(sc.starts) | {sc.start})
+    assert all("identical to IVON up to" in line and line.endswith(": yes")
+               for line in a["result"]), a["result"]
+    assert a["verdict"].startswith("at once: ") and "within a tenth of the run: " in \
+        a["verdict"]
+    rows = list(csv.DictReader((out / "curves.csv").open()))
+    assert set(rows[0]) == set(C.CURVE_FIELDS)
+    text = (out / "claims.md").read_text()
+    assert "| (e) an increasing alpha schedule" in text and "--quick" in text
+
+
+def test_a_rerun_reuses_the_saved_runs(quick, monkeypatch):
+    out, summary = quick
+
+    def boom(*a, **k):
+        raise AssertionError("a saved run was run again")
+    monkeypatch.setattr(S, "run_job", boom)
+    again = S.run_study("quick", str(out), n_jobs=1, quiet=True, log=lambda *_: None)
+    assert again["table_md"] == summary["table_md"]
+    # a changed setting is not reused
+    job = S.sweep_jobs(S.SCALES["quick"])[0]
+    changed = S.Job(job.arm, job.seed, job.optimizer,
+                    tuple((k, 99 if k == "max_steps" else v) for k, v in job.settings),
+                    job.final_eval_batches, job.base_batch)
+    assert S.cached_result(out, job) is not None and S.cached_result(out, changed) is None
+
+
+def test_paired_interval_and_verdicts():
+    d = C.paired({0: 1.0, 1: 2.0, 2: 3.0}, {0: 1.1, 1: 2.12, 2: 3.08})
+    assert d.mean == pytest.approx(-0.1) and d.sd == pytest.approx(0.02)
+    half = 4.303 * 0.02 / math.sqrt(3)
+    assert (d.lo, d.hi) == pytest.approx((-0.1 - half, -0.1 + half))
+    assert C.below(d) == "holds"
+    assert C.below(C.paired({0: 1.1, 1: 2.12, 2: 3.08}, {0: 1.0, 1: 2.0, 2: 3.0})) == \
+        "does not hold"
+    noisy = C.paired({0: 1.0, 1: 2.0, 2: 3.0}, {0: 1.1, 1: 1.9, 2: 3.0})
+    assert C.below(noisy) == "inconclusive"
+    assert C.similar(noisy, margin=0.01) == "inconclusive"       # too wide to say
+    assert C.similar(noisy, margin=1.0) == "holds"
+    assert C.similar(d, margin=1.0) == "does not hold"            # excludes 0
+    assert C.below(C.paired({0: 1.0}, {1: 1.0})) == "inconclusive"   # nothing paired
+    curve = [{"step": 0, "evals": 0, "val_loss": 4.0}, {"step": 10, "evals": 30,
+                                                         "val_loss": 2.0}]
+    assert C.loss_at(curve, 5) == 3.0 and C.loss_at(curve, 15, "evals") == 3.0
+    assert math.isnan(C.loss_at(curve, 11))
+
+
+def _synthetic(sc, loss):
+    """Result dicts for every arm of ``sc`` with curves ``loss(arm, seed, step)``."""
+    out = []
+    for j in S.plan(sc, 1e-3, 1.0):
+        s = j.cfg_dict()
+        per_step = j.cost() / sc.steps
+        curve = [{"step": t, "evals": t * per_step, "wall_s": 0.01 * t,
+                  "val_loss": loss(j.arm, j.seed, t)}
+                 for t in range(0, sc.steps + 1, sc.eval_every)]
+        out.append({"arm": j.arm, "seed": j.seed, "settings": s, "curve": curve,
+                    "final_val_loss": curve[-1]["val_loss"], "evals": j.cost(),
+                    "train_wall_s": 1.0})
+    return out
+
+
+def test_verdicts_follow_the_numbers():
+    sc = S.SCALES["quick"]
+    jitter = {0: 0.0, 1: 0.003, 2: -0.002}
+
+    def paper(arm, seed, t):
+        """The paper's story: correction drops the loss at once, PoCoMo < 3x ~ PoCoMo <
+        IVON < AdamW, U over alpha and the refresh interval, the schedule order."""
+        base = 3.0 - t / sc.steps + jitter[seed]
+        gain = {"adamw": -0.2, "ivon-3x": 0.1, "alpha=0.5": 0.08, "alpha=1": 0.02,
+                "sched=increasing": 0.2, "sched=decreasing": 0.05, "sched=one": 0.01,
+                "refresh=2": 0.04, "refresh=20": 0.03}
+        start = int(arm.split("@")[1]) if arm.startswith("pocomo@") else sc.start
+        g = 0.1 if arm.startswith("pocomo@") else gain.get(arm, 0.0)
+        if arm.startswith("pocomo@") or arm in gain and arm not in ("adamw", "ivon-3x"):
+            return base - (g if t > start else 0.0)
+        return base - g * t / sc.steps
+    verdict = {c["id"]: c["verdict"] for c in C.judge(_synthetic(sc, paper), sc, {})["claims"]}
+    assert verdict["a"] == "at once: holds; within a tenth of the run: holds"
+    assert verdict["b"] == "holds"
+    assert verdict["d"] == "correction beats none: holds; U-shape: holds"
+    assert verdict["e"] == "holds"
+    assert verdict["f"] == "holds"
+
+    def flat(arm, seed, t):            # nothing differs but noise that sums to 0 over seeds
+        return 3.0 - t / sc.steps + jitter[seed] + 0.001 * ((seed + len(arm)) % 3 - 1)
+    verdict = {c["id"]: c["verdict"] for c in C.judge(_synthetic(sc, flat), sc, {})["claims"]}
+    assert verdict["e"] == verdict["f"] == "inconclusive"
+    assert verdict["a"] == "at once: inconclusive; within a tenth of the run: inconclusive"
+    assert verdict["d"] == "correction beats none: inconclusive; U-shape: inconclusive"
+
+    def reversed_(arm, seed, t):       # correction hurts: (a), (b) do not hold
+        base = 3.0 - t / sc.steps + jitter[seed]
+        if arm.startswith("pocomo@") and t > int(arm.split("@")[1]):
+            return base + 0.1
+        return base - (0.3 if arm == "adamw" else 0.0)
+    verdict = {c["id"]: c["verdict"] for c in C.judge(_synthetic(sc, reversed_), sc,
+                                                       {})["claims"]}
+    assert verdict["a"] == "at once: does not hold; within a tenth of the run: does not hold"
+    assert verdict["b"] == "does not hold"
+
+    def gradual(arm, seed, t):         # a gain that only builds up: not "at once"
+        base = 3.0 - t / sc.steps + jitter[seed]
+        if arm.startswith("pocomo@"):
+            s = int(arm.split("@")[1])
+            return base - 0.01 * max(0, t - s - 2 * sc.refresh_every)
+        return base + (0.3 if arm == "adamw" else 0.0)
+    long = dataclasses.replace(sc, steps=200)          # a tenth of the run: 20 steps
+    verdict = {c["id"]: c["verdict"] for c in C.judge(_synthetic(long, gradual), long,
+                                                       {})["claims"]}
+    assert verdict["a"] == "at once: inconclusive; within a tenth of the run: holds"
