@@ -43,7 +43,12 @@ def test_quick_study_writes_every_output(quick):
     assert all(int(r["steps"]) == sc.steps and math.isfinite(float(r["final_val_loss"]))
                and r["backend"] == ("torch" if r["optimizer"] == "adamw" else "cpp")
                for r in finals)
-    # gradient evaluations: IVON-3x three per step, IVON-PoCoMo 2 + mega/m once corrected
+    # gradient evaluations: IVON-3x three per step, IVON-PoCoMo 2 + mega/m once corrected;
+    # every run's count is what the progress bar expected
+    cost = {j.run_id: j.cost() for j in S.plan(sc, 1.0, 1.0)}
+    for r in finals:
+        if f"{r['arm']}/seed{r['seed']}" in cost:
+            assert float(r["evals"]) == cost[f"{r['arm']}/seed{r['seed']}"], r["arm"]
     ev = {r["arm"]: float(r["evals"]) for r in finals if r["seed"] == "0"}
     assert ev["ivon"] == sc.steps and ev["ivon-3x"] == 3 * sc.steps
     corrected = sc.steps - sc.start
@@ -76,6 +81,21 @@ def test_a_rerun_reuses_the_saved_runs(quick, monkeypatch):
                     tuple((k, 99 if k == "max_steps" else v) for k, v in job.settings),
                     job.final_eval_batches, job.base_batch)
     assert S.cached_result(out, job) is not None and S.cached_result(out, changed) is None
+    # so is one whose recipe changed underneath (a setting the arms do not override)
+    from poco_kernels.experiments import pretrain_config
+    monkeypatch.setattr(S, "_KEYS", {})
+    monkeypatch.setitem(pretrain_config.RECIPES["cpu"], "rho1", 0.5)
+    pocomo = [j for j in S.plan(S.SCALES["quick"], 1e-2, 1.0) if j.arm.startswith("pocomo")]
+    assert S.cached_result(out, pocomo[0]) is None
+
+
+def test_a_failed_run_stops_the_study_and_names_the_run(tmp_path):
+    job = S.sweep_jobs(S.SCALES["quick"])[0]
+    bad = S.Job("broken", 0, job.optimizer,
+                tuple((k, 1000 if k == "seq_len" else v) for k, v in job.settings),
+                job.final_eval_batches, job.base_batch)      # longer than the model's context
+    with pytest.raises(RuntimeError, match="run broken/seed0 failed.*seq_len 1000"):
+        S.run_jobs([bad, job], tmp_path, n_jobs=2, quiet=True)
 
 
 def test_paired_interval_and_verdicts():
@@ -90,7 +110,9 @@ def test_paired_interval_and_verdicts():
     assert C.below(noisy) == "inconclusive"
     assert C.similar(noisy, margin=0.01) == "inconclusive"       # too wide to say
     assert C.similar(noisy, margin=1.0) == "holds"
-    assert C.similar(d, margin=1.0) == "does not hold"            # excludes 0
+    assert C.similar(d, margin=1.0) == "holds"      # equivalence: within the margin
+    assert C.similar(d, margin=0.05) == "does not hold"           # wholly outside it
+    assert C.similar(d, margin=0.11) == "inconclusive"            # straddles it
     assert C.below(C.paired({0: 1.0}, {1: 1.0})) == "inconclusive"   # nothing paired
     curve = [{"step": 0, "evals": 0, "val_loss": 4.0}, {"step": 10, "evals": 30,
                                                          "val_loss": 2.0}]
@@ -137,6 +159,8 @@ def test_verdicts_follow_the_numbers():
     assert verdict["f"] == "holds"
 
     def flat(arm, seed, t):            # nothing differs but noise that sums to 0 over seeds
+        if arm.startswith("pocomo@") and t <= int(arm.split("@")[1]):
+            arm = "ivon"               # IVON-PoCoMo is IVON before its start
         return 3.0 - t / sc.steps + jitter[seed] + 0.001 * ((seed + len(arm)) % 3 - 1)
     verdict = {c["id"]: c["verdict"] for c in C.judge(_synthetic(sc, flat), sc, {})["claims"]}
     assert verdict["e"] == verdict["f"] == "inconclusive"
@@ -163,3 +187,50 @@ def test_verdicts_follow_the_numbers():
     verdict = {c["id"]: c["verdict"] for c in C.judge(_synthetic(long, gradual), long,
                                                        {})["claims"]}
     assert verdict["a"] == "at once: inconclusive; within a tenth of the run: holds"
+
+
+def test_verdicts_at_the_ends_of_a_sweep_and_for_the_3x_batch():
+    sc = S.SCALES["quick"]
+    jitter = {0: 0.0, 1: 0.003, 2: -0.002}
+    gains = {"alpha=0.5": 0.05, "alpha=1": 0.2, "refresh=2": 0.3, "refresh=20": 0.01}
+
+    def ends(arm, seed, t):
+        """alpha 1 and refreshing every 2 steps are best (the ends of their ranges);
+        IVON-3x is as good as IVON-PoCoMo, and IVON-PoCoMo gains nothing per evaluation."""
+        base = 3.0 - t / sc.steps + jitter[seed]
+        start = int(arm.split("@")[1]) if arm.startswith("pocomo@") else sc.start
+        g = 0.1 if arm.startswith("pocomo@") or arm == "ivon-3x" else gains.get(arm, 0.0)
+        return base - (g if t > start else 0.0)
+    claims = {c["id"]: c for c in C.judge(_synthetic(sc, ends), sc, {})["claims"]}
+    assert claims["d"]["verdict"] == "correction beats none: holds; U-shape: does not hold"
+    assert "alpha 1, an end of the range; minus alpha 0.7" in claims["d"]["result"][-1]
+    assert claims["f"]["verdict"] == "does not hold"
+    assert "every 2, an end of the range; minus every 5" in claims["f"]["result"][-1]
+    # (c): at IVON's evaluations PoCoMo is not ahead (it is IVON there); the 3x batch is
+    # IVON-PoCoMo's equal within the margin
+    assert claims["c"]["verdict"] == "holds", claims["c"]["result"]
+
+    def far(arm, seed, t):            # the 3x batch far ahead: 'about as good' fails
+        base = 3.0 - t / sc.steps + jitter[seed]
+        if arm == "ivon-3x":
+            return base - (0.5 if t == sc.steps else 0.0)
+        pocomo = arm.startswith("pocomo@") and t > int(arm.split("@")[1])
+        return base - (0.1 if pocomo else 0.0)
+    (c,) = [c for c in C.judge(_synthetic(sc, far), sc, {})["claims"] if c["id"] == "c"]
+    assert "about as good: does not hold" in c["result"][2]
+
+
+def test_missing_arms_one_seed_and_divergence_are_reported_not_crashed():
+    sc = dataclasses.replace(S.SCALES["quick"], seeds=1)
+
+    def plain(arm, seed, t):
+        return 3.0 - t / sc.steps
+    results = [r for r in _synthetic(sc, plain) if not r["arm"].startswith("alpha=")
+               and not r["arm"].startswith("refresh=")]
+    results[0]["final_val_loss"] = float("nan")
+    summary = C.judge(results, sc, {})
+    verdicts = {c["id"]: c["verdict"] for c in summary["claims"]}
+    assert verdicts["d"] == "correction beats none: inconclusive; U-shape: inconclusive"
+    assert verdicts["f"] == "inconclusive" and verdicts["b"] == "inconclusive"
+    assert summary["diverged"] == [f"{results[0]['arm']}/seed0"]
+    assert "Diverged" in summary["table_md"] and "(one seed)" in summary["table_text"]

@@ -12,7 +12,8 @@ arm A and one of arm B with the same seed are paired):
 
 * ``adamw-lr=*`` / ``ivon-lr=*``: learning-rate sweeps on seed 0; the best final
   validation loss picks the lr of ``adamw`` and of every IVON-type arm;
-* ``adamw``, ``ivon``, ``ivon-3x`` (IVON on a 3x batch: IVON-PoCoMo's compute);
+* ``adamw``, ``ivon``, ``ivon-3x`` (IVON on a 3x batch: the paper's "same compute" as
+  IVON-PoCoMo; here 3 gradient evaluations a step against PoCoMo's 2 + mega/m);
 * ``pocomo@S``: IVON-PoCoMo corrected from step S (plain IVON before, bit for bit);
 * ``alpha=a``: constant alpha from the main start; ``sched=*``: alpha schedules from an
   early start; ``refresh=m``: a refresh every m steps (mega-batch fixed) from the main start.
@@ -72,8 +73,24 @@ class Job:
         return steps + corrected + refreshes * s["mega_batches"]
 
     def key(self) -> str:
-        return json.dumps({"optimizer": self.optimizer, "settings": self.cfg_dict(),
-                           "final_eval_batches": self.final_eval_batches}, sort_keys=True)
+        """What decides the run's result: every setting of its resolved
+        :class:`~.pretrain_config.RunConfig` (the recipe's too), the evaluation, the data's
+        fingerprint and the package version.  A saved run is reused only when it equals."""
+        if self not in _KEYS:
+            from .. import __version__
+            from .pretrain_config import resolve_config
+            cfg = asdict(resolve_config(self.optimizer, "cpu", **self.cfg_dict()))
+            for k in ("out_dir", "quiet"):
+                cfg.pop(k)
+            _KEYS[self] = json.dumps(
+                {"config": cfg, "final_eval_batches": self.final_eval_batches,
+                 "base_batch": self.base_batch, "eval_seed": EVAL_SEED,
+                 "data": _tokens(cfg["data"]).fingerprint, "version": __version__},
+                sort_keys=True, default=str)
+        return _KEYS[self]
+
+
+_KEYS: Dict[Job, str] = {}
 
 
 def _base_settings(sc: Scale, data: str) -> Dict[str, Any]:
@@ -263,7 +280,8 @@ def run_jobs(jobs: Sequence[Job], out: Path, n_jobs: int = 2, desc: str = "runs"
              quiet: bool = False) -> List[Dict[str, Any]]:
     """Every job's result, reusing saved ones; the rest run ``n_jobs`` at a time (worker
     processes of one thread each; ``n_jobs=1``: in this process, with its threads), the
-    longest first, with one progress bar in gradient evaluations."""
+    longest first, with one progress bar in gradient evaluations.  A failed run stops the
+    study (the queued runs are cancelled) with an error that names it."""
     results: Dict[str, Dict[str, Any]] = {}
     todo = []
     for j in jobs:
@@ -276,30 +294,39 @@ def run_jobs(jobs: Sequence[Job], out: Path, n_jobs: int = 2, desc: str = "runs"
     bar = _bar(sum(j.cost() for j in todo), f"{desc} ({len(todo)} to run, "
                f"{len(jobs) - len(todo)} saved)", quiet)
     try:
-        if n_jobs <= 1 or len(todo) <= 1:
+        if n_jobs <= 1:
             for j in todo:
                 results[j.run_id] = run_job(j, out, lambda rid, d: bar.update(d))
                 bar.set_postfix_str(j.run_id)
-        else:
+        elif todo:
             ctx = mp.get_context("spawn")
             with mp.Manager() as manager, cf.ProcessPoolExecutor(
                     n_jobs, mp_context=ctx) as pool:
                 q = manager.Queue()
                 futs = {pool.submit(_worker, j, str(out), q): j for j in todo}
                 pending = set(futs)
-                while pending:
+
+                def drain(timeout):
                     try:
                         while True:
-                            _, d = q.get(timeout=0.2)
+                            _, d = q.get(timeout=timeout)
                             bar.update(d)
                     except queue_mod.Empty:
                         pass
+                while pending:
+                    drain(0.2)
                     finished = {f for f in pending if f.done()}
                     for f in finished:
                         j = futs[f]
-                        results[j.run_id] = f.result()      # a failed run raises here
+                        if f.exception() is not None:    # cancel what waits, let the
+                            pool.shutdown(wait=True, cancel_futures=True)   # running end
+                            raise RuntimeError(f"run {j.run_id} failed (the runs saved so "
+                                               f"far are reused by a rerun): "
+                                               f"{f.exception()!r}") from f.exception()
+                        results[j.run_id] = f.result()
                         bar.set_postfix_str(j.run_id)
                     pending -= finished
+                drain(0.05)
     finally:
         bar.close()
     return [results[j.run_id] for j in jobs]
@@ -309,7 +336,10 @@ def run_jobs(jobs: Sequence[Job], out: Path, n_jobs: int = 2, desc: str = "runs"
 def _pick(results: List[Dict[str, Any]], prefix: str) -> Tuple[float, Dict[str, float]]:
     losses = {r["settings"]["lr"]: r["final_val_loss"] for r in results
               if r["arm"].startswith(prefix)}
-    return min(losses, key=losses.get), losses
+    finite = {k: v for k, v in losses.items() if v == v and v != float("inf")}
+    if not finite:
+        raise RuntimeError(f"every {prefix}* run diverged: {losses}")
+    return min(finite, key=finite.get), losses
 
 
 def machine() -> str:
@@ -346,7 +376,9 @@ def run_study(scale: str = "full", out_dir: str = "lm_study_out", n_jobs: int = 
         src = {"adamw": f"adamw-lr={adamw_lr:g}", "ivon": f"ivon-lr={ivon_lr:g}"}.get(j.arm)
         if src is not None and j.seed == 0 and cached_result(out, j) is None:
             s = json.loads((out / "runs" / src / "seed0" / "result.json").read_text())
-            s.update(arm=j.arm, key=j.key())
+            if s["settings"] != j.cfg_dict():
+                raise RuntimeError(f"{src}/seed0 does not have {j.run_id}'s settings")
+            s.update(arm=j.arm, key=j.key(), copied_from=f"{src}/seed0")
             d = _run_dir(out, j)
             d.mkdir(parents=True, exist_ok=True)
             (d / "result.json").write_text(json.dumps(s, indent=1))
@@ -355,9 +387,8 @@ def run_study(scale: str = "full", out_dir: str = "lm_study_out", n_jobs: int = 
             "adamw_sweep": adamw_sweep, "ivon_sweep": ivon_sweep,
             "machine": machine(), "jobs": n_jobs, "torch_threads_per_run": 1,
             "wall_s": time.perf_counter() - t0,           # this call (saved runs are reused)
-            "runs": len({(r["arm"], r["seed"]) for r in sweeps + results}),
-            "run_s_total": sum({(r["arm"], r["seed"]): r["run_s"]
-                                for r in sweeps + results}.values()),
+            "runs": len({r["key"] for r in sweeps + results}),     # trained, copies once
+            "run_s_total": sum({r["key"]: r["run_s"] for r in sweeps + results}.values()),
             "date": time.strftime("%Y-%m-%d"),
             "data": data,
             "command": "python -m poco_kernels.experiments.lm_study"

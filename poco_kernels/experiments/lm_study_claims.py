@@ -10,9 +10,9 @@ With ``n`` seeds, mean ``d``, standard error ``se = sd / sqrt(n)`` and Student's
 * "A below B" **holds** when the whole interval is below 0, **does not hold** when it is
   above 0, and is **inconclusive** when it contains 0 (the difference does not exceed
   the seed spread);
-* "A about as good as B" holds when the interval contains 0 and is narrower than
-  ``margin`` on each side (:func:`similar`), does not hold when it excludes 0, and is
-  inconclusive when it is too wide to say.
+* "A about as good as B" holds when the whole interval lies within ``+-margin``
+  (:func:`similar`), does not hold when it lies wholly outside, and is inconclusive
+  otherwise.
 """
 from __future__ import annotations
 
@@ -80,12 +80,15 @@ def below(d: Diff) -> str:
 
 
 def similar(d: Diff, margin: float) -> str:
-    """'A about as good as B': the interval contains 0 and lies within +-margin."""
+    """'A about as good as B' (an equivalence test): holds when the whole interval lies
+    within +-margin, does not hold when it lies wholly outside, else inconclusive."""
     if not d.diffs or math.isnan(d.mean):
         return "inconclusive"
-    if d.lo > 0 or d.hi < 0:
+    if -margin < d.lo and d.hi < margin:
+        return "holds"
+    if d.lo >= margin or d.hi <= -margin:
         return "does not hold"
-    return "holds" if (d.lo > -margin and d.hi < margin) else "inconclusive"
+    return "inconclusive"
 
 
 def _combine(vs: Sequence[str]) -> str:
@@ -135,8 +138,19 @@ class _Runs:
         if not v:
             return "not run"
         m = sum(v) / len(v)
-        sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else 0.0
-        return f"{m:.4f} +- {sd:.4f} (ppl {math.exp(m):.2f})"
+        if len(v) == 1:
+            return f"{m:.4f} (one seed)"
+        sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
+        return f"{m:.4f} +- {sd:.4f} (ppl {math.exp(min(m, 50.0)):.2f})"
+
+    def same_until(self, arm: str, other: str, step: int) -> bool:
+        """Whether ``arm`` and ``other`` have identical curves up to ``step`` (and at least
+        one pair of runs)."""
+        pairs = [(r, self.by[other][s]) for s, r in self.by.get(arm, {}).items()
+                 if s in self.by.get(other, {})]
+        return bool(pairs) and all(
+            [p["val_loss"] for p in a["curve"] if p["step"] <= step]
+            == [p["val_loss"] for p in b["curve"] if p["step"] <= step] for a, b in pairs)
 
 
 # --------------------------------------------------------------------------- claims
@@ -157,7 +171,6 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
     soon = max(sc.steps // 10, 2 * m)
     for s in sorted(set(sc.starts) | {sc.start}):
         arm = f"pocomo@{s}"
-        same = paired(R.at(arm, s), R.at("ivon", s))
         d = paired(R.at(arm, s + 2 * m), R.at("ivon", s + 2 * m))
         d_soon = paired(R.at(arm, s + soon), R.at("ivon", s + soon))
         end = paired(R.final(arm), R.final("ivon"))
@@ -170,11 +183,16 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
         parts.append(f"start {s}: at +{2 * m} steps {d.text()} -> {vs_once[-1]}; at "
                      f"+{soon} {d_soon.text()} -> {below(d_soon)}; mean by steps after the "
                      f"start {course}; at the end {end.text()}; identical to IVON up to "
-                     f"{s}: {'yes' if same.diffs and max(map(abs, same.diffs)) == 0 else 'NO'}")
+                     f"{s}: {'yes' if R.same_until(arm, 'ivon', s) else 'NO'}")
+    verdict_a = (f"at once: {_combine(vs_once)}; within a tenth of the run: "
+                 f"{_combine(vs_soon)}")
+    if not all(R.same_until(f"pocomo@{s}", "ivon", s)
+               for s in set(sc.starts) | {sc.start}):
+        verdict_a = "invalid: IVON-PoCoMo differs from IVON before its start"
     add("a", "every time correction starts, validation loss drops at once",
         f"IVON-PoCoMo minus IVON (same seed): 'at once' {2 * m} steps (two refreshes) "
         f"after each start, then within a tenth of the run ({soon} steps)", parts,
-        f"at once: {_combine(vs_once)}; within a tenth of the run: {_combine(vs_soon)}")
+        verdict_a)
 
     # (b) same steps: PoCoMo < IVON < AdamW
     d1 = paired(R.final(main), R.final("ivon"))
@@ -200,12 +218,14 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
     add("c", "per gradient evaluation IVON-PoCoMo is not faster than IVON, and it is about "
         "as good as IVON with a 3x batch (the same compute)",
         f"validation loss at IVON's {e_ivon:.0f} gradient evaluations (curve points, "
-        f"{sc.eval_batches} mini-batches); final losses of IVON-PoCoMo ({e_main:.0f} "
-        f"evaluations) and IVON-3x ({R.evals('ivon-3x'):.0f}) after {sc.steps} steps; "
-        f"'about as good': interval within +-half the 3x batch's gain over IVON",
+        f"{sc.eval_batches} mini-batches; IVON's lr has annealed there, IVON-PoCoMo's not "
+        f"yet); final losses of IVON-PoCoMo ({e_main:.0f} evaluations) and IVON-3x "
+        f"({R.evals('ivon-3x'):.0f}; the paper: the same compute) after {sc.steps} steps; "
+        f"'about as good': the interval within +-half the 3x batch's gain over IVON",
         [f"at {e_ivon:.0f} evaluations, IVON-PoCoMo - IVON: {d3.text()} -> not faster: {v3}",
          f"IVON-3x {R.stat('ivon-3x')}; its gain over IVON {gain3x.text()}",
-         f"same steps, IVON-PoCoMo - IVON-3x: {d4.text()}, margin +-{margin:.4f} -> {v4}",
+         f"same steps, IVON-PoCoMo - IVON-3x: {d4.text()}, margin +-{margin:.4f} -> "
+         f"about as good: {v4} (below: {below(d4)})",
          f"at {e_main:.0f} evaluations (IVON-3x's curve), IVON-PoCoMo - IVON-3x: {d5.text()}",
          f"train wall time (s, mean): IVON {R.wall('ivon'):.0f}, IVON-PoCoMo "
          f"{R.wall(main):.0f}, IVON-3x {R.wall('ivon-3x'):.0f}"],
@@ -217,7 +237,9 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
     arm_of[0.0] = "ivon"
     grid = sorted(arm_of)
     means = {a: _mean(R.final(arm_of[a])) for a in grid}
-    best = min((a for a in grid if not math.isnan(means[a])), key=means.get)
+    ran = [a for a in grid if not math.isnan(means[a])]
+    best = min(ran, key=means.get) if ran else grid[0]
+    lo_a, hi_a = grid[0], grid[-1]
     vs_none, parts = [], []
     for a in grid:
         if a == 0.0:
@@ -228,17 +250,20 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
             vs_none.append(v)
         parts.append(f"alpha {a:g}: {R.stat(arm_of[a])}; minus IVON {d.text()} -> {v}")
     v_none = _combine(vs_none)
-    ends = [paired(R.final(arm_of[e]), R.final(arm_of[best])) for e in (0.0, 1.0)]
-    if best in (0.0, 1.0):
-        other = paired(R.final(arm_of[best]), R.final(arm_of[[a for a in grid if a not in
-                                                               (0.0, 1.0)][0]]))
+    ends = [paired(R.final(arm_of[e]), R.final(arm_of[best])) for e in (lo_a, hi_a)]
+    if len(ran) < 3:
+        v_u, u_text = "inconclusive", f"only alphas {ran} ran"
+    elif best in (lo_a, hi_a):
+        nxt = grid[1] if best == lo_a else grid[-2]          # its neighbour
+        other = paired(R.final(arm_of[best]), R.final(arm_of[nxt]))
         v_u = "does not hold" if below(other) == "holds" else "inconclusive"
-        u_text = f"the lowest mean is at alpha {best:g}, an end of the range"
+        u_text = (f"the lowest mean is at alpha {best:g}, an end of the range; minus alpha "
+                  f"{nxt:g}: {other.text()}")
     else:
         v_u = _combine([{"holds": "does not hold", "does not hold": "holds"}.get(
             below(d), "inconclusive") for d in ends])
-        u_text = (f"lowest mean at alpha {best:g}; alpha 0 minus it {ends[0].text()}, "
-                  f"alpha 1 minus it {ends[1].text()}")
+        u_text = (f"lowest mean at alpha {best:g}; alpha {lo_a:g} minus it {ends[0].text()}, "
+                  f"alpha {hi_a:g} minus it {ends[1].text()}")
     parts.append(u_text)
     add("d", "over alpha, correction beats no correction, with a U-shape",
         f"constant alpha from step {sc.start} (alpha 0: IVON), final validation loss "
@@ -269,14 +294,18 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
     arm_m = {k: (main if k == m else f"refresh={k}") for k in ms}
     means = {k: _mean(R.final(arm_m[k])) for k in ms}
     valid = [k for k in ms if not math.isnan(means[k])]
-    bestm = min(valid, key=means.get)
+    bestm = min(valid, key=means.get) if valid else ms[0]
     parts = [f"every {k}: {R.stat(arm_m[k])}, {R.evals(arm_m[k]):.0f} gradient "
              f"evaluations, {R.wall(arm_m[k]):.0f} s" for k in ms]
-    if bestm in (ms[0], ms[-1]):
-        v_f = "does not hold" if len(ms) > 2 and below(paired(
-            R.final(arm_m[bestm]), R.final(arm_m[ms[1] if bestm == ms[0] else ms[-2]]))
-        ) == "holds" else "inconclusive"
-        parts.append(f"the lowest mean is at every {bestm}, an end of the range")
+    if len(valid) < 3:
+        v_f = "inconclusive"
+        parts.append(f"only intervals {valid} ran")
+    elif bestm in (ms[0], ms[-1]):
+        nxt = ms[1] if bestm == ms[0] else ms[-2]
+        other = paired(R.final(arm_m[bestm]), R.final(arm_m[nxt]))
+        v_f = "does not hold" if below(other) == "holds" else "inconclusive"
+        parts.append(f"the lowest mean is at every {bestm}, an end of the range; minus "
+                     f"every {nxt}: {other.text()}")
     else:
         ds = [paired(R.final(arm_m[e]), R.final(arm_m[bestm])) for e in (ms[0], ms[-1])]
         v_f = _combine([{"holds": "does not hold", "does not hold": "holds"}.get(
@@ -289,7 +318,9 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
         f"refreshes cost more evaluations)", parts, v_f)
 
     spreads = {arm: _sd(R.final(arm)) for arm in R.by}
-    summary = {"claims": claims, "meta": meta,
+    diverged = sorted(f"{arm}/seed{s}" for arm, runs in R.by.items()
+                      for s, r in runs.items() if not math.isfinite(r["final_val_loss"]))
+    summary = {"claims": claims, "meta": meta, "diverged": diverged,
                "arms": {arm: {"final": R.final(arm), "stat": R.stat(arm),
                               "evals": R.evals(arm), "wall_s": R.wall(arm),
                               "sd": spreads[arm]} for arm in sorted(R.by)}}
@@ -318,11 +349,14 @@ def claims_markdown(summary: Dict[str, Any]) -> str:
     for c in summary["claims"]:
         rows.append(f"| ({c['id']}) {c['claim']} | {c['setting']} | "
                     f"{'<br>'.join(c['result'])} | **{c['verdict']}** |")
+    if summary.get("diverged"):
+        rows += ["", f"Diverged (non-finite final loss): {', '.join(summary['diverged'])}"]
     return "\n".join(rows)
 
 
 def claims_text(summary: Dict[str, Any]) -> str:
-    out = []
+    out = [f"DIVERGED (non-finite final loss): {', '.join(summary['diverged'])}"] \
+        if summary.get("diverged") else []
     for c in summary["claims"]:
         out.append(f"({c['id']}) {c['claim']}: {c['verdict'].upper()}")
         out += [f"      {line}" for line in c["result"]]
