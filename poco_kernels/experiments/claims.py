@@ -15,13 +15,20 @@ test accuracies are reported beside the verdicts.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["Claim", "CRITERIA", "TARGETS", "evaluate", "format_claims", "evals_to_reach",
-           "classify", "refresh_jumps"]
+__all__ = ["Claim", "CRITERIA", "TARGETS", "FASTER_PAIRS", "evaluate", "format_claims",
+           "evals_to_reach", "reach_bracket", "phase_targets", "compare_speed", "classify",
+           "refresh_jumps"]
 
 TARGETS = (1e-2, 1e-3)
+#: (the IVON-type method, the first-order one, the phase the comparison is measured in):
+#: uncorrected methods over the whole run; corrected ones after their first refresh,
+#: before which they are their uncorrected twins
+FASTER_PAIRS = (("ivon", "sgd", "run"), ("ivon", "vsgd", "run"),
+                ("ivon-poco", "svrg", "corrected"), ("ivon-poco", "vsgd-poco", "corrected"))
 JUMP_FACTOR = 2.0
 FLOAT_FLOOR = 1e-12            # gaps below this are float64 noise: no jump is measured
 
@@ -29,7 +36,7 @@ CRITERIA = """How the claims are judged, on the relative train-objective gap g =
 * reaches L-BFGS: the final g is at most --reach-tol;
 * stalls below L-BFGS: the final g is above --reach-tol and the median g over the last quarter of the run is less than 2x below the median over the third quarter ("still descending" otherwise);
 * a jump after a refresh: with w a tenth of the inner loop, the median g over the w steps after the refresh is at least 2x below the median over the w steps before it, and that fall is at least twice the fall between the two w-windows before (refreshes where g is already below 1e-12 are not counted); "holds" if every refresh of SVRG, VSGD-PoCo and IVON-PoCo jumps, "partly" if some do;
-* faster: fewer gradient evaluations per example to first reach g <= 1e-2 and g <= 1e-3 (a target that only one method reaches counts for it; targets neither reaches are skipped).
+* faster: fewer gradient evaluations per example to first reach each target, in the phase where the claim applies: IVON against SGD and VSGD over the whole run at g <= 1e-2, 1e-3, 1e-4; IVON-PoCo against SVRG and VSGD-PoCo after the first refresh (counted from it, mega-batch included) at the three decades below both gaps at that refresh. The gap is recorded every tenth of the trace's interval; a target is decided when the two first-reach brackets (last point above, first point at or below) do not overlap, or only one method reaches it; a pair is "faster" when it is faster at every decided target and at least one is decided; "holds" if every pair is faster (a tie at every target, or a mix, counts against; pairs where neither method reaches any target are left out).
 Test accuracy is shown beside the verdicts ("= L-BFGS" within one test example)."""
 
 
@@ -82,10 +89,96 @@ def classify(r, oracle, reach_tol: float) -> str:
 
 def evals_to_reach(r, oracle, target: float) -> Optional[float]:
     """Gradient evaluations per example at the first recorded point with g <= target."""
-    for _, e, f, _ in r.trace:
-        if _gap(f, oracle) <= target:
-            return e
+    b = reach_bracket(_gap_points(r, oracle), target)
+    return None if b is None else b[1]
+
+
+def _gap_points(r, oracle) -> List[Tuple[int, float, float]]:
+    """(step, evals per example, g): the run's fine gap trace, else its trace."""
+    if getattr(r, "gap_trace", None):
+        return list(r.gap_trace)
+    return [(t, e, _gap(f, oracle)) for t, e, f, _ in r.trace]
+
+
+def reach_bracket(points, target: float, origin: float = 0.0
+                  ) -> Optional[Tuple[float, float]]:
+    """Where ``g <= target`` is first reached, as the bracket ``(lo, hi]`` of gradient
+    evaluations per example counted from ``origin``: ``hi`` at the first recorded point
+    with ``g <= target``, ``lo`` at the point before it (the crossing lies between: the
+    recording's resolution).  None if never reached."""
+    prev = None
+    for _, e, g in points:
+        if g <= target:
+            lo = e if prev is None else prev
+            return lo - origin, e - origin
+        prev = e
     return None
+
+
+def _phase(r, oracle, phase: str):
+    """The points of ``phase`` and the evaluations they are counted from: the whole run
+    ("run"), or from the start of the first refresh ("corrected": the mega-batch counts)."""
+    pts = _gap_points(r, oracle)
+    if phase == "run":
+        return pts, 0.0
+    if not r.refresh_steps:
+        return [], 0.0
+    s = r.refresh_steps[0]
+    origin = r.refresh_evals[0][0] if getattr(r, "refresh_evals", None) else \
+        next(e for t, e, _ in pts if t >= s)
+    return [p for p in pts if p[0] >= s], origin
+
+
+def phase_targets(a, b, oracle, phase: str) -> List[float]:
+    """The gap targets a comparison in ``phase`` is decided at: TARGETS and the next decade
+    over the whole run; after the first refresh, the three decades below both methods'
+    gaps at that refresh (what the warm-up reached does not count), down to 1e-12."""
+    if phase == "run":
+        return list(TARGETS) + [TARGETS[-1] / 10]
+    pa, pb = _phase(a, oracle, phase)[0], _phase(b, oracle, phase)[0]
+    if not (pa and pb):
+        return []
+    start = min(pa[0][2], pb[0][2])
+    if not start > FLOAT_FLOOR:
+        return []
+    k = math.floor(math.log10(start))
+    top = 10.0 ** k if 10.0 ** k < start else 10.0 ** (k - 1)
+    return [t for t in (top, top / 10, top / 100) if t >= FLOAT_FLOOR]
+
+
+def compare_speed(a, b, oracle, phase: str) -> Tuple[str, str]:
+    """Whether ``a`` reaches each of :func:`phase_targets` with fewer gradient evaluations
+    per example than ``b`` within ``phase``: a target is decided when the two first-reach
+    brackets do not overlap (touching brackets decide: one had reached the target where
+    the other was still above it; one method reaching it and the other not decides too).
+    Returns ('faster' / 'slower' / 'mixed' / 'tie within resolution' / 'neither reaches',
+    the evidence)."""
+    (pa, oa), (pb, ob) = _phase(a, oracle, phase), _phase(b, oracle, phase)
+    wins, parts = [], []
+    for t in phase_targets(a, b, oracle, phase):
+        ba, bb = reach_bracket(pa, t, oa), reach_bracket(pb, t, ob)
+        if ba is None and bb is None:
+            parts.append(f"g<={t:.0e}: neither")
+            continue
+        if bb is None or (ba is not None and ba[1] <= bb[0]):
+            wins.append(True)
+        elif ba is None or bb[1] <= ba[0]:
+            wins.append(False)
+        else:
+            wins.append(None)
+        parts.append(f"g<={t:.0e}: {_fmt_b(ba)} vs {_fmt_b(bb)}"
+                     + (" (tie within resolution)" if wins[-1] is None else ""))
+    decided = [w for w in wins if w is not None]
+    if not wins:
+        verdict = "neither reaches"
+    elif not decided:
+        verdict = "tie within resolution"
+    else:
+        verdict = "faster" if all(decided) else ("slower" if not any(decided) else "mixed")
+    where = ("over the run" if phase == "run" else
+             "after the first refresh (evaluations counted from it, mega-batch included)")
+    return verdict, f"{where}, evaluations/example to first reach: " + \
+        (", ".join(parts) or "no target below both gaps at the refresh")
 
 
 def refresh_jumps(r, oracle, refresh_every: int):
@@ -164,9 +257,10 @@ def evaluate(results, oracle, cfg, prob) -> List[Claim]:
             flags.append("all" if all(hits) else ("some" if any(hits) else "none"))
         first = js[0]
         status = "" if r.status == "ok" else f" before its {r.status}"
+        later = (f"later median /{_median([j[1] for j in js[1:]]):.3g} vs "
+                 f"/{_median([j[2] for j in js[1:]]):.3g}" if len(js) > 1 else "no later one")
         ev.append(f"{m}: jumps at {sum(hits)}/{len(hits)} refreshes{status} (first: g /{first[1]:.3g} "
-                  f"after vs /{first[2]:.3g} before, acc {first[3]:+.4f}; later median "
-                  f"/{_median([j[1] for j in js[1:]]):.3g} vs /{_median([j[2] for j in js[1:]]):.3g})")
+                  f"after vs /{first[2]:.3g} before, acc {first[3]:+.4f}; {later})")
     verdict = ("n/a" if not flags else "holds" if all(f == "all" for f in flags)
                else "does not hold" if all(f == "none" for f in flags) else "partly")
     claims.append(Claim("a jump after each refresh (SVRG, VSGD-PoCo, IVON-PoCo)", verdict,
@@ -174,22 +268,14 @@ def evaluate(results, oracle, cfg, prob) -> List[Claim]:
 
     # 4. faster
     flags, ev = [], []
-    for fast, slow in (("ivon", "sgd"), ("ivon", "vsgd"), ("ivon-poco", "svrg"),
-                       ("ivon-poco", "vsgd-poco")):
+    for fast, slow, phase in FASTER_PAIRS:
         a, b = by.get(fast), by.get(slow)
         if not (_ran(a) and _ran(b)):
             continue
-        wins, parts = [], []
-        for t in TARGETS:
-            ea, eb = evals_to_reach(a, oracle, t), evals_to_reach(b, oracle, t)
-            if ea is None and eb is None:
-                parts.append(f"g<={t:g}: neither")
-                continue
-            wins.append(eb is None or (ea is not None and ea < eb))
-            parts.append(f"g<={t:g}: {_fmt(ea)} vs {_fmt(eb)}")
-        if wins:
-            flags.append(all(wins))
-        ev.append(f"{fast} vs {slow} (evals/example): " + ", ".join(parts))
+        verdict, text = compare_speed(a, b, oracle, phase)
+        if verdict != "neither reaches":        # a tie or a mix is not faster
+            flags.append(verdict == "faster")
+        ev.append(f"{fast} vs {slow}, {text} -> {verdict}")
     claims.append(Claim("IVON-type methods faster than first-order ones", _verdict(flags),
                         ev or ["not run"]))
     return claims
@@ -197,6 +283,12 @@ def evaluate(results, oracle, cfg, prob) -> List[Claim]:
 
 def _fmt(x: Optional[float]) -> str:
     return "never" if x is None else f"{x:.1f}"
+
+
+def _fmt_b(b: Optional[Tuple[float, float]]) -> str:
+    """A first-reach bracket ``(lo, hi]``, as ``lo-hi``."""
+    return "never" if b is None else (f"{b[1]:.2f}" if b[0] == b[1] else
+                                      f"{b[0]:.2f}-{b[1]:.2f}")
 
 
 def _median(xs: Sequence[float]) -> float:

@@ -64,6 +64,7 @@ class Config:
     # bookkeeping
     seed: int = 0
     eval_every: int = 0                  # 0: steps // 400 (at least 1)
+    fine_every: int = 0                  # the gap-only trace: 0: eval_every // 10
     log_every: int = 0                   # 0: no progress lines
     lbfgs_gtol: float = 1e-10
     blowup: float = 10.0                 # F(m) > blowup * F(0): the run has blown up
@@ -157,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=d.eval_every,
                    help="record F(m) and the test accuracy every this many steps "
                         "(0: steps/400)")
+    p.add_argument("--fine-every", type=int, default=d.fine_every,
+                   help="record the objective gap alone every this many steps, for the "
+                        "'faster' claim's first-reach brackets (0: eval-every/10)")
     p.add_argument("--log-every", type=int, default=None,
                    help="progress line every this many steps (default: steps/10; 0: none)")
     p.add_argument("--blowup", type=float, default=d.blowup,
@@ -193,13 +197,17 @@ def config_from_args(args: argparse.Namespace) -> Config:
         rho2=args.rho2, hess_corr_scale=args.hess_corr_scale, outer_noise=args.outer_noise,
         von_lr=args.von_lr, von_beta=args.von_beta, von_schedule=args.von_schedule,
         von_max_dim=args.von_max_dim, reach_tol=args.reach_tol,
-        seed=args.seed, eval_every=args.eval_every, blowup=args.blowup,
+        seed=args.seed, eval_every=args.eval_every, fine_every=args.fine_every,
+        blowup=args.blowup,
         log_every=max(steps // 10, 1) if args.log_every is None else args.log_every)
     for k in ("steps", "batch", "refresh_every", "megabatch", "refresh_samples"):
         if getattr(cfg, k) < 1:
             raise SystemExit(f"--{k.replace('_', '-')} must be positive")
     if cfg.warmup < 0:
         raise SystemExit("--warmup must be non-negative")
+    for k in ("eval_every", "fine_every"):
+        if getattr(cfg, k) < 0:
+            raise SystemExit(f"--{k.replace('_', '-')} must be non-negative (0: the default)")
     if not 0 < cfg.von_schedule <= 1:
         raise SystemExit("--von-schedule must be in (0, 1]")
     return cfg

@@ -101,6 +101,9 @@ class MethodResult:
     refresh_evals: List[Tuple[float, float]] = field(default_factory=list)
     # (inner step, grad evals per example, F(m), test accuracy); also at each refresh
     trace: List[Tuple[int, float, float, float]] = field(default_factory=list)
+    # (inner step, grad evals per example, relative gap (F(m) - F*) / |F*|) at 10x the
+    # trace's resolution (``cfg.fine_every``): the "faster" claim's first-reach brackets
+    gap_trace: List[Tuple[int, float, float]] = field(default_factory=list)
     settings: str = ""
 
     @property
@@ -175,13 +178,22 @@ def run_method(method: str, prob: Problem, oracle: Oracle, cfg: Config,
     k_refresh = max(int(g.get("refresh_samples", 1)) for g in opt.param_groups)
     samples = max(int(g.get("mc_samples", 1)) for g in opt.param_groups)
     eval_every = cfg.eval_every or max(steps // 400, 1)
+    fine_every = cfg.fine_every or max(eval_every // 10, 1)
     evals = 0
     f_star = oracle.f
     f_limit = cfg.blowup * objective(w, prob.Xtr, prob.ytr, prob.l2)
 
+    def gap_point(t, f=None):
+        if f is None:
+            f = objective(w, prob.Xtr, prob.ytr, prob.l2)
+        if not res.gap_trace or res.gap_trace[-1][0] != t:
+            res.gap_trace.append((t, evals / n, (f - f_star) / abs(f_star)))
+        return f
+
     def record(t):
         f = objective(w, prob.Xtr, prob.ytr, prob.l2)
         res.trace.append((t, evals / n, f, accuracy(w, prob.Xte, prob.yte)))
+        gap_point(t, f)
         if callback is not None:
             callback(t, opt, f)
         return f
@@ -218,6 +230,10 @@ def run_method(method: str, prob: Problem, oracle: Oracle, cfg: Config,
                 eval_time += time.perf_counter() - te
                 if not (f <= f_limit):
                     raise _BlowUp(f"F(m) = {f:.3g} > {cfg.blowup:g} F(0)")
+            elif t % fine_every == 0:
+                te = time.perf_counter()
+                gap_point(t)
+                eval_time += time.perf_counter() - te
     except (FloatingPointError, ValueError, _BlowUp) as e:
         if isinstance(e, ValueError) and "non-finite" not in str(e):
             raise
@@ -249,6 +265,8 @@ def _finish(res: MethodResult, w: torch.Tensor, prob: Problem, oracle: Oracle, t
     res.grad_evals_per_example = evals / n
     if res.trace[-1][0] != t:
         res.trace.append((t, evals / n, res.objective, res.test_acc))
+    if not res.gap_trace or res.gap_trace[-1][0] != t:
+        res.gap_trace.append((t, evals / n, res.rel_gap))
 
 
 def run_study(cfg: Config, log=None) -> Tuple[Problem, Oracle, List[MethodResult]]:
