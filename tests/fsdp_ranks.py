@@ -59,6 +59,7 @@ def run(rank: int, spec: dict) -> None:
                             world_size=world)
     try:
         _train(rank, spec)
+        dist.barrier()          # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
 
