@@ -1168,7 +1168,10 @@ class PosteriorOptimizer(BucketedOptimizer):
                 raise RuntimeError(
                     f"{type(self).__name__}.step() needs gradients at a posterior sample: pass a "
                     "closure, or run the backward pass inside `with optimizer.sampled():` "
-                    "(see the README, 'Training loops without closures')")
+                    "(see the README, 'Training loops without closures'). A training loop "
+                    "that owns step(), such as the Hugging Face Trainer's, needs "
+                    "poco_kernels.integrations (docs/integrations.md): "
+                    "poco_kernels.integrations.hf.PoCoTrainer in place of Trainer")
             if (corr and pend.count[KIND_OUTER] == 0
                     and not self._backend.skipped_on_host(found_inf)):
                 raise RuntimeError(
