@@ -145,6 +145,13 @@ def draw_seed() -> int:
     return int(torch.empty((), dtype=torch.int64).random_(0, 2 ** 63 - 1))
 
 
+def _from_lightning(closure) -> bool:
+    """Whether ``closure`` is the one Lightning's automatic optimization hands step()."""
+    fn = getattr(closure, "func", closure)
+    owner = getattr(fn, "__self__", None)
+    return type(owner).__module__.split(".")[0] in ("lightning", "pytorch_lightning")
+
+
 class BucketedOptimizer(torch.optim.Optimizer):
     """Buckets, backend, noise, counters and state dict.
 
@@ -155,6 +162,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
 
     #: the optimizer has an outer loop (refresh) and a correction
     _has_correction: bool = True
+    _warned_lightning: bool = False   # the one warning of _from_lightning (class default)
     #: appended to the error raised when an update would produce non-finite state
     _divergence_hint: str = "Lower the learning rate."
     #: per-parameter buffers created at their first use (not present before)
@@ -1149,6 +1157,15 @@ class PosteriorOptimizer(BucketedOptimizer):
         #: the parameters held the next sample: a failure puts it back, not the mean
         self._was_ahead = self._backend.ahead is not None
         if closure is not None:
+            if self._has_correction and self._refreshes == 0 and not self._warned_lightning \
+                    and _from_lightning(closure):
+                self._warned_lightning = True
+                import warnings
+                warnings.warn(f"{type(self).__name__} under Lightning's automatic optimization "
+                              "takes IVON's steps: nothing here calls refresh(), so the "
+                              "correction never starts. Use poco_kernels.integrations."
+                              "lightning.PoCoLightningModule (docs/integrations.md)",
+                              stacklevel=2)
             if pend.count[KIND_INNER] or pend.count[KIND_OUTER]:
                 raise RuntimeError("step(closure) with gradients already accumulated by "
                                    "sample()/accumulate(): call step() without a closure, or "

@@ -1,5 +1,5 @@
-"""poco_kernels.integrations: the Hugging Face Trainer (PoCoTrainer) and accelerate, on
-the CPU with the fused C++ backend.
+"""poco_kernels.integrations: the Hugging Face Trainer (PoCoTrainer), accelerate and
+Lightning (PoCoLightningModule), on the CPU with the fused C++ backend.
 
 * PoCoTrainer equals the package's sampling-protocol loop written by hand on the batches
   the Trainer drew (its micro-batches, its refresh mega-batches), bit for bit, and a
@@ -7,8 +7,11 @@ the CPU with the fused C++ backend.
   a pointer to the integration and changes nothing;
 * accelerate: save_state/load_state (safetensors) resumes bit for bit; 2 gloo ranks
   (DDP) stay bit-identical to each other and equal one process to float rounding;
+* Lightning: PoCoLightningModule equals the protocol loop on the same batches and
+  resumes from an epoch checkpoint bit for bit; a plain LightningModule trains IVON
+  through Lightning's closure exactly as opt.step(closure);
 * safetensors saves every parameter of a fused bucket once the state dict owns its
-  storage (and drops them without)."""
+  storage (and drops them without); the examples run."""
 from __future__ import annotations
 
 import os
@@ -66,7 +69,7 @@ def test_own_storage_keeps_ties_and_leaves_owners_alone():
 
 
 # --------------------------------------------------------------------------- HF Trainer
-def _hf_setup(out, trainer_cls, steps=8, optimizer="ivon-pocomo"):
+def _hf_setup(out, trainer_cls, steps=8, optimizer="ivon-pocomo", **extra_args):
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
@@ -91,7 +94,8 @@ def _hf_setup(out, trainer_cls, steps=8, optimizer="ivon-pocomo"):
                              gradient_accumulation_steps=2, learning_rate=0.05, seed=0,
                              save_strategy="steps", save_steps=4, logging_steps=4,
                              report_to=[], use_cpu=True, lr_scheduler_type="cosine",
-                             warmup_steps=2, max_grad_norm=0.0, disable_tqdm=True)
+                             warmup_steps=2, max_grad_norm=0.0, disable_tqdm=True,
+                             **extra_args)
     kw = dict(poco_start=2, refresh_every=3, mega_batches=2) if trainer_cls.__name__ != \
         "Trainer" else {}
     return trainer_cls(model=model, args=args, train_dataset=Tokens(),
@@ -190,6 +194,18 @@ def test_pocotrainer_runs_ivon_without_refreshes(tmp_path):
     assert not any(torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
 
 
+def test_pocotrainer_under_bf16_autocast_and_gradient_clipping(tmp_path):
+    """bf16 autocast (the Trainer's) over the inner, outer and refresh passes, and the
+    Trainer's clipping inside each sample: the run completes, corrected, finite."""
+    from poco_kernels.integrations.hf import PoCoTrainer
+    tr = _hf_setup(tmp_path, PoCoTrainer, steps=3, bf16=True)
+    tr.args.max_grad_norm = 0.5
+    out = tr.train()
+    assert tr.poco_optimizer.refresh_count == 1 and tr.poco_optimizer.correction_active()
+    assert torch.isfinite(torch.tensor(out.training_loss))
+    assert all(torch.isfinite(p).all() for p in tr.model.parameters())
+
+
 def test_a_plain_trainer_refuses_ivon_and_points_to_the_integration(tmp_path):
     from transformers import Trainer
     tr = _hf_setup(tmp_path, Trainer, steps=2)
@@ -241,6 +257,35 @@ def test_accelerate_save_state_resumes_bit_for_bit(tmp_path, backend):
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
+def test_accelerate_helpers_equal_the_protocol_loop_bit_for_bit():
+    got, opt_a = _accelerate_run(10)
+    model = _net()
+    opt = poco_kernels.IVONPoCoMo(model.parameters(), lr=0.05, ess=64.0, alpha=0.7, seed=3,
+                                  backend="cpp")
+    g = torch.Generator().manual_seed(1)
+    X, y = torch.randn(64, 5, generator=g), torch.randn(64, 3, generator=g)
+
+    def backward(idx, n):
+        (torch.nn.functional.mse_loss(model(X[idx]), y[idx]) / n).backward()
+    for t in range(10):
+        if t >= 3 and (t - 3) % 3 == 0:
+            with opt.sampled("refresh", accumulate=False):
+                for chunk in ([torch.arange(16), torch.arange(16, 32)], [torch.arange(32, 64)]):
+                    for idx in chunk:
+                        backward(idx, len(chunk))
+                    opt.accumulate()
+            opt.refresh()
+        idx = (torch.arange(8) + 8 * t) % 64
+        for kind in ["inner"] + (["outer"] if opt.correction_active() else []):
+            with opt.sampled(kind):
+                backward(idx[:4], 2)
+                backward(idx[4:], 2)
+        opt.step()
+    assert opt.refresh_count == opt_a.refresh_count == 3
+    for a, b in zip(got, model.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_accelerate_ddp_two_ranks_equal_one_process(tmp_path):
     pytest.importorskip("accelerate")
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -264,14 +309,168 @@ def test_accelerate_ddp_two_ranks_equal_one_process(tmp_path):
 
 
 # --------------------------------------------------------------------------- examples
-@pytest.mark.parametrize("name", ["hf_trainer_gpt2", "accelerate_gpt2"])
+@pytest.mark.parametrize("name", ["hf_trainer_gpt2", "accelerate_gpt2", "lightning_gpt2"])
 def test_the_examples_run(name, tmp_path):
     pytest.importorskip("transformers")
+    if name.startswith("lightning"):
+        pytest.importorskip("lightning")
     import importlib.util
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples",
                                                                      name + ".py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    out = mod.main(["--steps", "4", "--out-dir", str(tmp_path)])
+    short = ["--steps-per-epoch", "2"] if name.startswith("lightning") else ["--steps", "4"]
+    out = mod.main(short + ["--out-dir", str(tmp_path)])
     loss = out["eval_loss"] if isinstance(out, dict) else out
     assert 0.0 < loss < 10.0
+
+
+# --------------------------------------------------------------------------- Lightning
+def _lightning_module():
+    pytest.importorskip("lightning")
+    from poco_kernels.integrations.lightning import PoCoLightningModule
+    g = torch.Generator().manual_seed(1)
+    X, y = torch.randn(64, 5, generator=g), torch.randn(64, 3, generator=g)
+
+    class Regression(PoCoLightningModule):
+        poco_start, refresh_every = 2, 3
+
+        def __init__(self, backend="cpp"):
+            super().__init__()
+            self.net = _net()
+            self.backend = backend
+            self.data = (X, y)
+
+        def poco_loss(self, batch):
+            xb, yb = batch
+            return torch.nn.functional.mse_loss(self.net(xb), yb)
+
+        def poco_micro_batches(self, batch):
+            xb, yb = batch
+            return [(xb[:4], yb[:4]), (xb[4:], yb[4:])]
+
+        def poco_mega_batch(self, index):
+            idx = torch.randperm(64, generator=torch.Generator().manual_seed(100 + index))
+            return [[(X[c], y[c])] for c in idx[:32].chunk(2)]
+
+        def configure_optimizers(self):
+            opt = poco_kernels.IVONPoCoMo(self.net.parameters(), lr=0.05, ess=64.0, alpha=0.7,
+                                          seed=3, backend=self.backend)
+            return {"optimizer": opt, "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 / (1 + 0.1 * t)),
+                "interval": "step"}}
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y),
+                                               batch_size=8, shuffle=False)
+    return Regression
+
+
+def _lightning_trainer(out, epochs, **kw):
+    import lightning.pytorch as pl
+    return pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(out), **kw)
+
+
+def test_lightning_equals_the_protocol_loop_and_resumes_bit_for_bit(tmp_path):
+    Regression = _lightning_module()
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    model = Regression()
+    _lightning_trainer(tmp_path / "a", 2, enable_checkpointing=False).fit(model)
+    inner = model.trainer.strategy.optimizers[0].optimizer
+    assert inner.step_count == 16 and inner.refresh_count == 5     # 2, 5, 8, 11, 14
+    # the hand-written protocol loop on the same batches
+    twin = Regression()
+    opt = twin.configure_optimizers()["optimizer"]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 / (1 + 0.1 * t))
+    batches = list(twin.train_dataloader()) * 2
+    for t, batch in enumerate(batches):
+        if t >= 2 and (t - 2) % 3 == 0:
+            with opt.sampled("refresh", accumulate=False):
+                for chunk in twin.poco_mega_batch(opt.refresh_count):
+                    for mb in chunk:
+                        twin.poco_loss(mb).backward()
+                    opt.accumulate()
+            opt.refresh()
+        for kind in ["inner"] + (["outer"] if opt.correction_active() else []):
+            with opt.sampled(kind):
+                for mb in twin.poco_micro_batches(batch):
+                    (twin.poco_loss(mb) / 2).backward()
+        opt.step()
+        sched.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    # one epoch, a checkpoint, the second epoch from it
+    first = Regression()
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    _lightning_trainer(tmp_path / "b", 1, callbacks=[ckpt]).fit(first)
+    resumed = Regression()
+    _lightning_trainer(tmp_path / "c", 2, enable_checkpointing=False).fit(
+        resumed, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_lightning_automatic_optimization_runs_ivon_through_its_closure(tmp_path):
+    """Lightning hands step() a closure (forward, backward): IVON evaluates it at its
+    sample, so a plain LightningModule trains IVON exactly as opt.step(closure) does.
+    (IVON-PoCoMo's refreshes need PoCoLightningModule.)"""
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+    data = torch.utils.data.TensorDataset(torch.randn(32, 5, generator=torch.Generator()
+                                                      .manual_seed(2)),
+                                          torch.randn(32, 3, generator=torch.Generator()
+                                                      .manual_seed(3)))
+
+    class Plain(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return poco_kernels.IVON(self.net.parameters(), lr=0.05, ess=64.0, seed=3,
+                                     backend="cpp")
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(data, batch_size=8)
+    m = Plain()
+    _lightning_trainer(tmp_path, 2, enable_checkpointing=False).fit(m)
+    twin = Plain()
+    opt = twin.configure_optimizers()
+    for batch in list(twin.train_dataloader()) * 2:
+        def closure():
+            opt.zero_grad()
+            loss = twin.training_step(batch, 0)
+            loss.backward()
+            return loss
+        opt.step(closure)
+    assert opt.step_count == 8
+    for a, b in zip(m.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_lightning_automatic_optimization_warns_that_pocomo_never_refreshes(tmp_path):
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+
+    class Plain(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return poco_kernels.IVONPoCoMo(self.net.parameters(), lr=0.05, ess=64.0)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+                torch.randn(16, 5), torch.randn(16, 3)), batch_size=8)
+    with pytest.warns(UserWarning, match="PoCoLightningModule") as rec:
+        _lightning_trainer(tmp_path, 1, enable_checkpointing=False).fit(Plain())
+    assert sum("PoCoLightningModule" in str(w.message) for w in rec) == 1     # once

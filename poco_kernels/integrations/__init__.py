@@ -1,8 +1,11 @@
 """Training frameworks: the package's optimizers where LLM users already train.
 
+* :mod:`poco_kernels.integrations.hf`: ``PoCoTrainer``, the Hugging Face ``Trainer``
+  running the sampling protocol (``pip install poco-kernels[hf]``);
 * :mod:`poco_kernels.integrations.accelerate`: Hugging Face ``accelerate``
-  (``Accelerator.prepare``, DDP, ``save_state``/``load_state``); ``pip install
-  poco-kernels[accelerate]``.
+  (``Accelerator.prepare``, DDP, ``save_state``/``load_state``);
+* :mod:`poco_kernels.integrations.lightning`: ``PoCoLightningModule``, PyTorch Lightning's
+  manual optimization running the protocol (``pip install poco-kernels[lightning]``);
 * :func:`own_storage` / :func:`keep_state_dicts_separate` (no extra dependency): the fused
   backends keep a bucket's parameters as views of one flat buffer, which safetensors
   (``save_model``, ``accelerate.save_state``, ``save_pretrained``, the Hugging Face
