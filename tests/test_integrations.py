@@ -412,16 +412,9 @@ def test_lightning_equals_the_protocol_loop_and_resumes_bit_for_bit(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_lightning_automatic_optimization_runs_ivon_through_its_closure(tmp_path):
-    """Lightning hands step() a closure (forward, backward): IVON evaluates it at its
-    sample, so a plain LightningModule trains IVON exactly as opt.step(closure) does.
-    (IVON-PoCoMo's refreshes need PoCoLightningModule.)"""
-    pytest.importorskip("lightning")
+def _plain_lightning(make_optimizer, data):
+    """A plain LightningModule (automatic optimization) over ``_net()``."""
     import lightning.pytorch as pl
-    data = torch.utils.data.TensorDataset(torch.randn(32, 5, generator=torch.Generator()
-                                                      .manual_seed(2)),
-                                          torch.randn(32, 3, generator=torch.Generator()
-                                                      .manual_seed(3)))
 
     class Plain(pl.LightningModule):
         def __init__(self):
@@ -432,11 +425,24 @@ def test_lightning_automatic_optimization_runs_ivon_through_its_closure(tmp_path
             return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
         def configure_optimizers(self):
-            return poco_kernels.IVON(self.net.parameters(), lr=0.05, ess=64.0, seed=3,
-                                     backend="cpp")
+            return make_optimizer(self.net.parameters())
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(data, batch_size=8)
+    return Plain
+
+
+def test_lightning_automatic_optimization_runs_ivon_through_its_closure(tmp_path):
+    """Lightning hands step() a closure (forward, backward): IVON evaluates it at its
+    sample, so a plain LightningModule trains IVON exactly as opt.step(closure) does.
+    (IVON-PoCoMo's refreshes need PoCoLightningModule.)"""
+    pytest.importorskip("lightning")
+    data = torch.utils.data.TensorDataset(torch.randn(32, 5, generator=torch.Generator()
+                                                      .manual_seed(2)),
+                                          torch.randn(32, 3, generator=torch.Generator()
+                                                      .manual_seed(3)))
+    Plain = _plain_lightning(lambda ps: poco_kernels.IVON(ps, lr=0.05, ess=64.0, seed=3,
+                                                          backend="cpp"), data)
     m = Plain()
     _lightning_trainer(tmp_path, 2, enable_checkpointing=False).fit(m)
     twin = Plain()
@@ -455,22 +461,8 @@ def test_lightning_automatic_optimization_runs_ivon_through_its_closure(tmp_path
 
 def test_lightning_automatic_optimization_warns_that_pocomo_never_refreshes(tmp_path):
     pytest.importorskip("lightning")
-    import lightning.pytorch as pl
-
-    class Plain(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = _net()
-
-        def training_step(self, batch, batch_idx):
-            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return poco_kernels.IVONPoCoMo(self.net.parameters(), lr=0.05, ess=64.0)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
-                torch.randn(16, 5), torch.randn(16, 3)), batch_size=8)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 5), torch.randn(16, 3))
+    Plain = _plain_lightning(lambda ps: poco_kernels.IVONPoCoMo(ps, lr=0.05, ess=64.0), data)
     with pytest.warns(UserWarning, match="PoCoLightningModule") as rec:
         _lightning_trainer(tmp_path, 1, enable_checkpointing=False).fit(Plain())
     assert sum("PoCoLightningModule" in str(w.message) for w in rec) == 1     # once

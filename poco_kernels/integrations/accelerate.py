@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from ._wrap import is_protocol_optimizer
 from .state import keep_state_dicts_separate
 
 __all__ = ["prepare", "unwrap", "train_step", "refresh"]
@@ -26,9 +27,9 @@ def unwrap(optimizer):
     """The package optimizer inside ``optimizer`` (an ``AcceleratedOptimizer``, or the
     optimizer itself)."""
     inner = optimizer
-    while not hasattr(inner, "sampled") and hasattr(inner, "optimizer"):
+    while not is_protocol_optimizer(inner) and hasattr(inner, "optimizer"):
         inner = inner.optimizer
-    if not (hasattr(inner, "sampled") and type(inner).__module__.startswith("poco_kernels")):
+    if not is_protocol_optimizer(inner):
         raise TypeError(f"{type(optimizer).__name__} holds no poco_kernels optimizer with "
                         f"the sampling protocol")
     return inner

@@ -32,55 +32,20 @@ from typing import Any, Callable, List, Optional, Union
 import torch
 from transformers import Trainer
 
+from ._wrap import Forwarding, is_protocol_optimizer as _protocol_optimizer
 from .state import keep_state_dicts_separate
 
 __all__ = ["PoCoTrainer"]
 
 
-def _protocol_optimizer(opt) -> bool:
-    return hasattr(opt, "sampled") and type(opt).__module__.startswith("poco_kernels")
-
-
-class _ProtocolStep(torch.optim.Optimizer):
+class _ProtocolStep(Forwarding):
     """What the Trainer holds as its optimizer: the package's optimizer, whose ``step()``
     first closes the inner sample and, once the correction is active, runs the step's
-    micro-batches at the outer sample.  Everything else is forwarded."""
+    micro-batches at the outer sample."""
 
-    def __init__(self, trainer: "PoCoTrainer", optimizer):      # noqa: no super().__init__
+    def __init__(self, trainer: "PoCoTrainer", optimizer):
+        super().__init__(optimizer)
         self.trainer = trainer
-        self.optimizer = optimizer
-
-    # forwarded (the lr scheduler and accelerate read and write these)
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self.optimizer.load_state_dict(state_dict)
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, group):
-        self.optimizer.add_param_group(group)
-
-    def __repr__(self):
-        return f"PoCoTrainer step over {self.optimizer!r}"
 
     def step(self, closure=None):
         if closure is not None:

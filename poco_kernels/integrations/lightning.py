@@ -39,53 +39,16 @@ try:
 except ImportError:                          # the standalone package name
     import pytorch_lightning as pl
 
+from ._wrap import Forwarding, is_protocol_optimizer as _protocol_optimizer
 from .accelerate import unwrap
 
 __all__ = ["PoCoLightningModule"]
 
 
-def _protocol_optimizer(opt) -> bool:
-    return hasattr(opt, "sampled") and type(opt).__module__.startswith("poco_kernels")
-
-
-class _AfterTheProtocol(torch.optim.Optimizer):
+class _AfterTheProtocol(Forwarding):
     """What Lightning holds: ``step(closure)`` runs the closure (Lightning's bookkeeping;
     in manual optimization it computes nothing) and then the package's ``step()`` on what
-    the protocol collected.  Everything else is forwarded."""
-
-    def __init__(self, optimizer):                  # noqa: no super().__init__
-        self.optimizer = optimizer
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self.optimizer.load_state_dict(state_dict)
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, group):
-        self.optimizer.add_param_group(group)
-
-    def __repr__(self):
-        return f"Lightning step over {self.optimizer!r}"
+    the protocol collected."""
 
     def step(self, closure=None):
         if closure is not None:
