@@ -49,7 +49,7 @@ def _passes(accelerator, model, micro_batches: Sequence[Any],
             loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> torch.Tensor:
     """Forward and backward of every micro-batch (the loss divided by their number;
     DDP's all-reduce at the last only); returns the mean loss (detached)."""
-    total = torch.zeros(())
+    total = None
     n = len(micro_batches)
     for i, mb in enumerate(micro_batches):
         last = i == n - 1
@@ -58,7 +58,8 @@ def _passes(accelerator, model, micro_batches: Sequence[Any],
         with ctx:
             loss = loss_fn(model, mb)
             accelerator.backward(loss / n)
-        total = total + loss.detach().float().cpu()
+        part = loss.detach().float()             # stays on the device: no host sync
+        total = part if total is None else total + part
     return total / n
 
 
