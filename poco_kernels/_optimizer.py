@@ -17,6 +17,7 @@ ranks that share the seed draw the same sample.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
@@ -1160,7 +1161,6 @@ class PosteriorOptimizer(BucketedOptimizer):
             if self._has_correction and self._refreshes == 0 and not self._warned_lightning \
                     and _from_lightning(closure):
                 self._warned_lightning = True
-                import warnings
                 warnings.warn(f"{type(self).__name__} under Lightning's automatic optimization "
                               "takes IVON's steps: nothing here calls refresh(), so the "
                               "correction never starts. Use poco_kernels.integrations."

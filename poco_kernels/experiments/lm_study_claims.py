@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Sequence
 
 from .lm_study_config import ALPHA
 
-__all__ = ["Diff", "paired", "below", "similar", "loss_at", "judge", "write_outputs",
+__all__ = ["Diff", "paired", "below", "above", "similar", "loss_at", "judge", "write_outputs",
            "T95"]
 
 #: Student's t, 97.5th percentile (95% two-sided), by degrees of freedom
@@ -97,6 +97,34 @@ def _combine(vs: Sequence[str]) -> str:
     if any(v == "does not hold" for v in vs):
         return "does not hold" if not any(v == "holds" for v in vs) else "partly"
     return "partly" if any(v == "holds" for v in vs) else "inconclusive"
+
+
+def above(d: Diff) -> str:
+    """'A above B' from ``d = A - B`` (the mirror of :func:`below`)."""
+    return {"holds": "does not hold", "does not hold": "holds"}.get(below(d), "inconclusive")
+
+
+def _u_shape(final, arm_at: Dict[Any, str], label) -> "tuple[str, str]":
+    """Whether the final losses over a setting (``arm_at``: setting -> arm, in order)
+    have an interior minimum with both ends significantly above it: (verdict, evidence).
+    A lowest mean at an end does not hold when that end is significantly below its
+    neighbour, and is inconclusive otherwise."""
+    xs = sorted(arm_at)
+    means = {x: _mean(final(arm_at[x])) for x in xs}
+    ran = [x for x in xs if not math.isnan(means[x])]
+    if len(ran) < 3:
+        return "inconclusive", f"only {len(ran)} of the {len(xs)} settings ran"
+    best = min(ran, key=means.get)
+    if best in (xs[0], xs[-1]):
+        nxt = xs[1] if best == xs[0] else xs[-2]
+        other = paired(final(arm_at[best]), final(arm_at[nxt]))
+        return ("does not hold" if below(other) == "holds" else "inconclusive",
+                f"the lowest mean is at {label(best)}, an end of the range; minus "
+                f"{label(nxt)}: {other.text()}")
+    ends = [paired(final(arm_at[e]), final(arm_at[best])) for e in (xs[0], xs[-1])]
+    return (_combine([above(d) for d in ends]),
+            f"lowest mean at {label(best)}; {label(xs[0])} minus it {ends[0].text()}, "
+            f"{label(xs[-1])} minus it {ends[1].text()}")
 
 
 # --------------------------------------------------------------------------- curves
@@ -208,7 +236,7 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
     # (c) per gradient evaluation: not faster than IVON; about IVON with a 3x batch
     e_ivon = R.evals("ivon")
     d3 = paired(R.at(main, e_ivon, "evals"), R.at("ivon", e_ivon, "evals"))
-    v3 = {"holds": "does not hold", "does not hold": "holds"}.get(below(d3), "inconclusive")
+    v3 = above(d3)
     gain3x = paired(R.final("ivon-3x"), R.final("ivon"))
     d4 = paired(R.final(main), R.final("ivon-3x"))
     margin = abs(gain3x.mean) / 2 if gain3x.diffs else 0.0
@@ -236,10 +264,6 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
     arm_of = {a: (main if abs(a - ALPHA) < 1e-12 else f"alpha={a:g}") for a in alphas}
     arm_of[0.0] = "ivon"
     grid = sorted(arm_of)
-    means = {a: _mean(R.final(arm_of[a])) for a in grid}
-    ran = [a for a in grid if not math.isnan(means[a])]
-    best = min(ran, key=means.get) if ran else grid[0]
-    lo_a, hi_a = grid[0], grid[-1]
     vs_none, parts = [], []
     for a in grid:
         if a == 0.0:
@@ -250,20 +274,7 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
             vs_none.append(v)
         parts.append(f"alpha {a:g}: {R.stat(arm_of[a])}; minus IVON {d.text()} -> {v}")
     v_none = _combine(vs_none)
-    ends = [paired(R.final(arm_of[e]), R.final(arm_of[best])) for e in (lo_a, hi_a)]
-    if len(ran) < 3:
-        v_u, u_text = "inconclusive", f"only alphas {ran} ran"
-    elif best in (lo_a, hi_a):
-        nxt = grid[1] if best == lo_a else grid[-2]          # its neighbour
-        other = paired(R.final(arm_of[best]), R.final(arm_of[nxt]))
-        v_u = "does not hold" if below(other) == "holds" else "inconclusive"
-        u_text = (f"the lowest mean is at alpha {best:g}, an end of the range; minus alpha "
-                  f"{nxt:g}: {other.text()}")
-    else:
-        v_u = _combine([{"holds": "does not hold", "does not hold": "holds"}.get(
-            below(d), "inconclusive") for d in ends])
-        u_text = (f"lowest mean at alpha {best:g}; alpha {lo_a:g} minus it {ends[0].text()}, "
-                  f"alpha {hi_a:g} minus it {ends[1].text()}")
+    v_u, u_text = _u_shape(R.final, arm_of, lambda a: f"alpha {a:g}")
     parts.append(u_text)
     add("d", "over alpha, correction beats no correction, with a U-shape",
         f"constant alpha from step {sc.start} (alpha 0: IVON), final validation loss "
@@ -292,26 +303,10 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
     # (f) refresh interval: too often and too seldom both hurt
     ms = sorted(set(sc.refreshes) | {m})
     arm_m = {k: (main if k == m else f"refresh={k}") for k in ms}
-    means = {k: _mean(R.final(arm_m[k])) for k in ms}
-    valid = [k for k in ms if not math.isnan(means[k])]
-    bestm = min(valid, key=means.get) if valid else ms[0]
     parts = [f"every {k}: {R.stat(arm_m[k])}, {R.evals(arm_m[k]):.0f} gradient "
              f"evaluations, {R.wall(arm_m[k]):.0f} s" for k in ms]
-    if len(valid) < 3:
-        v_f = "inconclusive"
-        parts.append(f"only intervals {valid} ran")
-    elif bestm in (ms[0], ms[-1]):
-        nxt = ms[1] if bestm == ms[0] else ms[-2]
-        other = paired(R.final(arm_m[bestm]), R.final(arm_m[nxt]))
-        v_f = "does not hold" if below(other) == "holds" else "inconclusive"
-        parts.append(f"the lowest mean is at every {bestm}, an end of the range; minus "
-                     f"every {nxt}: {other.text()}")
-    else:
-        ds = [paired(R.final(arm_m[e]), R.final(arm_m[bestm])) for e in (ms[0], ms[-1])]
-        v_f = _combine([{"holds": "does not hold", "does not hold": "holds"}.get(
-            below(d), "inconclusive") for d in ds])
-        parts.append(f"lowest mean at every {bestm}; every {ms[0]} minus it {ds[0].text()}, "
-                     f"every {ms[-1]} minus it {ds[-1].text()}")
+    v_f, u_text = _u_shape(R.final, arm_m, lambda k: f"every {k}")
+    parts.append(u_text)
     add("f", "refreshing too often or too seldom both hurt",
         f"mega-batch fixed at {sc.mega_batches} mini-batches, alpha {ALPHA:g} from "
         f"step {sc.start}; final validation loss after {sc.steps} steps (same steps: more "
