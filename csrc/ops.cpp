@@ -206,13 +206,62 @@ void for_tiles(int64_t n, const F& f) {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// The typed interface (poco_kernels.h): the operator's float64 row (one value per field,
+// poco_kernels.kernels.interface.hyper_row), read into its struct by name, and the flag
+// bits unpacked in the declared order.
+#define POCO_COUNT(name) +1
+template <typename Hyper>
+Hyper read_hyper(const at::Tensor& hp, int64_t count, const char* op, const char* names) {
+  TORCH_CHECK(hp.device().is_cpu() && hp.scalar_type() == at::kDouble && hp.dim() == 1 &&
+                  hp.is_contiguous() && hp.numel() == count,
+              "poco_kernels_cpp::", op, ": hp must be a contiguous float64 CPU row of ", count,
+              " hyperparameters (", names, "), got ", hp.scalar_type(), " of shape ",
+              hp.sizes(), " on ", hp.device());
+  Hyper h{};
+  static_assert(std::is_standard_layout<Hyper>::value, "a plain struct of doubles");
+  std::memcpy(&h, hp.data_ptr<double>(), sizeof(double) * count);
+  return h;
+}
+
+StepHyper step_hyper(const at::Tensor& hp) {
+  constexpr int64_t n = 0 POCO_STEP_HYPER(POCO_COUNT);
+  static_assert(sizeof(StepHyper) == n * sizeof(double), "StepHyper is its doubles");
+  return read_hyper<StepHyper>(hp, n, "step", "StepHyper");
+}
+
+RefreshHyper refresh_hyper(const at::Tensor& hp) {
+  constexpr int64_t n = 0 POCO_REFRESH_HYPER(POCO_COUNT);
+  static_assert(sizeof(RefreshHyper) == n * sizeof(double), "RefreshHyper is its doubles");
+  return read_hyper<RefreshHyper>(hp, n, "refresh", "RefreshHyper");
+}
+
+SampleHyper sample_hyper(const at::Tensor& hp) {
+  constexpr int64_t n = 0 POCO_SAMPLE_HYPER(POCO_COUNT);
+  static_assert(sizeof(SampleHyper) == n * sizeof(double), "SampleHyper is its doubles");
+  return read_hyper<SampleHyper>(hp, n, "sample", "SampleHyper");
+}
+
+// beta ** e by squaring (e >= 0), one IEEE double multiplication after another: the
+// Triton kernels compute it the same way (triton_kernels._pow_steps), so both debias
+// with the same float32 constant whatever the platform's pow()
+double pow_steps(double b, int64_t e) {
+  double r = 1.0;
+  while (e > 0) {
+    if (e & 1) r = r * b;
+    b = b * b;
+    e >>= 1;
+  }
+  return r;
+}
+
 // ------------------------------------------------------------------ operators
 void sample_op(const at::Tensor& param, const at::Tensor& centre, const at::Tensor& mean,
                const c10::optional<at::Tensor>& h, const c10::optional<at::Tensor>& sigma,
                const at::Tensor& ctl, int64_t seed, int64_t noise, int64_t stream, int64_t counter_slot,
-               double ess, double wd, double sigma_const, double sign, int64_t sigma_mode,
-               bool sync, int64_t offset) {
+               const at::Tensor& hp_row, double sign, int64_t sigma_mode, bool sync,
+               int64_t offset) {
   const uint32_t nv = noise_version(noise);
+  const SampleHyper hp = sample_hyper(hp_row);
   const uint64_t base = base_of(offset);
   const int64_t n = param.numel();
   TORCH_CHECK(sigma_mode >= kSigmaNone && sigma_mode <= kSigmaConst,
@@ -233,9 +282,9 @@ void sample_op(const at::Tensor& param, const at::Tensor& centre, const at::Tens
   a.n = n;
   a.noise = Noise{(uint64_t)seed, u32(counter_of(c, counter_slot), "counter"),
                   u32(stream, "stream"), (float)sign, nv, base};
-  a.ess = (float)ess;
-  a.wd = (float)wd;
-  a.sigma_const = (float)sigma_const;
+  a.ess = (float)hp.ess;
+  a.wd = (float)hp.wd;
+  a.sigma_const = (float)hp.sigma;
   a.mode = (int)sigma_mode;
   a.sync = sync;
   const KernelTable& k = kernels();
@@ -298,31 +347,6 @@ void fold_ge_op(const at::Tensor& acc_g, const at::Tensor& acc_ge, const at::Ten
   for_tiles(n, [&](int64_t t0, int64_t t1) { k.fold_ge(a, t0, t1); });
 }
 
-// The typed interface (poco_kernels.h): the operator's float list, read into its struct
-// by name, and the flag bits unpacked in the declared order.
-#define POCO_COUNT(name) +1
-template <typename Hyper>
-Hyper read_hyper(at::ArrayRef<double> hp, size_t count, const char* op, const char* names) {
-  TORCH_CHECK(hp.size() == count, "poco_kernels_cpp::", op, ": ", count,
-              " hyperparameters expected (", names, "), got ", hp.size());
-  Hyper h{};
-  static_assert(std::is_standard_layout<Hyper>::value, "a plain struct of doubles");
-  std::memcpy(&h, hp.data(), sizeof(double) * count);
-  return h;
-}
-
-StepHyper step_hyper(at::ArrayRef<double> hp) {
-  constexpr size_t n = 0 POCO_STEP_HYPER(POCO_COUNT);
-  static_assert(sizeof(StepHyper) == n * sizeof(double), "StepHyper is its doubles");
-  return read_hyper<StepHyper>(hp, n, "step", "StepHyper");
-}
-
-RefreshHyper refresh_hyper(at::ArrayRef<double> hp) {
-  constexpr size_t n = 0 POCO_REFRESH_HYPER(POCO_COUNT);
-  static_assert(sizeof(RefreshHyper) == n * sizeof(double), "RefreshHyper is its doubles");
-  return read_hyper<RefreshHyper>(hp, n, "refresh", "RefreshHyper");
-}
-
 StepFlags step_flags(int64_t bits) {
   constexpr int64_t n = 0 POCO_STEP_FLAGS(POCO_COUNT);
   TORCH_CHECK(bits >= 0 && bits < (int64_t(1) << n), "poco_kernels_cpp::step: invalid flags ",
@@ -356,7 +380,7 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
              const c10::optional<at::Tensor>& m_out, const c10::optional<at::Tensor>& sigma_out,
              const at::Tensor& ctl, const c10::optional<at::Tensor>& found_inf,
              const c10::optional<at::Tensor>& grad_scale, int64_t seed, int64_t noise, int64_t stream,
-             int64_t stream_o, at::ArrayRef<double> hp_list, int64_t family, int64_t flag_bits,
+             int64_t stream_o, const at::Tensor& hp_list, int64_t family, int64_t flag_bits,
              int64_t offset) {
   const uint32_t nv = noise_version(noise);
   const uint64_t base = base_of(offset);
@@ -424,7 +448,7 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
     return;
   }
   const int64_t steps = c[0];
-  const double t = (double)(steps + 1);
+  const int64_t t = steps + 1;
   const double lr = hp.lr, beta1 = hp.beta1, beta2 = hp.beta2, wd = hp.wd;
   const double alpha_eff = a.corr && c[1] > 0 ? hp.alpha : 0.0;
   a.seed = (uint64_t)seed;
@@ -449,15 +473,15 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
   a.hess_corr_alpha = (float)(hp.hess_corr * alpha_eff);
   a.neg_floor = f.floor ? (float)(-hp.floor) : -kInf;
   a.clip = f.clip ? (float)hp.clip : kInf;
-  a.inv_bias1 = f.debias ? (float)(1.0 / (1.0 - std::pow(beta1, t))) : 1.0f;
+  a.inv_bias1 = f.debias ? (float)(1.0 / (1.0 - pow_steps(beta1, t))) : 1.0f;
   a.momentum = (float)hp.momentum;
   a.one_m_dampening = (float)(1.0 - hp.dampening);
   a.mom_first = hp.mom_first != 0.0;
   if (a.family == kFamilyAdamw) {
-    const double bc1 = 1.0 - std::pow(beta1, t), bc2 = 1.0 - std::pow(beta2, t);
+    const double bc1 = 1.0 - pow_steps(beta1, t), bc2 = 1.0 - pow_steps(beta2, t);
     a.decay = (float)(1.0 - lr * wd);
     a.step_size = (float)(lr / bc1);
-    a.bias2_sqrt = (float)std::pow(bc2, 0.5);
+    a.bias2_sqrt = (float)std::sqrt(bc2);
     a.eps = (float)hp.eps;
   }
   for_tiles(n, [&](int64_t t0, int64_t t1) { k.step(a, t0, t1); });
@@ -469,7 +493,7 @@ void refresh_op(const at::Tensor& mean, const c10::optional<at::Tensor>& h,
                 const at::Tensor& m_out, const c10::optional<at::Tensor>& sigma_out,
                 const at::Tensor& ctl, const c10::optional<at::Tensor>& found_inf,
                 const c10::optional<at::Tensor>& grad_scale, int64_t seed, int64_t noise, int64_t stream,
-                at::ArrayRef<double> hp_list, int64_t family, int64_t flag_bits, int64_t offset) {
+                const at::Tensor& hp_list, int64_t family, int64_t flag_bits, int64_t offset) {
   const uint32_t nv = noise_version(noise);
   const uint64_t base = base_of(offset);
   const int64_t n = mean.numel();
@@ -545,8 +569,8 @@ void randn_op(const at::Tensor& out, int64_t seed, int64_t noise, int64_t counte
 
 TORCH_LIBRARY(poco_kernels_cpp, m) {
   m.def("sample(Tensor(a!) param, Tensor centre, Tensor(b!) mean, Tensor? h, Tensor? sigma, "
-        "Tensor ctl, int seed, int noise, int stream, int counter_slot, float ess, float wd, "
-        "float sigma_const, float sign, int sigma_mode, bool sync, int offset=0) -> ()");
+        "Tensor ctl, int seed, int noise, int stream, int counter_slot, Tensor hp, float sign, "
+        "int sigma_mode, bool sync, int offset=0) -> ()");
   m.def("accumulate(Tensor grad, Tensor(a!) acc_g, Tensor(b!)? acc_ge, Tensor(c!) ctl, "
         "int seed, int noise, int stream, int counter_slot, float sign, bool first, bool ge, "
         "int offset=0) -> ()");
@@ -556,11 +580,11 @@ TORCH_LIBRARY(poco_kernels_cpp, m) {
   m.def("step(Tensor(a!) mean, Tensor(b!) param, Tensor(c!)? s1, Tensor(d!)? s2, Tensor g_in, "
         "Tensor? ge_in, Tensor? g_o, Tensor? ge_o, Tensor? g_out, Tensor? h_out, "
         "Tensor? m_out, Tensor? sigma_out, Tensor ctl, Tensor? found_inf, "
-        "Tensor? grad_scale, int seed, int noise, int stream, int stream_o, float[] hp, int family, "
+        "Tensor? grad_scale, int seed, int noise, int stream, int stream_o, Tensor hp, int family, "
         "int flags, int offset=0) -> ()");
   m.def("refresh(Tensor mean, Tensor? h, Tensor acc_g, Tensor? acc_ge, Tensor(a!) g_out, "
         "Tensor(b!)? h_out, Tensor(c!) m_out, Tensor(d!)? sigma_out, Tensor ctl, "
-        "Tensor? found_inf, Tensor? grad_scale, int seed, int noise, int stream, float[] hp, int family, "
+        "Tensor? found_inf, Tensor? grad_scale, int seed, int noise, int stream, Tensor hp, int family, "
         "int flags, int offset=0) -> ()");
   m.def("finish(Tensor(a!) ctl, Tensor? found_inf, int slot) -> ()");
   m.def("randn(Tensor(a!) out, int seed, int noise, int counter, int stream, int offset) -> ()");

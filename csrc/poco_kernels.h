@@ -33,11 +33,12 @@ enum Family : int { kFamilyIvon = 0, kFamilySgd = 1, kFamilyAdamw = 2 };
 
 // ------------------------------------------------------------------ the typed interface
 // The scalars and switches each operator takes, in order: the mirror of the records of
-// poco_kernels/kernels/interface.py (StepHyper, StepFlags, RefreshHyper, RefreshFlags),
-// which the Triton kernels also take by these names; tests/test_architecture.py
-// parses these lists and fails if Python, C++ and Triton disagree.  ops.cpp reads the
-// operator's float list into the structs below (count checked) and unpacks the flag bits
-// (bit i = the i-th name after `family`).
+// poco_kernels/kernels/interface.py (StepHyper, StepFlags, RefreshHyper, RefreshFlags,
+// SampleHyper), which the Triton kernels also take by these names;
+// tests/test_architecture.py parses these lists and fails if Python, C++ and Triton
+// disagree.  ops.cpp reads the operator's float64 row (one value per field, in this order;
+// count checked) into the structs below and unpacks the flag bits (bit i = the i-th name
+// after `family`).
 #define POCO_STEP_HYPER(X) \
   X(sign_o) X(inv_n_in) X(inv_n_o) X(lr) X(beta1) X(beta2) X(wd) X(ess) X(alpha) \
   X(hess_corr) X(floor) X(clip) X(momentum) X(dampening) X(eps) X(mom_first)
@@ -47,6 +48,7 @@ enum Family : int { kFamilyIvon = 0, kFamilySgd = 1, kFamilyAdamw = 2 };
   X(momentum) X(nesterov)
 #define POCO_REFRESH_HYPER(X) X(inv_n) X(ess) X(wd) X(rho1) X(rho2) X(sigma)
 #define POCO_REFRESH_FLAGS(X) X(ge) X(noisy)
+#define POCO_SAMPLE_HYPER(X) X(ess) X(wd) X(sigma)
 
 #define POCO_DOUBLE_FIELD(name) double name;
 #define POCO_BOOL_FIELD(name) bool name;
@@ -54,6 +56,7 @@ struct StepHyper { POCO_STEP_HYPER(POCO_DOUBLE_FIELD) };
 struct StepFlags { POCO_STEP_FLAGS(POCO_BOOL_FIELD) };
 struct RefreshHyper { POCO_REFRESH_HYPER(POCO_DOUBLE_FIELD) };
 struct RefreshFlags { POCO_REFRESH_FLAGS(POCO_BOOL_FIELD) };
+struct SampleHyper { POCO_SAMPLE_HYPER(POCO_DOUBLE_FIELD) };
 #undef POCO_DOUBLE_FIELD
 #undef POCO_BOOL_FIELD
 

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from . import backends as _backends
 from . import noise as _noise
+from .kernels import device_randn
 from ._layout import Bucket, as_local, as_saved, build_buckets, expose, is_sharded, padded_copy
 from ._protocol import (COUNTER_STEPS, KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH,
                         KernelRefresh, KernelStep, Pending, SampleSpec, mean_loss)
@@ -139,6 +140,12 @@ class ParamGroup(dict):
     def __ior__(self, other):
         self.update(other)
         return self
+
+
+def _maybe_nonzero(alpha) -> bool:
+    """Whether a group's ``alpha`` may be nonzero: a tensor ``alpha`` is not read (on a GPU
+    that would synchronise), so it counts as nonzero."""
+    return isinstance(alpha, Tensor) or alpha != 0.0
 
 
 def draw_seed() -> int:
@@ -505,22 +512,24 @@ class BucketedOptimizer(torch.optim.Optimizer):
         self._eps_cache.clear()
 
     def _eps(self, b: Bucket, kind: int, draw: int, counter: int) -> Tensor:
-        """The standard normal of (bucket, kind, draw, counter).  The last one drawn per
-        bucket is kept: the outer sample with shared noise, and VSGD-PoCo's refresh fold,
-        ask again for the draw just made (regenerating costs ~100 integer ops/element)."""
+        """The standard normal of (bucket, kind, draw, counter) (on a GPU drawn by the
+        kernels' generator: :func:`poco_kernels.kernels.device_randn`).  The last one drawn
+        per bucket is kept: the outer sample with shared noise, and VSGD-PoCo's refresh
+        fold, ask again for the draw just made (regenerating costs ~100 integer
+        ops/element)."""
         key = (self.seed, self._noise_version, kind, draw, counter)
         hit = self._eps_cache.get(b.index)
         if hit is not None and hit[0] == key:
             return hit[1]
         stream = _noise.stream_id(b.index, kind, draw)
         if b.segments is None:
-            eps = _noise.randn(b.numel, self.seed, counter, stream, device=b.device,
+            eps = device_randn(b.numel, self.seed, counter, stream, device=b.device,
                                dtype=b.dtype, version=self.noise_version)
         else:           # local shards: the noise of their places in the unsharded bucket
             eps = torch.empty(b.numel, device=b.device, dtype=b.dtype)
             for off, n, start in b.segments:
-                _noise.randn(n, self.seed, counter, stream, offset=start, out=eps[off:off + n],
-                             version=self.noise_version)
+                device_randn(n, self.seed, counter, stream, offset=start, device=b.device,
+                             dtype=b.dtype, out=eps[off:off + n], version=self.noise_version)
         self._eps_cache[b.index] = (key, eps)
         return eps
 
@@ -547,7 +556,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
         every group a refresh has taken in; none while ``alpha == 0`` in all of those."""
         if not (self._has_correction and self._refreshes > 0):
             return frozenset()
-        if not any(g.get("alpha", 0.0) != 0.0 for gi, g in enumerate(self._groups)
+        if not any(_maybe_nonzero(g.get("alpha", 0.0)) for gi, g in enumerate(self._groups)
                    if gi not in self._awaiting):
             return frozenset()
         return frozenset(b.index for b in self._buckets if b.group_index not in self._awaiting)
@@ -556,6 +565,11 @@ class BucketedOptimizer(torch.optim.Optimizer):
         """True when a step needs the gradient at the outer sample too: after the first
         refresh, with a nonzero ``alpha`` in some group that a refresh has taken in."""
         return bool(self._corrected())
+
+    def _correction_settled(self) -> bool:
+        """A refresh has been taken and no group waits for its first: which buckets the
+        correction covers no longer depends on whether the next refresh is taken."""
+        return self._refreshes > 0 and not self._awaiting
 
     def _joining(self, b: Bucket) -> bool:
         """The bucket's group was added after the last refresh: its next refresh is its
@@ -573,9 +587,10 @@ class BucketedOptimizer(torch.optim.Optimizer):
             return SampleSpec(b.buffers["mean"])
         return self._sample_spec(b, self._groups[b.group_index], kind, draw)
 
-    def _group(self, b: Bucket) -> Dict[str, Any]:
-        """Bucket ``b``'s hyperparameters for an update (a tensor ``lr`` read as a float)."""
-        return hyperparameters(self._groups[b.group_index])
+    def _group(self, b: Bucket, keep_tensors: bool = False) -> Dict[str, Any]:
+        """Bucket ``b``'s hyperparameters for an update (a tensor ``lr`` or ``alpha`` read
+        as a float, or kept: ``keep_tensors``, the fused backends)."""
+        return hyperparameters(self._groups[b.group_index], keep_tensors)
 
     def _refresh_taken(self) -> None:
         self._refreshes += 1

@@ -20,16 +20,26 @@ def check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def readable(t: torch.Tensor) -> bool:
+    """Whether a tensor hyperparameter's value is read to check its range: on the CPU,
+    where that costs nothing."""
+    return t.device.type == "cpu"
+
+
 def check_range(group, key, lo=None, hi=None, lo_open=False, hi_open=False, kind=float,
                 allow_inf=False, tensor=False):
     """Raise a ValueError naming ``key`` unless ``group[key]`` is a number in the range
     (``tensor``: or a one-element real float tensor holding one, as torch.optim takes
-    ``lr``; reading it is a device-to-host copy where it lives on a GPU)."""
+    ``lr``.  Its value is checked where reading it is free, on the CPU; on a GPU that
+    would be a synchronisation per step, so there, as in ``torch.optim``, it is not)."""
     v = group[key]
     if tensor and isinstance(v, torch.Tensor):
-        check(v.numel() == 1 and v.is_floating_point() and v.device.type != "meta",
+        check(v.numel() == 1 and v.is_floating_point() and not v.is_complex()
+              and v.device.type != "meta",
               f"invalid {key}: a tensor {key} must be a one-element real float tensor, got "
               f"{v.dtype} of shape {tuple(v.shape)}")
+        if not readable(v):
+            return
         v = float(v.detach().reshape(()))
     if kind is float:
         # (an int must fit torch's int64 scalars; the kernels take float32 constants:
@@ -125,8 +135,16 @@ def check_group_keys(group, defaults, where: str, misspelled: bool = True) -> No
                              f"{close[0]!r}? (valid: {', '.join(defaults)})")
 
 
-def hyperparameters(group):
+#: the hyperparameters that may be one-element tensors (as ``torch.optim`` takes ``lr``;
+#: a scheduler ``fill_``\ s them in place): the fused backends hand them to the kernels
+#: on the device, unread
+TENSOR_HYPERPARAMETERS = ("lr", "alpha")
+
+
+def hyperparameters(group, keep_tensors: bool = False):
     """A parameter group's hyperparameters for an update: a plain dict, one-element
-    tensors (a tensor ``lr``) read as Python floats."""
-    return {k: (float(v.detach().reshape(())) if isinstance(v, torch.Tensor) else v)
+    tensors (a tensor ``lr``) read as Python floats, or kept as they are
+    (``keep_tensors``: the fused backends, whose kernels read them on the device)."""
+    return {k: (float(v.detach().reshape(())) if isinstance(v, torch.Tensor)
+                and not keep_tensors else v)
             for k, v in group.items() if k != "params"}

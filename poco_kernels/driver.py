@@ -19,6 +19,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
+from torch import Tensor
+
 __all__ = ["Constant", "Linear", "WarmupConstant", "DoubleLoop"]
 
 
@@ -65,7 +67,8 @@ class DoubleLoop:
 
     ``refresh_every`` (m): inner steps between refreshes; ``warmup_steps``: inner steps
     before the first refresh (no correction until then); ``alpha``: a number or a
-    schedule ``step -> alpha`` written into every parameter group before each step.
+    schedule ``step -> alpha`` written into every parameter group before each step (into
+    a tensor ``alpha`` in place, as ``torch.optim.lr_scheduler`` writes a tensor ``lr``).
 
     The schedule counts the loop's own calls of :meth:`step` (``iterations``, a host
     integer), so a steady-state iteration never reads the optimizer's device counters (a
@@ -145,7 +148,10 @@ class DoubleLoop:
         if self.alpha is not None:
             a = float(self.alpha(self.iterations))
             for g in opt.param_groups:
-                g["alpha"] = a
+                if isinstance(g.get("alpha"), Tensor):
+                    g["alpha"].fill_(a)     # (in place, on its device: a captured graph reads it)
+                else:
+                    g["alpha"] = a
         samples = max(int(g.get("mc_samples", 1)) for g in opt.param_groups)
         evals = samples * examples * (2 if opt.correction_active() else 1)
         loss = opt.step(closure)

@@ -332,7 +332,7 @@ class IVONPoCo(IVON):
 
     def _validate_group(self, group):
         super()._validate_group(group)
-        check_range(group, "alpha", lo=0.0, hi=1.0)
+        check_range(group, "alpha", lo=0.0, hi=1.0, tensor=True)
         for k in ("rho1", "rho2"):
             v = group[k]
             if isinstance(v, (int, float)) and v == 1:

@@ -75,7 +75,7 @@ class _SVRGBase(PosteriorOptimizer):
 
     def _validate_group(self, group):
         check_range(group, "lr", lo=0.0, tensor=True)
-        check_range(group, "alpha", lo=0.0, hi=1.0)
+        check_range(group, "alpha", lo=0.0, hi=1.0, tensor=True)
         check_range(group, "weight_decay", lo=0.0)
 
     def _noise_sigma(self, group) -> float:

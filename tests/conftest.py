@@ -34,3 +34,16 @@ def pytest_generate_tests(metafunc):
             for m in metafunc.definition.iter_markers()):
         from helpers import available_backends
         metafunc.parametrize("backend", available_backends())
+
+
+@pytest.fixture
+def branch_free():
+    """The Triton interpreter runs the compiled noise transform (the C++ kernels' branch-free
+    polynomials) instead of numpy's log, cos and sin, for the test
+    (``triton_noise.BRANCH_FREE``)."""
+    import triton.language as tl
+    from poco_kernels.kernels import triton_noise
+    saved = triton_noise.BRANCH_FREE
+    triton_noise.BRANCH_FREE = tl.constexpr(True)
+    yield
+    triton_noise.BRANCH_FREE = saved

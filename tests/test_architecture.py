@@ -38,7 +38,8 @@ def _contiguous(seq, sub):
 
 
 @pytest.mark.parametrize("record, macro", [
-    (I.StepHyper, "POCO_STEP_HYPER"), (I.RefreshHyper, "POCO_REFRESH_HYPER")])
+    (I.StepHyper, "POCO_STEP_HYPER"), (I.RefreshHyper, "POCO_REFRESH_HYPER"),
+    (I.SampleHyper, "POCO_SAMPLE_HYPER")])
 def test_cpp_struct_mirrors_the_python_record(record, macro):
     assert _xmacro(macro) == list(record._fields)
 
@@ -51,15 +52,25 @@ def test_cpp_flag_bits_mirror_the_python_record(record, macro):
 
 
 def test_triton_kernels_take_the_records_by_name_in_order():
+    """The switches are constexpr arguments of the records' names; the hyperparameters a
+    row the kernels index by constants whose names and order are the records' (the same
+    order csrc/ reads the row in)."""
+    from poco_kernels.kernels import triton_kernels as T
     step = _triton_params("step_kernel")
     # (StepStreams.noise, the stream definition, is the constexpr NOISE)
     streams = [f for f in I.StepStreams._fields if f != "noise"]
-    assert _contiguous(step, streams + list(I.StepHyper._fields)), step
+    assert _contiguous(step, ["hp_ptr", "n", "offset"] + streams), step
     assert "NOISE" in step and "NOISE" in _triton_params("refresh_kernel")
     assert _contiguous(step, [f.upper() for f in I.StepFlags._fields]), step
     refresh = _triton_params("refresh_kernel")
-    assert _contiguous(refresh, ["seed", "stream"] + list(I.RefreshHyper._fields)), refresh
+    assert _contiguous(refresh, ["hp_ptr", "n", "offset", "seed", "stream"]), refresh
     assert _contiguous(refresh, [f.upper() for f in I.RefreshFlags._fields]), refresh
+    assert "hp_ptr" in _triton_params("sample_kernel")
+    for rec, names, prefix in ((I.StepHyper, T.STEP_HP, "S_"), (I.RefreshHyper, T.REFRESH_HP, "R_"),
+                               (I.SampleHyper, T.SAMPLE_HP, "P_")):
+        assert tuple(names) == rec._fields
+        for i, f in enumerate(rec._fields):
+            assert getattr(T, prefix + f.upper()).value == i, (rec.__name__, f)
 
 
 def test_optimizer_records_are_the_tails_of_the_kernel_records():

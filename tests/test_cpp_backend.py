@@ -108,8 +108,8 @@ def _kernel_run(n, ops, steps=5):
                 K.RefreshHyper.of(K.RefreshHP.ivon(ess=50.0, wd=1e-4, rho1=0.3, rho2=0.1),
                                   inv_n=0.5),
                 K.RefreshFlags(K.FAMILY_IVON, ge=False, noisy=True))
-    ops.sample(p, st["mean"], st["mean"], st["h"], None, ctl, 7, 2, 21, 0, 50.0, 1e-4, 0.0,
-               -1.0, K.SIGMA_IVON, False)
+    ops.sample(p, st["mean"], st["mean"], st["h"], None, ctl, 7, 2, 21, 0,
+               K.SampleHyper(50.0, 1e-4, 0.0), -1.0, K.SIGMA_IVON, False)
     # both noise streams, from offsets where the element (v1) or call (v2) index wraps
     noise = [ops.randn(torch.empty(n), 7, 3, 11, 2 ** 32 - 1000, 1),
              ops.randn(torch.empty(n), 7, 3, 11, 2 ** 34 - 4001, 2)]
@@ -221,16 +221,18 @@ def test_instruction_set_selection():
     (dict(s2=None), "'s2' is required"),
     (dict(mean=torch.zeros(20)[::2]), "'mean' must be contiguous"),
     (dict(ctl=torch.zeros(4, dtype=torch.int32)), "'ctl' must be a contiguous CPU int64"),
-    (dict(hp=[0.0] * 3), "16 hyperparameters"),
+    (dict(hp=torch.zeros(3, dtype=torch.float64)), "row of 16 hyperparameters"),
+    (dict(hp=torch.ones(16)), "float64 CPU row"),
     (dict(noise=3), "noise version must be 1 or 2, got 3"),
 ])
 def test_operators_check_their_inputs(bad, match):
-    """A wrong tensor (or float list) is a clear error from the operator itself, raised
-    before anything is written."""
+    """A wrong tensor (or hyperparameter row) is a clear error from the operator itself,
+    raised before anything is written."""
     import poco_kernels.kernels.cpp_ops  # noqa: F401  (loads the operators)
     n = 10
     a = dict(mean=torch.zeros(n), param=torch.zeros(n), s1=torch.zeros(n), s2=torch.ones(n),
-             g_in=torch.zeros(n), ctl=torch.zeros(4, dtype=torch.int64), hp=[1.0] * 16,
+             g_in=torch.zeros(n), ctl=torch.zeros(4, dtype=torch.int64),
+             hp=torch.ones(16, dtype=torch.float64),
              noise=2)
     a.update(bad)
     before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}

@@ -63,7 +63,7 @@ def test_sample_kernel(n, pdtype, mode, sync, ops):
     mode_id = {"none": K.SIGMA_NONE, "h": K.SIGMA_IVON, "buffer": K.SIGMA_BUFFER,
                "const": K.SIGMA_CONST}[mode]
     ops.sample(param, param if sync else centre, mean, h, sigma_buf, ctl, SEED, NV, stream, 0,
-               ess, wd, const, sign, mode_id, sync)
+               K.SampleHyper(ess, wd, const), sign, mode_id, sync)
     sigma = {"none": None, "h": R.ivon_sigma(h, ess, wd), "buffer": sigma_buf,
              "const": const}[mode]
     eps = None if mode == "none" else _eps(n, counter, stream, sign)
@@ -489,7 +489,7 @@ def test_refresh_and_outer_sample_kernels_low_precision_state(ops):
         _assert_low_state(t, exp[name], bits, name)
     param, counter, s_o = torch.empty(n), 7, noise.stream_id(4, 0, 0)
     ops.sample(param, outs["m_out"], torch.empty(n), None, outs["sigma_out"], _ctl(counter),
-               SEED, NV, s_o, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_BUFFER, False)
+               SEED, NV, s_o, 0, K.SampleHyper(1.0, 0.0, 0.0), 1.0, K.SIGMA_BUFFER, False)
     expect = R.perturb(outs["m_out"].float(), outs["sigma_out"].float(), _eps(n, counter, s_o))
     assert_close(param, expect, PARAM[torch.float32], "outer sample")
 
@@ -523,16 +523,16 @@ def test_finish_kernel(found_inf, bad, expect, ops):
 if "triton" in FUSED_BACKENDS:
     import triton
     import triton.language as tl
-    from poco_kernels.kernels import triton_kernels as TK
+    from poco_kernels.kernels import triton_noise as TK
 
     @triton.jit
     def _triton_noise_probe(out_ptr, pid0, seed, counter, stream, NOISE: tl.constexpr,
                             BLOCK: tl.constexpr):
-        """The Triton kernels' ``_noise`` of the blocks ``pid0 + program_id`` (element
+        """The Triton kernels' ``noise`` of the blocks ``pid0 + program_id`` (element
         indices int64, as in the kernels), written from ``out[0]`` on."""
         pid = tl.program_id(0).to(tl.int64)
         idx = (pid0 + pid) * BLOCK + tl.arange(0, BLOCK)
-        x = TK._noise(seed, idx, pid0 + pid, 0, counter, stream, NOISE, 0, BLOCK)
+        x = TK.noise(seed, idx, pid0 + pid, 0, counter, stream, NOISE, 0, BLOCK)
         tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), x)
 
 
@@ -636,7 +636,8 @@ def test_bfloat16_parameters_round_to_nearest_even_and_keep_nan(ops):
                              0x3F818000], dtype=torch.int64).to(torch.int32)
     x[:len(specials)] = specials.view(torch.float32)
     p = torch.empty(n, dtype=torch.bfloat16)
-    ops.sample(p, x, x, None, None, _ctl(), SEED, NV, 0, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_NONE, False)
+    ops.sample(p, x, x, None, None, _ctl(), SEED, NV, 0, 0, K.SampleHyper(1.0, 0.0, 0.0), 1.0,
+               K.SIGMA_NONE, False)
     _assert_same_bits(p, x.to(torch.bfloat16))
 
 
@@ -651,7 +652,8 @@ def test_float16_parameters_and_gradients_convert_like_torch(ops):
                          float("inf"), -float("inf"), float("nan"), -0.0, 1e-30])
     x[:len(ties)] = ties
     p = torch.empty(n, dtype=torch.float16)
-    ops.sample(p, x, x, None, None, _ctl(), SEED, NV, 0, 0, 1.0, 0.0, 0.0, 1.0, K.SIGMA_NONE, False)
+    ops.sample(p, x, x, None, None, _ctl(), SEED, NV, 0, 0, K.SampleHyper(1.0, 0.0, 0.0), 1.0,
+               K.SIGMA_NONE, False)
     _assert_same_bits(p, x.to(torch.float16))
     # loads: every float16 encoding through accumulate (acc_g = g as float32)
     g = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.float16)
@@ -679,22 +681,25 @@ def test_operators_pass_opcheck(ops):
                                       alpha=0.7, hess_corr=0.01, floor=0.0, clip=0.0),
                         sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0)
     rflags = K.RefreshFlags(K.FAMILY_IVON, ge=False, noisy=True)
-    # the operators' own schemas: the C++ ones take the records' fields as numbers, the
-    # Triton custom ops the records as lists
+    # the operators' own schemas: the C++ ones take the streams and flags as numbers, the
+    # Triton custom ops as lists; both take the hyperparameters as their float64 row
     cpp = ns is torch.ops.poco_kernels_cpp
     streams = (SEED, NV, 5, 5) if cpp else ([SEED, 5, 5, NV],)
-    step_tail = (list(hp), flags.family, flags.bits()) if cpp else (list(hp), [int(v) for v in flags])
+    row = K.hyper_row(hp, K.StepHyper)
+    step_tail = (row, flags.family, flags.bits()) if cpp else (row, [int(v) for v in flags])
     refresh_tail = ((rflags.family, rflags.bits()) if cpp else ([int(v) for v in rflags],))
     cases = {
-        "sample": (r().bfloat16(), r(), r(), r().abs() + 0.1, None, ctl, SEED, NV, 5, 0, 50.0,
-                   1e-4, 0.0, 1.0, K.SIGMA_IVON, False),
+        "sample": (r().bfloat16(), r(), r(), r().abs() + 0.1, None, ctl, SEED, NV, 5, 0,
+                   K.hyper_row(K.SampleHyper(50.0, 1e-4, 0.0), K.SampleHyper), 1.0,
+                   K.SIGMA_IVON, False),
         "accumulate": (r(), r(), r(), ctl.clone(), SEED, NV, 5, 0, 1.0, False, True),
         "check": (r(), ctl.clone()),
         "fold_ge": (r(), r(), ctl, SEED, NV, 5, 0, 1.0),
         "step": (r(), r().bfloat16(), r(), r().abs() + 0.5, r(), None, r(), None, r(), r(),
                  r(), r().abs() + 0.1, ctl, None, None, *streams, *step_tail),
         "refresh": (r(), r().abs() + 0.5, r(), None, r(), r(), r(), r(), ctl, None, None, SEED, NV,
-                    5, [1.0, 50.0, 1e-4, 0.5, 0.1, 0.0], *refresh_tail),
+                    5, K.hyper_row(K.RefreshHyper(1.0, 50.0, 1e-4, 0.5, 0.1, 0.0), K.RefreshHyper),
+                    *refresh_tail),
         "finish": (ctl.clone(), None, 0),
     }
     for name, args in cases.items():
@@ -702,13 +707,22 @@ def test_operators_pass_opcheck(ops):
 
 
 @pytest.mark.skipif(set(FUSED_BACKENDS) != {"cpp", "triton"}, reason="needs both kernel sets")
+@pytest.mark.parametrize("version", noise.STREAM_VERSIONS)
 @pytest.mark.parametrize("base", [0, 3 * 2 ** 32 + 1024])
-def test_noise_v2_is_the_same_bits_in_both_kernel_sets(base):
-    """Version 2's transform is the same branch-free code in C++ and Triton (log, sine,
-    cosine by polynomials, no fused multiply-adds on the CPU): under the interpreter the
-    normals agree bit for bit (on a GPU, its fast square root and FMAs move the last bit)."""
+def test_the_noise_is_the_same_bits_in_both_kernel_sets(base, version):
+    """Both stream versions' transform is the same branch-free code in C++ and Triton (log,
+    sine, cosine by polynomials, correctly rounded division and square root, no fused
+    multiply-adds): the normals agree bit for bit, through the kernels' ``randn`` and
+    inside a kernel (a compiled Triton kernel gives the interpreter's bits: the GPU check)."""
     from poco_kernels.kernels import cpp_ops, triton_ops
     n = 5000
-    a = _kernel_noise(triton_ops, n, base, 7, 12345, 2)
-    b = _kernel_noise(cpp_ops, n, base, 7, 12345, 2)
+    a = _kernel_noise(triton_ops, n, base, 7, 12345, version)
+    b = _kernel_noise(cpp_ops, n, base, 7, 12345, version)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    saved = TK.BRANCH_FREE
+    TK.BRANCH_FREE = tl.constexpr(True)
+    try:
+        c = triton_ops.randn(torch.empty(n), SEED, 7, 12345, base, version)
+    finally:
+        TK.BRANCH_FREE = saved
+    assert torch.equal(c.view(torch.int32), b.view(torch.int32))

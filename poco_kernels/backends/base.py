@@ -20,6 +20,7 @@ HOST = frozenset({
     "_buckets", "_pending", "param_groups", "seed", "backend", "check_finite", "_step",
     "_kernel_capable",
     "_refreshes", "uses_hessian", "_divergence_hint", "grad_views", "sample_ahead",
+    "_correction_settled",
     # the optimizer's family: its samples, its reference update, its kernel records
     "_group", "_spec", "_first_refresh", "_inner_update", "_refresh_update", "_kernel_step",
     "_kernel_refresh",

@@ -26,9 +26,15 @@ module with one function per operation, :mod:`poco_kernels.kernels.triton_ops` o
   bucket's flat state, with the shard's place in the unsharded bucket as the noise offset
   (so every element draws the noise it draws unsharded).  Gradients are FSDP2's
   reduce-scattered ``.grad`` (no views handed out), read in place by ``accumulate``.
-* **No host synchronisation inside a step** on a GPU, unless ``check_finite=True`` asks
-  for the torch backend's error on non-finite gradients (one device-to-host read per
-  update; free on the CPU, where it is the default).
+* **No host synchronisation inside a step or a refresh** on a GPU, unless
+  ``check_finite=True`` asks for the torch backend's error on non-finite gradients (one
+  device-to-host read per update; free on the CPU, where it is the default); the first
+  refresh reads one flag (whether it was taken decides whether the correction starts).
+* **Hyperparameters on the device** (:mod:`poco_kernels.backends.hyper`): the kernels read
+  them from float64 rows rewritten only when a value changes; a tensor ``lr`` or
+  ``alpha`` is copied in on the device.  With the counters, the grad scale and
+  ``found_inf`` on the device too, a step captured in a CUDA graph replays with the
+  values of the moment: see ``docs/design.md``, "CUDA graphs and torch.compile".
 """
 from __future__ import annotations
 
@@ -45,6 +51,12 @@ from .._protocol import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTE
 from ..kernels import cpp_status, triton_status
 from ..kernels import interface as K
 from .base import Backend
+from .hyper import HyperRows
+
+
+def _capturing() -> bool:
+    """A CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def bucket_reasons(backend: str, buckets) -> List[str]:
@@ -117,6 +129,8 @@ class FusedBackend(Backend):
         self.ctl: Dict[torch.device, Tensor] = {}
         self.pool: Dict[Tuple[int, int], List[Optional[Tensor]]] = {}
         self.active_noise: Dict[int, Optional[Tuple[int, int, float]]] = {}
+        #: the hyperparameter rows the kernels read (per bucket and record)
+        self.rows = HyperRows()
         #: ids of the parameters autograd accumulated a gradient into since the last
         #: hand-out (a post-accumulate-grad hook on each parameter given a view)
         self.reached: set = set()
@@ -365,13 +379,14 @@ class FusedBackend(Backend):
             elif isinstance(spec.sigma, Tensor):
                 mode, h, sig, const = K.SIGMA_BUFFER, None, spec.sigma, 0.0
             else:
-                mode, h, sig, const = K.SIGMA_CONST, None, None, float(spec.sigma)
+                mode, h, sig, const = K.SIGMA_CONST, None, None, spec.sigma
+            row = self.rows.row(b, f"sample{kind}", K.SampleHyper(
+                *(K.hyper_value(v) for v in (spec.ess, spec.wd, const))))
             for lo, n, off, prm in self._pieces(b):
                 cut = self._cutter(b, lo, n)
                 self.ops.sample(prm, prm if sync else cut(spec.centre), cut(b.buffers["mean"]),
                                 cut(h), cut(sig), self._ctl(b), opt.seed, opt.noise_version,
-                                stream, slot, float(spec.ess), float(spec.wd), const,
-                                float(sign), mode, sync, off)
+                                stream, slot, row, float(sign), mode, sync, off)
         self.params_hold_mean = False
 
     @torch.no_grad()
@@ -490,9 +505,11 @@ class FusedBackend(Backend):
         since (:attr:`reached`) and it still holds zeros (a gradient written another way,
         e.g. a collective into ``p.grad.data``, counts; clipping a zero one does not).
         They are skipped, as a ``.grad`` of None is with ``torch.optim``.  Reads the
-        data of those parameters only (usually none), in one device read."""
+        data of those parameters only (usually none), in one device read; none while a
+        CUDA graph is captured (a read would break the capture, and a replay could not
+        repeat it): there every handed-out gradient counts as written."""
         out = set()
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _capturing():
             return out
         cand = []
         for b in self.opt._buckets:
@@ -690,7 +707,7 @@ class FusedBackend(Backend):
         self.ahead = None
         nxt = self.ahead_family()   # the kernel writes the next step's inner sample
         for b in opt._buckets:
-            t = opt._kernel_step(b, opt._group(b))
+            t = opt._kernel_step(b, opt._group(b, keep_tensors=True))
             c = b.index in corr
             n_o = pend.count[KIND_OUTER] if c else 0
             g_in = self._acc(KIND_INNER, b, "g")
@@ -707,8 +724,9 @@ class FusedBackend(Backend):
             flags = K.StepFlags.of(t.family, t.path, corr=c, ge_in=ge_in is not None,
                                    ge_o=ge_o is not None, shared_noise=shared,
                                    next_sample=nxt)
-            hyper = K.StepHyper.of(t.hp, sign_o=noise_o[2] if noise_o else 1.0,
-                                   inv_n_in=1.0 / n_in, inv_n_o=1.0 / n_o if n_o else 0.0)
+            hyper = self.rows.row(b, "step", K.StepHyper.of(
+                t.hp, sign_o=noise_o[2] if noise_o else 1.0, inv_n_in=1.0 / n_in,
+                inv_n_o=1.0 / n_o if n_o else 0.0))
             streams = K.StepStreams(opt.seed, noise_in[0] if noise_in else 0,
                                     noise_o[0] if noise_o else 0, opt.noise_version)
             fi, gs = self._amp(b, found_inf, grad_scale)
@@ -739,13 +757,13 @@ class FusedBackend(Backend):
         pend = opt._pending
         n = pend.count[KIND_REFRESH]
         for b in opt._buckets:
-            r = opt._kernel_refresh(b, opt._group(b))
+            r = opt._kernel_refresh(b, opt._group(b, keep_tensors=True))
             acc_g = self._acc(KIND_REFRESH, b, "g")
             acc_ge = (self._acc(KIND_REFRESH, b, "ge")
                       if (KIND_REFRESH, b.index, "ge") in pend.sums else None)
             noise = self.noise_of(KIND_REFRESH, b, 0)
             fi, gs = self._amp(b, found_inf, grad_scale)
-            hp = K.RefreshHyper.of(r.hp, inv_n=1.0 / n)
+            hp = self.rows.row(b, "refresh", K.RefreshHyper.of(r.hp, inv_n=1.0 / n))
             flags = K.RefreshFlags(r.family, acc_ge is not None, noise is not None)
             for lo, m, off, _ in self._pieces(b):
                 cut = self._cutter(b, lo, m)
@@ -756,7 +774,13 @@ class FusedBackend(Backend):
         if opt.check_finite:
             self._raise_if_bad(COUNTER_REFRESHES, found_inf)
         self._finish(COUNTER_REFRESHES, found_inf)
-        # the one read of a refresh: whether the device took it (AMP, non-finite)
+        if opt._correction_settled():
+            # steady state: the correction is active whether or not the device took this
+            # refresh (AMP overflow, non-finite gradients), so that is not read: no
+            # synchronisation (refresh_count reads the device)
+            return True
+        # the first refresh (or the first with a new group): whether the device took it
+        # decides whether the correction is active, one read
         return self.counters()[1] > opt._refreshes
 
     def check_buckets(self, buckets) -> None:
@@ -773,6 +797,7 @@ class FusedBackend(Backend):
 
     def relayout(self) -> None:
         self.ahead = None
+        self.rows.clear()
         self.pool.clear()
         self.active_noise.clear()
         self.flatten()

@@ -61,3 +61,28 @@ def ops_for(backend: str):
         from . import cpp_ops
         return cpp_ops
     raise ValueError(f"no kernels for backend {backend!r}")
+
+
+def device_randn(numel: int, seed: int, counter: int, stream: int, *, device,
+                 dtype: torch.dtype, version: int, offset: int = 0,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The noise stream :func:`poco_kernels.noise.randn` where the torch backend draws it:
+    on a GPU the Triton kernels' generator in one launch (``triton_ops.randn``: the same
+    Philox words and uniforms, the kernels' branch-free transform, within an ulp of the
+    torch ops' log, cos and sin), elsewhere the torch ops themselves (the CPU's numbers
+    are those of ``noise.randn``, bit for bit).  ``out``: a contiguous 1-D tensor of
+    ``numel`` elements to write (returned)."""
+    from .. import noise as _noise
+    device = torch.device(device)
+    if device.type == "cuda" and not triton_interpreting() and triton_status(device) is None:
+        from . import triton_ops
+        f32 = out if (out is not None and out.dtype == torch.float32) else \
+            torch.empty(numel, device=device, dtype=torch.float32)
+        triton_ops.randn(f32, seed, counter, stream, offset, version)
+        if out is None:
+            return f32 if dtype == torch.float32 else f32.to(dtype)
+        if f32 is not out:
+            out.copy_(f32)
+        return out
+    return _noise.randn(numel, seed, counter, stream, offset=offset, device=device,
+                        dtype=dtype, out=out, version=version)

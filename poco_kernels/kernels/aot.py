@@ -41,24 +41,31 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
+# the SASS classes and the PTX audit (re-exported)
+from .compiled_code import FORBIDDEN_PTX, audit_ptx, instruction_mix, sass
+
 __all__ = ["Variant", "variants", "signature", "divisible", "launch_signature",
            "launch_variant", "to_spec", "from_spec", "json_subprocess", "compile_variant",
-           "ptxas_path",
+           "COMPILE_OPTIONS", "FORBIDDEN_PTX", "audit_ptx", "ptxas_path",
            "toolchain_status", "parse_ptxas_log", "resource_report", "sass", "instruction_mix",
            "report", "format_table", "main"]
 
+
 DEFAULT_CCS = (80, 90)
+
+#: the options every launch of ``triton_ops`` passes besides ``num_warps``: no
+#: floating-point contraction (the kernels' arithmetic is the C++ kernels', bit for bit)
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 # --------------------------------------------------------------------------- argument types
 # Pointer arguments that hold parameters/gradients (their dtype is the parameters'); every
 # other ``*_ptr`` is float32 state, except the int64 control tensor.
 _PARAM_PTRS = {"param_ptr", "grad_ptr"}
-_PTR_TYPES = {"ctl_ptr": "*i64", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32"}
+_PTR_TYPES = {"ctl_ptr": "*i64", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32",
+              "hp_ptr": "*fp64"}
 _I64 = {"n", "seed", "offset"}
-_I32 = {"stream", "stream_o", "counter_slot", "slot"}
-_FP32 = {"ess", "wd", "sigma_const", "sign", "sign_o", "inv_n_in", "inv_n_o", "inv_n", "lr",
-         "beta1", "beta2", "alpha", "hess_corr", "floor", "clip", "momentum", "dampening",
-         "eps", "mom_first", "rho1", "rho2", "sigma"}
+_I32 = {"stream", "stream_o", "counter_slot", "slot", "counter"}
+_FP32 = {"sign"}
 
 
 class Variant(NamedTuple):
@@ -198,6 +205,8 @@ def variants() -> List[Variant]:
         HAS_FOUND_INF=True, HAS_SCALE=True)
     # bookkeeping (launched with one warp, see triton_ops._finish)
     add("finish", K.finish_kernel, num_warps=1, HAS_FOUND_INF=True)
+    # the stream itself (the torch backend's noise on a GPU, the GPU check)
+    add("randn", K.randn_kernel)
     return out
 
 
@@ -299,69 +308,10 @@ def compile_variant(variant: Variant, cc: int, aligned: bool = True):
     src = ASTSource(fn=variant.kernel, signature=dict(variant.signature),
                     constexprs=dict(variant.constexprs), attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                          options={"num_warps": variant.num_warps})
+                          options={"num_warps": variant.num_warps, **COMPILE_OPTIONS})
 
 
-# --------------------------------------------------------------------------- SASS
-_CLASS = [
-    ("mufu", re.compile(r"^MUFU")),
-    ("conv", re.compile(r"^(I2F|F2I|F2F|FRND|I2I)")),
-    ("imad", re.compile(r"^(IMAD|IMUL)")),
-    ("fp32", re.compile(r"^(FADD|FMUL|FFMA|FMNMX|FSETP|FSEL|FCHK|FSET)")),
-    ("mem", re.compile(r"^(LDG|STG|LDS|STS|LD|ST|ATOM|ATOMG|RED|LDC|ULDC)")),
-    ("control", re.compile(r"^(BRA|EXIT|BAR|NOP|BSSY|BSYNC|WARPSYNC|RET|CALL|S2R|S2UR|"
-                           r"CS2R|VOTE|YIELD|BPT|MEMBAR|ERRBAR|CCTL|DEPBAR)")),
-]
-#: Philox4x32's round multipliers 0xD2511F53 and 0xCD9E8D57 as SASS immediates
-_PHILOX_CONST = re.compile(r"-0x2daee0ad|-0x326172a9|0xd2511f53|0xcd9e8d57", re.I)
-_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_.]*)")
-
-
-def sass(cubin: bytes) -> str:
-    """The SASS of a cubin, by the ``nvdisasm`` bundled with Triton."""
-    tool = os.path.join(os.path.dirname(ptxas_path(80)), "nvdisasm")
-    with tempfile.TemporaryDirectory(prefix="poco_budget_") as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        p = subprocess.run([tool, "-c", path], capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"nvdisasm failed ({p.returncode}): {p.stderr}")
-    return p.stdout
-
-
-def instruction_mix(sass_text: str) -> Dict[str, int]:
-    """SASS instructions by class: ``mufu``, ``conv``, ``imad``, ``fp32``, ``mem``,
-    ``control``, ``alu`` (the other integer and logic operations), and ``total``; and
-    ``mulhi``, the 32 x 32 -> 64-bit multiplies among the ``imad`` (``IMAD.HI``,
-    ``IMAD.WIDE``: Philox's and 64-bit addresses').  Global memory: ``ldg``, ``stg`` (the
-    load and store instructions), ``ldg_vec``, ``stg_vec`` (those 16 bytes wide), and
-    ``ldg_before_philox``, the loads issued before the first multiply by a Philox
-    round constant (all loads, when no noise is drawn)."""
-    mix = {k: 0 for k in ("mufu", "conv", "imad", "fp32", "mem", "control", "alu", "total",
-                          "mulhi", "ldg", "ldg_vec", "stg", "stg_vec", "ldg_before_philox")}
-    philox = False
-    for line in sass_text.splitlines():
-        m = _INSTR.search(line)
-        if not m:
-            continue
-        op = m.group(1)
-        cls = next((c for c, rx in _CLASS if rx.match(op)), "alu")
-        mix[cls] += 1
-        mix["total"] += 1
-        if op.startswith(("IMAD.HI", "IMAD.WIDE")):
-            mix["mulhi"] += 1
-            philox = philox or bool(_PHILOX_CONST.search(line))
-        for kind in ("ldg", "stg"):
-            if op.startswith(kind.upper()):
-                mix[kind] += 1
-                mix[kind + "_vec"] += op.endswith(".128")
-                if kind == "ldg" and not philox:
-                    mix["ldg_before_philox"] += 1
-    return mix
-
-
-
+# --------------------------------------------------------------------------- ptxas
 _RE_REGS = re.compile(r"Used (\d+) registers")
 _RE_SPILL_ST = re.compile(r"(\d+) bytes spill stores")
 _RE_SPILL_LD = re.compile(r"(\d+) bytes spill loads")
@@ -433,7 +383,7 @@ def _row(name: str, cc: int, spec: Optional[Dict[str, Any]] = None) -> Dict[str,
     target and measure it (one pool task)."""
     row: Dict[str, Any] = {"variant": name, "cc": cc, "arch": None, "registers": None,
                            "spill_stores": None, "spill_loads": None, "stack": None,
-                           "mix": None, "seconds": None, "error": None}
+                           "mix": None, "forbidden": None, "seconds": None, "error": None}
     t0 = time.perf_counter()
     try:
         row["arch"] = _arch(cc)
@@ -441,7 +391,10 @@ def _row(name: str, cc: int, spec: Optional[Dict[str, Any]] = None) -> Dict[str,
         res = resource_report(compiled.asm["ptx"], cc)
         res.pop("log")
         row.update(res)
-        row["mix"] = instruction_mix(sass(compiled.asm["cubin"]))
+        row["forbidden"] = audit_ptx(compiled.asm["ptx"])
+        text = sass(compiled.asm["cubin"])
+        row["mix"] = instruction_mix(text)
+        row["fast_mix"] = instruction_mix(text, fast_path=True)
     except Exception as exc:  # reported per row: one broken variant does not hide the rest
         row["error"] = f"{type(exc).__name__}: {exc}"
     row["seconds"] = round(time.perf_counter() - t0, 2)
@@ -549,7 +502,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         print(format_table(rows))
         print(f"{len(rows)} compilations in {time.perf_counter() - t0:.1f} s")
-    bad = any(r["error"] or r["spill_stores"] or r["spill_loads"] for r in rows)
+    bad = any(r["error"] or r["spill_stores"] or r["spill_loads"] or r["forbidden"]
+              for r in rows)
     return 1 if bad and not args.json else 0
 
 

@@ -112,7 +112,7 @@ def _row(name: str, cc: int) -> Dict[str, Any]:
     row: Dict[str, Any] = {"variant": name, "cc": cc, "error": None}
     try:
         compiled = aot.compile_variant(v, cc)
-        mix = instruction_mix(sass(compiled.asm["cubin"]))
+        mix = instruction_mix(sass(compiled.asm["cubin"]), fast_path=True)
         per_thread = v.constexprs.get("BLOCK", 1) // (32 * v.num_warps) or 1
         base = _base(name)
         row.update(mix=mix, per_thread=per_thread, bytes=BYTES.get(base),

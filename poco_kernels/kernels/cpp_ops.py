@@ -16,8 +16,8 @@ from torch import Tensor
 
 import poco_kernels._C  # noqa: F401  (registers torch.ops.poco_kernels_cpp)
 
-from .interface import (RefreshFlags, RefreshHyper, StepFlags, StepHyper, StepStreams,
-                        require)
+from .interface import (RefreshFlags, RefreshHyper, SampleHyper, StepFlags, StepHyper,
+                        StepStreams, hyper_row, require)
 
 __all__ = ["sample", "accumulate", "check", "fold_ge", "step", "refresh", "finish", "randn", "isa",
            "set_isa", "available_isas"]
@@ -32,14 +32,15 @@ for _name in ("sample", "accumulate", "check", "fold_ge", "step", "refresh", "fi
 
 def sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
            sigma: Optional[Tensor], ctl: Tensor, seed: int, noise: int, stream: int,
-           counter_slot: int, ess: float, wd: float, sigma_const: float, sign: float,
-           sigma_mode: int, sync: bool, offset: int = 0) -> None:
+           counter_slot: int, hp, sign: float, sigma_mode: int, sync: bool,
+           offset: int = 0) -> None:
     """``param = centre + sigma * sign * eps`` (see ``triton_kernels.sample_kernel``).
-    ``noise``: the stream definition, 1 or 2 (:mod:`poco_kernels.noise`); ``offset``: the
-    stream index of element 0 (a shard's place in its unsharded bucket; the same in every
-    operator below)."""
-    _ops.sample(param, centre, mean, h, sigma, ctl, seed, noise, stream, counter_slot, float(ess),
-                float(wd), float(sigma_const), float(sign), sigma_mode, sync, int(offset))
+    ``hp``: a ``SampleHyper`` or its row (:func:`~poco_kernels.kernels.interface.hyper_row`;
+    the same in every operator below); ``noise``: the stream definition, 1 or 2
+    (:mod:`poco_kernels.noise`); ``offset``: the stream index of element 0 (a shard's place
+    in its unsharded bucket)."""
+    _ops.sample(param, centre, mean, h, sigma, ctl, seed, noise, stream, counter_slot,
+                hyper_row(hp, SampleHyper), float(sign), sigma_mode, sync, int(offset))
 
 
 def accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor, seed: int,
@@ -65,30 +66,28 @@ def step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor]
          g_in: Tensor, ge_in: Optional[Tensor], g_o: Optional[Tensor], ge_o: Optional[Tensor],
          g_out: Optional[Tensor], h_out: Optional[Tensor], m_out: Optional[Tensor],
          sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
-         grad_scale: Optional[Tensor], streams: StepStreams, hp: StepHyper,
+         grad_scale: Optional[Tensor], streams: StepStreams, hp,
          flags: StepFlags, offset: int = 0) -> None:
     """One inner step of every optimizer of the diagonal family (``step_kernel``); the
     records of :mod:`~poco_kernels.kernels.interface` are read by name in ``csrc/``."""
     streams = require(streams, StepStreams, "streams")
-    hp = require(hp, StepHyper, "hp")
     flags = require(flags, StepFlags, "flags")
     _ops.step(mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out, m_out, sigma_out, ctl,
               found_inf, grad_scale, int(streams.seed), int(streams.noise), int(streams.stream),
-              int(streams.stream_o), [float(v) for v in hp], int(flags.family), flags.bits(),
+              int(streams.stream_o), hyper_row(hp, StepHyper), int(flags.family), flags.bits(),
               int(offset))
 
 
 def refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
             g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor, sigma_out: Optional[Tensor],
             ctl: Tensor, found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
-            noise: int, stream: int, hp: RefreshHyper, flags: RefreshFlags,
+            noise: int, stream: int, hp, flags: RefreshFlags,
             offset: int = 0) -> None:
     """The outer refresh (``refresh_kernel``)."""
-    hp = require(hp, RefreshHyper, "hp")
     flags = require(flags, RefreshFlags, "flags")
     _ops.refresh(mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out, ctl, found_inf,
-                 grad_scale, seed, noise, stream, [float(v) for v in hp], int(flags.family),
-                 flags.bits(), int(offset))
+                 grad_scale, seed, noise, stream, hyper_row(hp, RefreshHyper),
+                 int(flags.family), flags.bits(), int(offset))
 
 
 def finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:

@@ -12,18 +12,32 @@ default).  The optimizers fill the hyperparameter part of a step through the per
 constructors :meth:`StepHP.ivon`, :meth:`StepHP.sgd` and :meth:`StepHP.adamw`, which
 name exactly the fields that family reads and set the others to zero.
 
+**Hyperparameters reach the kernels as a row** (:func:`hyper_row`): the record's values
+as one float64 tensor on the kernels' device, field ``i`` at index ``i``.  The kernels
+read them there, not as launch arguments, so a value that changes between steps (a
+learning-rate schedule, an alpha schedule) needs no new launch arguments: a captured
+CUDA graph replays with the values the row holds at replay time.  A field may be a
+Python float or a one-element tensor (``lr=torch.tensor(...)``, as ``torch.optim``'s
+capturable optimizers take it), copied into the row on the device.  Both kernel sets
+turn the float64 values into their float32 constants the same way, in double (the
+reference's Python floats are doubles): ``csrc/ops.cpp`` on the host, the Triton kernels
+at the start of each program.
+
 No triton and no extension import here: both kernel wrappers and the host engine use it.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 from ..noise import STREAM_VERSION as _STREAM_VERSION
 
 __all__ = ["SIGMA_NONE", "SIGMA_IVON", "SIGMA_BUFFER", "SIGMA_CONST", "FAMILY_IVON",
            "FAMILY_SGD", "FAMILY_ADAMW", "FAMILIES", "CTL_STEPS", "CTL_REFRESHES", "CTL_BAD",
            "CTL_SKIPPED", "CTL_SIZE", "StepHP", "StepHyper", "StepPath", "StepFlags",
-           "StepStreams", "RefreshHP", "RefreshHyper", "RefreshFlags", "require"]
+           "StepStreams", "RefreshHP", "RefreshHyper", "RefreshFlags", "SampleHyper",
+           "HYPER_RECORDS", "require", "hyper_row", "hyper_value"]
 
 # ``sigma`` of a sample (``sample``)
 SIGMA_NONE, SIGMA_IVON, SIGMA_BUFFER, SIGMA_CONST = 0, 1, 2, 3
@@ -93,7 +107,7 @@ class StepHyper(NamedTuple):
 
     @classmethod
     def of(cls, hp: StepHP, *, sign_o: float, inv_n_in: float, inv_n_o: float) -> "StepHyper":
-        return cls(float(sign_o), float(inv_n_in), float(inv_n_o), *(float(v) for v in hp))
+        return cls(float(sign_o), float(inv_n_in), float(inv_n_o), *(_value(v) for v in hp))
 
 
 class StepPath(NamedTuple):
@@ -188,7 +202,19 @@ class RefreshHyper(NamedTuple):
 
     @classmethod
     def of(cls, hp: RefreshHP, *, inv_n: float) -> "RefreshHyper":
-        return cls(float(inv_n), *(float(v) for v in hp))
+        return cls(float(inv_n), *(_value(v) for v in hp))
+
+
+class SampleHyper(NamedTuple):
+    """Every float the sample kernel takes: sigma's terms (IVON's ``ess`` and ``wd``, or
+    the constant ``sigma`` of VSGD-PoCo)."""
+    ess: float
+    wd: float
+    sigma: float
+
+
+#: the records that travel as rows, and the kernel that reads each
+HYPER_RECORDS = {"step": StepHyper, "refresh": RefreshHyper, "sample": SampleHyper}
 
 
 class RefreshFlags(NamedTuple):
@@ -202,6 +228,41 @@ class RefreshFlags(NamedTuple):
 
     def constexprs(self) -> dict:
         return {k.upper(): v for k, v in self._asdict().items()}
+
+
+def hyper_value(v):
+    """A hyperparameter's value for a row: a float, or a one-element tensor kept as it is
+    (read on the device, never on the host)."""
+    if isinstance(v, torch.Tensor):
+        return v
+    return float(v)
+
+
+_value = hyper_value
+
+
+def hyper_row(hp, cls, device=None) -> torch.Tensor:
+    """The row of a ``cls`` record for the kernels: ``hp`` itself when it is one already
+    (a float64 tensor of one value per field), else the record's values in a new float64
+    tensor on ``device`` (what a direct caller of the kernels passes; the optimizers keep
+    their rows, :mod:`poco_kernels.backends.hyper`).  Anything else is a TypeError that
+    names the record."""
+    n = len(cls._fields)
+    if isinstance(hp, torch.Tensor):
+        if hp.dtype != torch.float64 or hp.dim() != 1 or hp.numel() != n \
+                or not hp.is_contiguous():
+            raise TypeError(f"hp must be a {cls.__name__} or its row (a contiguous float64 "
+                            f"tensor of {n} values: {', '.join(cls._fields)}), got a "
+                            f"{hp.dtype} tensor of shape {tuple(hp.shape)}")
+        return hp
+    hp = require(hp, cls, "hp")
+    row = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in hp],
+                       dtype=torch.float64)
+    row = row.to(device) if device is not None else row
+    for i, v in enumerate(hp):
+        if isinstance(v, torch.Tensor):
+            row[i].copy_(v.detach().reshape(()))
+    return row
 
 
 def require(record, cls, what: str):

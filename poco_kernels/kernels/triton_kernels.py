@@ -3,7 +3,18 @@
 Each kernel is the fused form of reference functions; the ``Reference:`` line of each
 names them (:mod:`poco_kernels.reference`), and ``tests/test_kernels.py`` checks
 each against them.  Host wrappers (launch, torch custom-op registration) are in
-:mod:`poco_kernels.kernels.triton_ops`.
+:mod:`poco_kernels.kernels.triton_ops`; the noise and the stored bits in
+:mod:`poco_kernels.kernels.triton_noise`.
+
+**Each kernel is the op-for-op twin of its C++ kernel** (``csrc/kernels_impl.h``): the
+same float32 operations in the same order, on the same float32 constants, which both
+compute in double from the float64 hyperparameters as ``csrc/ops.cpp`` does
+(:func:`_step_constants`, :func:`_refresh_constants`).  Compiled without floating-point
+contraction and with correctly rounded division and square root (``triton_ops``
+launches with ``enable_fp_fusion=False``; ``tl.div_rn``, ``tl.sqrt_rn`` here), a kernel on
+a GPU, the same kernel under Triton's interpreter and the C++ kernel give the same bits
+(``tests/test_kernels.py`` compares the interpreter with C++ bit for bit;
+``benchmarks/bench_gpu.py`` the GPU with the interpreter).
 
 Conventions shared by all kernels:
 
@@ -12,23 +23,23 @@ Conventions shared by all kernels:
 * state is float32 (the buffer pointers' dtype), parameters and gradients float32,
   bfloat16 or float16 (cast on load and store); with ``state_dtype=torch.bfloat16`` the
   IVON family's momentum and outer buffers are bfloat16 (widened on load, stored with
-  stochastic rounding, ``_store_state``);
+  stochastic rounding, ``store_state``);
 * the noise ``eps`` is regenerated, never stored: Philox4x32-10 keyed by ``seed`` with
   counters ``(call low word, call high word, counter, stream)``, exactly
   :func:`poco_kernels.noise.randn` of the stream definition ``NOISE`` (2: four normals per
-  call, ``tl.randn4x``'s Box-Muller with our own branch-free log and sine/cosine, those of
-  the C++ kernels; 1: one per element, ``tl.randn`` itself); ``counter`` (the
-  step or refresh count) is read from the device control tensor ``ctl`` so no host value
-  changes per step;
+  call; 1: one per element), transformed by the C++ kernels' branch-free log and
+  sine/cosine; ``counter`` (the step or refresh count) is read from the device control
+  tensor ``ctl`` so no host value changes per step;
 * ``ctl`` (int64, per device): ``[steps taken, refreshes taken, bad-gradient flag,
   skipped updates]``.  An update reads ``found_inf`` (AMP) and the bad flag and, when
   either is set, writes no state (the parameters get the old mean back);
   :func:`finish_kernel` then advances the counters and clears the flag;
-* hyperparameters are run-time scalars (a new learning rate does not recompile); only
-  the code path (which terms exist) is ``constexpr``.
+* hyperparameters are read from a float64 row on the device (``hp_ptr``: one value per
+  field of ``StepHyper``, ``RefreshHyper`` or ``SampleHyper``,
+  :mod:`poco_kernels.kernels.interface`): a new learning rate neither recompiles nor
+  changes a launch argument, so a captured CUDA graph replays with the current values.
+  Only the code path (which terms exist) is ``constexpr``.
 """
-import os
-
 import triton
 import triton.language as tl
 
@@ -36,18 +47,24 @@ import triton.language as tl
 from .interface import (CTL_BAD, CTL_REFRESHES, CTL_SIZE, CTL_SKIPPED,  # noqa: F401
                         CTL_STEPS, FAMILY_ADAMW, FAMILY_IVON, FAMILY_SGD, SIGMA_BUFFER,
                         SIGMA_CONST, SIGMA_IVON, SIGMA_NONE)
+from .triton_noise import noise as _noise
+from .triton_noise import store_state as _store_state
+from .triton_noise import to_param as _to_param
 
 BLOCK = 1024
 NUM_WARPS = 4
 
-#: noise version 2's transform: the branch-free polynomials (``_log_pos``,
-#: ``_sincos_0_2pi``) when compiled for a GPU.  Under Triton's CPU interpreter each tensor
-#: operation is a numpy call with a fixed overhead, and the polynomials' ~70 operations per
-#: word pair made the test suite 2 minutes slower than numpy's own log, cos and sin (three
-#: calls, the same values to the ulp); so the interpreter takes those, except where a test
-#: sets this to True (``tests/test_kernels.py`` runs the polynomials against the reference
-#: and the C++ kernels' bits).  The AOT compilation (``aot.py``) compiles the polynomials.
-BRANCH_FREE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+# Where each field of the hyperparameter rows is (the records' field order, which
+# tests/test_architecture.py checks against interface.py and csrc/poco_kernels.h).
+STEP_HP = ("sign_o", "inv_n_in", "inv_n_o", "lr", "beta1", "beta2", "wd", "ess", "alpha",
+           "hess_corr", "floor", "clip", "momentum", "dampening", "eps", "mom_first")
+(S_SIGN_O, S_INV_N_IN, S_INV_N_O, S_LR, S_BETA1, S_BETA2, S_WD, S_ESS, S_ALPHA, S_HESS_CORR,
+ S_FLOOR, S_CLIP, S_MOMENTUM, S_DAMPENING, S_EPS, S_MOM_FIRST) = (
+    tl.constexpr(i) for i in range(len(STEP_HP)))
+REFRESH_HP = ("inv_n", "ess", "wd", "rho1", "rho2", "sigma")
+R_INV_N, R_ESS, R_WD, R_RHO1, R_RHO2, R_SIGMA = (tl.constexpr(i) for i in range(len(REFRESH_HP)))
+SAMPLE_HP = ("ess", "wd", "sigma")
+P_ESS, P_WD, P_SIGMA = (tl.constexpr(i) for i in range(len(SAMPLE_HP)))
 
 # Run-time ints that must not create compiled variants (Triton specialises ints equal
 # to 1 or divisible by 16).  ``n`` IS specialised: a length divisible by 16 (a padded
@@ -61,193 +78,26 @@ BRANCH_FREE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 # (65536 are allowed) gets an i64 ``stream`` with the same bits (``.to(tl.uint32)``) and
 # bucket (``>> 16``), so the same numbers, from one more JIT compilation that the AOT
 # test does not compile.
-_NO_SPEC = ["seed", "stream", "stream_o", "counter_slot", "slot", "offset"]
+_NO_SPEC = ["seed", "stream", "stream_o", "counter_slot", "slot", "offset", "counter"]
 
 
+# --------------------------------------------------------------------------- scalars
 @triton.jit
-def _randn_v1(seed, idx, counter, stream):
-    """Version 1: the normal of element ``idx`` (int64) of stream ``(seed, counter,
-    stream)``, one Philox call per element, ``tl.randn``'s transform."""
-    c0 = (idx & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (idx >> 32).to(tl.uint32)
-    zero = c0 * 0
-    c2 = zero + counter.to(tl.uint32)
-    c3 = zero + stream.to(tl.uint32)
-    o0, o1, _, _ = tl.philox(seed, c0, c1, c2, c3)
-    u1 = tl.random.uint_to_uniform_float(o0)
-    u2 = tl.random.uint_to_uniform_float(o1)
-    n1, _ = tl.random.pair_uniform_to_normal(u1, u2)
-    return n1
-
-
-@triton.jit
-def _log_pos(x):
-    """log(x) for positive normal float32 ``x``: ``log_pos`` of csrc/poco_math.h, op for op
-    (``x = 2^k (1 + f)``, ``log(1 + f) = 2 atanh(f / (2 + f))``, ``k ln 2`` in two parts).
-    Branch-free, unlike libdevice's ``logf``."""
-    ix = x.to(tl.uint32, bitcast=True) + (0x3F800000 - 0x3F3504F3)
-    k = (ix >> 23).to(tl.int32) - 0x7F
-    f = ((ix & 0x007FFFFF) + 0x3F3504F3).to(tl.float32, bitcast=True) - 1.0
-    s = f / (2.0 + f)
-    z = s * s
-    r = z * (0.66666666666 + z * (0.4 + z * (0.28571428571 + z * 0.22222222222)))
-    kf = k.to(tl.float32)
-    return kf * 0.6923828125 + (kf * 7.6436804e-4 + (f - s * (f - r)))
-
-
-@triton.jit
-def _sincos_0_2pi(x):
-    """``(cos x, sin x)`` for ``x`` in [0, 2 pi]: ``sincos_0_2pi`` of csrc/poco_math.h (one
-    reduction by pi/2 in three parts, Taylor polynomials on |r| <= pi/4, the quadrant by
-    selects).  Branch-free: libdevice's ``cosf``/``sinf`` carry an inlined Payne-Hanek
-    reduction for large arguments that a Box-Muller angle never needs."""
-    q = (x * 0.63661975 + 12582912.0) - 12582912.0      # rint (1.5 * 2^23: round to even)
-    r = ((x - q * 1.5703125) - q * 4.8375130e-4) - q * 7.5497901e-8
-    r2 = r * r
-    c = 1.0 + r2 * (-0.5 + r2 * (4.1666667e-2 + r2 * (-1.3888889e-3 + r2 * (2.4801587e-5
-                                                                     + r2 * -2.7557319e-7))))
-    s = r + r * r2 * (-0.16666667 + r2 * (8.3333333e-3 + r2 * (-1.9841270e-4 + r2 * (
-        2.7557319e-6 + r2 * -2.5052108e-8))))
-    qi = q.to(tl.int32)
-    odd = (qi & 1) != 0
-    vc = tl.where(odd, s, c)
-    vs = tl.where(odd, c, s)
-    return tl.where(((qi + 1) & 2) != 0, -vc, vc), tl.where((qi & 2) != 0, -vs, vs)
-
-
-@triton.jit
-def _normal_pair(wa, wb):
-    """Box-Muller of two Philox words, both branches (``tl.pair_uniform_to_normal`` with
-    the branch-free log, sine and cosine above)."""
-    u1 = tl.maximum(tl.random.uint_to_uniform_float(wa), 1.0e-7)
-    th = 6.283185307179586 * tl.random.uint_to_uniform_float(wb)
-    if BRANCH_FREE:
-        r = tl.sqrt(-2.0 * _log_pos(u1))
-        c, s = _sincos_0_2pi(th)
-    else:                   # (the interpreter: numpy's, see BRANCH_FREE)
-        r = tl.sqrt(-2.0 * tl.log(u1))
-        c = tl.cos(th)
-        s = tl.sin(th)
-    return r * c, r * s
-
-
-@triton.jit
-def _randn_v2(seed, pid, offset, counter, stream, BLOCK: tl.constexpr):
-    """Version 2: the normals of elements ``offset + pid * BLOCK .. offset + pid * BLOCK +
-    BLOCK - 1`` (``offset`` a multiple of 4), from the ``BLOCK // 4`` Philox calls that
-    cover them: call ``q`` gives elements ``4q .. 4q + 3``, both Box-Muller branches of
-    both word pairs (``tl.randn4x``), interleaved in element order by two joins and a
-    reshape."""
-    # (the sum first: the interpreter hands an int offset in [2^31, 2^32) over as a uint32)
-    q = ((pid * BLOCK + offset) >> 2) + tl.arange(0, BLOCK // 4)
-    c0 = (q & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (q >> 32).to(tl.uint32)
-    zero = c0 * 0
-    c2 = zero + counter.to(tl.uint32)
-    c3 = zero + stream.to(tl.uint32)
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
-    n0, n1 = _normal_pair(w0, w1)
-    n2, n3 = _normal_pair(w2, w3)
-    # [q, b, a] = n_(2b + a): element 4q + 2b + a
-    return tl.reshape(tl.join(tl.join(n0, n2), tl.join(n1, n3)), [BLOCK])
-
-
-@triton.jit
-def _randn_v2_at(seed, gidx, counter, stream):
-    """Version 2 at element indices ``gidx`` in any alignment: element ``i`` runs call
-    ``i >> 2`` itself and keeps lane ``i & 3`` (the word pair ``lane >> 1``, the branch
-    ``lane & 1``): the numbers of :func:`_randn_v2`, at four times its Philox work (a
-    shard whose place in its bucket is not a multiple of 4)."""
-    q = gidx >> 2
-    lane = (gidx & 3).to(tl.int32)
-    c0 = (q & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (q >> 32).to(tl.uint32)
-    zero = c0 * 0
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero + counter.to(tl.uint32),
-                               zero + stream.to(tl.uint32))
-    hi = lane >= 2
-    a, b = _normal_pair(tl.where(hi, w2, w0), tl.where(hi, w3, w1))
-    return tl.where((lane & 1) == 0, a, b)
-
-
-@triton.jit
-def _noise(seed, idx, pid, offset, counter, stream, NOISE: tl.constexpr,
-           SHARD: tl.constexpr, BLOCK: tl.constexpr):
-    """The normals of this block's elements ``idx = pid * BLOCK + arange(BLOCK)``, which
-    are elements ``offset + idx`` of stream ``(seed, counter, stream)``, stream definition
-    ``NOISE`` (1 or 2): :func:`poco_kernels.noise.randn`.  ``SHARD``: 0, a whole bucket
-    (``offset`` is 0 and unused: the variants audited in docs/gpu-budget.md); 1, a shard
-    at ``offset``, a multiple of 4; 2, a shard at any other ``offset``."""
-    if NOISE == 1:
-        if SHARD == 0:
-            eps = _randn_v1(seed, idx, counter, stream)
-        else:
-            eps = _randn_v1(seed, idx + offset, counter, stream)
-    elif SHARD == 0:
-        eps = _randn_v2(seed, pid, 0, counter, stream, BLOCK)
-    elif SHARD == 1:
-        eps = _randn_v2(seed, pid, offset, counter, stream, BLOCK)
-    else:
-        eps = _randn_v2_at(seed, idx + offset, counter, stream)
-    return eps
-
-
-@triton.jit
-def _to_param(x, ptr):
-    """float32 -> the parameters' dtype, rounding to nearest even.  For bfloat16 it is
-    spelled out in integer ops (what the GPU's ``cvt.rn.bf16.f32`` does; Triton's CPU
-    interpreter would truncate), so every backend writes the same bits."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        raw = x.to(tl.uint32, bitcast=True)
-        bits = raw + (0x7FFF + ((raw >> 16) & 1))
-        bits = tl.where(x != x, (raw >> 16 & 0x8000) | 0x7FC0, bits >> 16)  # NaN: quiet NaN
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(ptr.dtype.element_ty)
-
-
-@triton.jit
-def _round_bits(idx, seed, counter, bucket, TAG: tl.constexpr):
-    """16 rounding bits of element ``idx`` of state buffer ``TAG``: exactly
-    :func:`poco_kernels.noise.rounding_bits` (uint32 arithmetic wraps as it must)."""
-    s64 = seed.to(tl.uint64)
-    which = ((bucket.to(tl.uint32) << 3) | TAG) + 1
-    salt = ((s64 & 0xFFFFFFFF).to(tl.uint32) ^ ((s64 >> 32).to(tl.uint32) * 0x85EBCA6B)
-            ^ (counter.to(tl.uint32) * 0xC2B2AE35) ^ (which * 0x27D4EB2F))
-    x = ((idx & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1) ^ salt
-    x = x ^ ((idx >> 32).to(tl.uint32) * 0x165667B1)
-    x = x ^ (x >> 16)
-    x = x * 0x85EBCA6B
-    x = x ^ (x >> 13)
-    x = x * 0xC2B2AE35
-    x = x ^ (x >> 16)
-    return x >> 16
-
-
-@triton.jit
-def _store_state(ptr, idx, offset, x, mask, seed, counter, bucket, TAG: tl.constexpr,
-                 SHARD: tl.constexpr):
-    """Store float32 state ``x``; into a bfloat16 buffer (``state_dtype``) with stochastic
-    rounding, :func:`poco_kernels.reference.stochastic_round` (the bits of element
-    ``offset + idx``, as the noise: ``SHARD``)."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        u = x.to(tl.uint32, bitcast=True)
-        finite = (u & 0x7F800000) != 0x7F800000
-        special = (u >> 16) | tl.where((u & 0x007FFFFF) != 0, 0x40, 0).to(tl.uint32)
-        if SHARD == 0:
-            r = _round_bits(idx, seed, counter, bucket, TAG)
-        else:
-            r = _round_bits(idx + offset, seed, counter, bucket, TAG)
-        bits = tl.where(finite, (u + r) >> 16, special)
-        tl.store(ptr + idx, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(ptr + idx, x, mask=mask)
+def _pow_steps(b, e):
+    """``b ** e`` for a float64 ``b`` and an int64 ``e >= 0``, by squaring: ``pow_steps``
+    of csrc/ops.cpp, multiplication for multiplication."""
+    r = b * 0.0 + 1.0
+    while e > 0:
+        r = tl.where((e & 1) != 0, r * b, r)
+        b = b * b
+        e = e >> 1
+    return r
 
 
 @triton.jit
 def _ivon_sigma(h, ess, wd):
-    """Reference: ivon_sigma."""
-    return 1.0 / tl.sqrt(ess * (h + wd))
+    """Reference: ivon_sigma (``1.0f / sqrtf(ess * (h + wd))``)."""
+    return tl.div_rn(1.0, tl.sqrt_rn(ess * (h + wd)))
 
 
 @triton.jit
@@ -260,16 +110,72 @@ def _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
     return skip
 
 
+@triton.jit
+def _inv_scale(grad_scale_ptr, HAS_SCALE: tl.constexpr):
+    """``1.0f / (float)grad_scale`` (1 without AMP)."""
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.div_rn(1.0, tl.load(grad_scale_ptr).to(tl.float32))
+    return inv
+
+
+@triton.jit
+def _step_constants(hp_ptr, steps, refreshes, CORR: tl.constexpr, FLOOR: tl.constexpr,
+                    CLIP: tl.constexpr, DEBIAS: tl.constexpr, FAMILY: tl.constexpr):
+    """The float32 constants of a step from its float64 row and the counters, each
+    computed in double and rounded once (``.to(tl.float32)``: ``(float)x`` of C++), as
+    ``step_op`` of csrc/ops.cpp computes them.  (Written inline: under the interpreter
+    every call of a jit function costs about a millisecond.)"""
+    f32 = tl.float32
+    alpha = tl.load(hp_ptr + S_ALPHA)
+    if CORR:
+        alpha = tl.where(refreshes > 0, alpha, 0.0)   # the correction once a refresh is taken
+    else:
+        alpha = alpha * 0.0
+    beta1 = tl.load(hp_ptr + S_BETA1)
+    beta2 = tl.load(hp_ptr + S_BETA2)
+    lr = tl.load(hp_ptr + S_LR)
+    wd = tl.load(hp_ptr + S_WD)
+    t = steps + 1
+    one = (beta1 * 0.0 + 1.0).to(f32)
+    inv_bias1 = one
+    if DEBIAS:
+        inv_bias1 = (1.0 / (1.0 - _pow_steps(beta1, t))).to(f32)    # (float64: div.rn.f64)
+    neg_floor = one * float("-inf")
+    if FLOOR:
+        neg_floor = (-tl.load(hp_ptr + S_FLOOR)).to(f32)
+    clip = one * float("inf")
+    if CLIP:
+        clip = tl.load(hp_ptr + S_CLIP).to(f32)
+    decay = one
+    step_size = one
+    bias2_sqrt = one
+    if FAMILY == 2:
+        bc1 = 1.0 - _pow_steps(beta1, t)
+        bc2 = 1.0 - _pow_steps(beta2, t)
+        decay = (1.0 - lr * wd).to(f32)
+        step_size = (lr / bc1).to(f32)
+        bias2_sqrt = tl.sqrt(bc2).to(f32)                            # (float64: sqrt.rn.f64)
+    return (alpha.to(f32), lr.to(f32), beta1.to(f32), (1.0 - beta1).to(f32), beta2.to(f32),
+            (1.0 - beta2).to(f32), (0.5 * (1.0 - beta2) * (1.0 - beta2)).to(f32), wd.to(f32),
+            tl.load(hp_ptr + S_ESS).to(f32), (tl.load(hp_ptr + S_HESS_CORR) * alpha).to(f32),
+            neg_floor, clip, inv_bias1, tl.load(hp_ptr + S_MOMENTUM).to(f32),
+            (1.0 - tl.load(hp_ptr + S_DAMPENING)).to(f32), decay, step_size, bias2_sqrt,
+            tl.load(hp_ptr + S_EPS).to(f32))
+
+
+# --------------------------------------------------------------------------- kernels
 @triton.jit(do_not_specialize=_NO_SPEC)
-def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, n: tl.int64,
-                  offset: tl.int64, seed: tl.int64, stream,
-                  counter_slot, ess, wd, sigma_const, sign,
+def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, hp_ptr,
+                  n: tl.int64, offset: tl.int64, seed: tl.int64, stream,
+                  counter_slot, sign,
                   SIGMA_MODE: tl.constexpr, SYNC: tl.constexpr, NOISE: tl.constexpr,
                   SHARD: tl.constexpr, BLOCK: tl.constexpr):
     """Write the posterior sample ``theta = centre + sigma * sign * eps`` into the flat
-    parameters, in their dtype.  ``SYNC``: the parameters hold the mean (float32
-    parameters, torch.optim convention) and are first copied to the ``mean`` buffer,
-    which is then the centre.  Reference: perturb, ivon_sigma."""
+    parameters, in their dtype (``hp_ptr``: the ``SampleHyper`` row).  ``SYNC``: the
+    parameters hold the mean (float32 parameters, torch.optim convention) and are first
+    copied to the ``mean`` buffer, which is then the centre.  Reference: perturb,
+    ivon_sigma."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
@@ -282,11 +188,13 @@ def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, n:
         theta = centre
     else:
         if SIGMA_MODE == 1:
-            sigma = _ivon_sigma(tl.load(h_ptr + idx, mask=mask, other=1.0), ess, wd)
+            sigma = _ivon_sigma(tl.load(h_ptr + idx, mask=mask, other=1.0),
+                                tl.load(hp_ptr + P_ESS).to(tl.float32),
+                                tl.load(hp_ptr + P_WD).to(tl.float32))
         elif SIGMA_MODE == 2:
             sigma = tl.load(sigma_ptr + idx, mask=mask).to(tl.float32)
         else:
-            sigma = sigma_const
+            sigma = tl.load(hp_ptr + P_SIGMA).to(tl.float32)
         counter = tl.load(ctl_ptr + counter_slot)
         eps = _noise(seed, idx, pid, offset, counter, stream, NOISE, SHARD, BLOCK) * sign
         theta = centre + sigma * eps
@@ -347,6 +255,18 @@ def fold_ge_kernel(acc_g_ptr, acc_ge_ptr, ctl_ptr, n: tl.int64, offset: tl.int64
     tl.store(acc_ge_ptr + idx, g * eps, mask=mask)
 
 
+@triton.jit(do_not_specialize=_NO_SPEC)
+def randn_kernel(out_ptr, n: tl.int64, offset: tl.int64, seed: tl.int64, counter, stream,
+                 NOISE: tl.constexpr, SHARD: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[i]`` = the normal of element ``offset + i`` of stream ``(seed, counter,
+    stream)``: :func:`poco_kernels.noise.randn` by the kernels' own noise code (the C++
+    kernels' ``randn``)."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    eps = _noise(seed, idx, pid, offset, counter, stream, NOISE, SHARD, BLOCK)
+    tl.store(out_ptr + idx, eps, mask=idx < n)
+
+
 @triton.jit
 def _estimate(acc_ptr, idx, mask, scale):
     """Mean gradient of a sample kind (sum * 1/count * 1/grad_scale)."""
@@ -361,13 +281,10 @@ def step_kernel(
         g_in_ptr, ge_in_ptr, g_o_ptr, ge_o_ptr,
         # outer state (read)
         g_out_ptr, h_out_ptr, m_out_ptr, sigma_out_ptr,
-        # control
-        ctl_ptr, found_inf_ptr, grad_scale_ptr,
+        # control; the StepHyper row (poco_kernels/kernels/interface.py)
+        ctl_ptr, found_inf_ptr, grad_scale_ptr, hp_ptr,
+        # StepStreams
         n: tl.int64, offset: tl.int64, seed: tl.int64, stream, stream_o,
-        # StepHyper (poco_kernels/kernels/interface.py)
-        sign_o, inv_n_in, inv_n_o,
-        lr, beta1, beta2, wd, ess, alpha, hess_corr, floor, clip, momentum, dampening, eps,
-        mom_first,
         # StepFlags
         FAMILY: tl.constexpr, CORR: tl.constexpr, GE_IN: tl.constexpr, GE_O: tl.constexpr,
         SHARED_NOISE: tl.constexpr, NEXT_SAMPLE: tl.constexpr, HESS_CORR: tl.constexpr,
@@ -375,9 +292,10 @@ def step_kernel(
         CLIP: tl.constexpr, DEBIAS: tl.constexpr, MOMENTUM: tl.constexpr,
         NESTEROV: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr,
         NOISE: tl.constexpr, SHARD: tl.constexpr, BLOCK: tl.constexpr):
-    """One inner step of every optimizer of the diagonal family, in one pass.  The scalars
-    and switches are the fields of ``StepStreams``, ``StepHyper`` and ``StepFlags``
-    (:mod:`poco_kernels.kernels.interface`), by name.
+    """One inner step of every optimizer of the diagonal family, in one pass: ``step_ivon``,
+    ``step_sgd`` and ``step_adamw`` of csrc/kernels_impl.h, operation for operation.  The
+    switches are the fields of ``StepFlags``, the scalars those of the ``StepHyper`` row
+    (:mod:`poco_kernels.kernels.interface`).
 
     ``FAMILY_IVON`` (IVON, IVON-PoCo(Mo); ``s1`` = momentum ``g``, ``s2`` = Hessian ``h``):
     regenerate the inner (and outer) noise, form the Price Hessian estimates of both
@@ -385,7 +303,9 @@ def step_kernel(
     the positivity-preserving Hessian update, debiasing, weight decay, the
     Hessian-correction term, clipping, the mean; write the mean into the parameters.
     Reference: price_hessian, control_variate, hessian_floor, ivon_momentum, ivon_hessian,
-    ivon_direction, ivon_hessian_correction, ivon_mean (``lr`` already ``ivon_lr``).
+    ivon_direction, ivon_hessian_correction, ivon_mean (``lr`` already ``ivon_lr``).  Two
+    divisions of the reference are multiplications, as in C++ (``g eps / sigma = g eps
+    sqrt(ess (h + wd))``; ``g / (1 - beta1^t)`` by its reciprocal, rounded once).
     ``NEXT_SAMPLE``: the parameters get the next step's inner sample (draw 0 of the inner
     stream at the new step count; this step's again when the update is skipped) instead
     of the mean, as ``sample_kernel`` computes it (reference: perturb, ivon_sigma).
@@ -394,7 +314,8 @@ def step_kernel(
     variate, then torch.optim.SGD's update.  Reference: control_variate, sgd_step.
 
     ``FAMILY_ADAMW`` (alpha-SVRG over AdamW; ``s1`` = exp_avg, ``s2`` = exp_avg_sq):
-    control variate, then torch.optim.AdamW's update.  Reference: adamw_step.
+    control variate, then torch.optim.AdamW's update (``torch.lerp``'s two formulas).
+    Reference: adamw_step.
 
     The correction (``CORR``) is weighted by ``alpha`` once a refresh has been taken
     (``ctl[1] > 0``), by 0 before.  ``ctl[0]`` is the number of steps taken (the noise
@@ -408,19 +329,21 @@ def step_kernel(
     skip = _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF)
     wmask = mask & ((idx * 0 + skip) == 0)   # (a scalar mask, broadcast explicitly)
     steps = tl.load(ctl_ptr + 0)
-    t = (steps + 1).to(tl.float32)
-    scale = 1.0
-    if HAS_SCALE:
-        scale = 1.0 / tl.load(grad_scale_ptr).to(tl.float32)
+    (alpha, lr, beta1, one_m_beta1, beta2, one_m_beta2, half_sq, wd, ess, hca, neg_floor,
+     clip, inv_bias1, momentum, one_m_damp, decay, step_size, bias2_sqrt,
+     eps) = _step_constants(hp_ptr, steps, tl.load(ctl_ptr + 1), CORR, FLOOR, CLIP, DEBIAS,
+                            FAMILY)
+    inv_gs = _inv_scale(grad_scale_ptr, HAS_SCALE)
+    scale_in = tl.load(hp_ptr + S_INV_N_IN).to(tl.float32) * inv_gs
+    scale_o = tl.load(hp_ptr + S_INV_N_O).to(tl.float32) * inv_gs
 
     m = tl.load(mean_ptr + idx, mask=mask, other=0.0)
-    g_in = _estimate(g_in_ptr, idx, mask, inv_n_in * scale)
+    g_in = _estimate(g_in_ptr, idx, mask, scale_in)
     ghat = g_in
     if CORR:
-        a = tl.where(tl.load(ctl_ptr + 1) > 0, alpha, 0.0)
-        g_o = _estimate(g_o_ptr, idx, mask, inv_n_o * scale)
+        g_o = _estimate(g_o_ptr, idx, mask, scale_o)
         g_out = tl.load(g_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        ghat = g_in - a * (g_o - g_out)
+        ghat = g_in - alpha * (g_o - g_out)
 
     if FAMILY == 0:
         # every load is issued before the noise (Philox and the transform are ~100
@@ -428,19 +351,19 @@ def step_kernel(
         g = tl.load(s1_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         h = tl.load(s2_ptr + idx, mask=mask, other=1.0)
         if GE_IN:
-            ge_in = _estimate(ge_in_ptr, idx, mask, inv_n_in * scale)
+            ge_in = _estimate(ge_in_ptr, idx, mask, scale_in)
         if CORR:
             if GE_O:
-                ge_o = _estimate(ge_o_ptr, idx, mask, inv_n_o * scale)
+                ge_o = _estimate(ge_o_ptr, idx, mask, scale_o)
             sigma_out = tl.load(sigma_out_ptr + idx, mask=mask, other=1.0).to(tl.float32)
             h_out = tl.load(h_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
             if HESS_CORR:
                 m_out = tl.load(m_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        sigma = _ivon_sigma(h, ess, wd)
         if not GE_IN:
             eps_i = _noise(seed, idx, pid, offset, steps, stream, NOISE, SHARD, BLOCK)
             ge_in = g_in * eps_i
-        hhat = ge_in / sigma
+        inv_sigma = tl.sqrt_rn(ess * (h + wd))          # 1 / sigma, unrounded
+        hhat = ge_in * inv_sigma
         extra = 0.0
         if CORR:
             if not GE_O:
@@ -449,24 +372,21 @@ def step_kernel(
                 else:
                     eps_o = _noise(seed, idx, pid, offset, steps, stream_o, NOISE, SHARD,
                                    BLOCK)
-                ge_o = g_o * (eps_o * sign_o)
-            h_o = ge_o / sigma_out
-            hhat = hhat - a * (h_o - h_out)
-            if FLOOR:
-                hhat = tl.maximum(hhat, -floor * (h + wd))
+                ge_o = g_o * (eps_o * tl.load(hp_ptr + S_SIGN_O).to(tl.float32))
+            h_o = tl.div_rn(ge_o, sigma_out)
+            hhat = hhat - alpha * (h_o - h_out)
+            fl = neg_floor * (h + wd)                  # -inf without a floor: a no-op
+            hhat = tl.where(hhat < fl, fl, hhat)
             if HESS_CORR:
-                extra = (hess_corr * a) * (h_out - h_o) * (m - m_out)
-        g_new = beta1 * g + (1.0 - beta1) * ghat
+                extra = hca * (h_out - h_o) * (m - m_out)
+        g_new = beta1 * g + one_m_beta1 * ghat
         d = h - hhat
-        h_new = (beta2 * h + (1.0 - beta2) * hhat
-                 + (0.5 * (1.0 - beta2) * (1.0 - beta2)) * d * d / (h + wd))
-        if DEBIAS:
-            gbar = g_new / (1.0 - tl.exp2(t * tl.log2(beta1)))
-        else:
-            gbar = g_new
-        u = (gbar + wd * m + extra) / (h_new + wd)
-        if CLIP:
-            u = tl.minimum(tl.maximum(u, -clip), clip)
+        h_new = (beta2 * h + one_m_beta2 * hhat) + tl.div_rn(half_sq * (d * d), h + wd)
+        num = g_new * inv_bias1 + wd * m
+        if HESS_CORR:
+            num = num + extra
+        u = tl.div_rn(num, h_new + wd)
+        u = tl.where(u < -clip, -clip, tl.where(u > clip, clip, u))   # inf: no clipping
         m_new = m - lr * u
         _store_state(s1_ptr, idx, offset, g_new, wmask, seed, steps, stream >> 16, 0, SHARD)
         tl.store(s2_ptr + idx, h_new, mask=wmask)
@@ -475,7 +395,8 @@ def step_kernel(
         d_p = ghat + wd * m
         if MOMENTUM:
             buf = tl.load(s1_ptr + idx, mask=mask, other=0.0)
-            buf = tl.where(mom_first != 0, d_p, momentum * buf + (1.0 - dampening) * d_p)
+            buf = tl.where(tl.load(hp_ptr + S_MOM_FIRST) != 0.0, d_p,
+                           momentum * buf + one_m_damp * d_p)
             tl.store(s1_ptr + idx, buf, mask=wmask)
             if NESTEROV:
                 d_p = d_p + momentum * buf
@@ -484,15 +405,14 @@ def step_kernel(
         m_new = m - lr * d_p
         h_param = m
     else:
-        ea = tl.load(s1_ptr + idx, mask=mask, other=0.0)
-        eas = tl.load(s2_ptr + idx, mask=mask, other=0.0)
-        m_dec = m * (1.0 - lr * wd)
-        ea = ea + (1.0 - beta1) * (ghat - ea)
-        eas = beta2 * eas + (1.0 - beta2) * ghat * ghat
-        bc1 = 1.0 - tl.exp2(t * tl.log2(beta1))
-        bc2 = 1.0 - tl.exp2(t * tl.log2(beta2))
-        denom = tl.sqrt(eas) / tl.sqrt(bc2) + eps
-        m_new = m_dec - (lr / bc1) * ea / denom
+        ea0 = tl.load(s1_ptr + idx, mask=mask, other=0.0)
+        eas0 = tl.load(s2_ptr + idx, mask=mask, other=0.0)
+        m_dec = m * decay
+        ea = tl.where(one_m_beta1 < 0.5, ea0 + one_m_beta1 * (ghat - ea0),
+                      ghat - (ghat - ea0) * (1.0 - one_m_beta1))      # torch.lerp's two
+        eas = eas0 * beta2 + one_m_beta2 * ghat * ghat
+        denom = tl.div_rn(tl.sqrt_rn(eas), bias2_sqrt) + eps
+        m_new = m_dec - step_size * tl.div_rn(ea, denom)
         tl.store(s1_ptr + idx, ea, mask=wmask)
         tl.store(s2_ptr + idx, eas, mask=wmask)
         h_param = m
@@ -509,20 +429,20 @@ def step_kernel(
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr, m_out_ptr,
-                   sigma_out_ptr, ctl_ptr, found_inf_ptr, grad_scale_ptr,
+                   sigma_out_ptr, ctl_ptr, found_inf_ptr, grad_scale_ptr, hp_ptr,
                    n: tl.int64, offset: tl.int64, seed: tl.int64, stream,
-                   # RefreshHyper (poco_kernels/kernels/interface.py)
-                   inv_n, ess, wd, rho1, rho2, sigma,
                    # RefreshFlags
                    FAMILY: tl.constexpr, GE: tl.constexpr, NOISY: tl.constexpr,
                    HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr, NOISE: tl.constexpr,
                    SHARD: tl.constexpr, BLOCK: tl.constexpr):
-    """The outer refresh, one pass.
+    """The outer refresh, one pass: ``refresh_ivon`` and ``refresh_sgd`` of
+    csrc/kernels_impl.h, operation for operation (``hp_ptr``: the ``RefreshHyper`` row).
 
     ``FAMILY_IVON``: ``sigma``, the Price Hessian of the mega-batch gradient (noise of the
     refresh sample regenerated unless several draws were summed, ``GE``), the outer folds
-    with outer momentum (the first refresh takes the estimate as it is), the snapshot
-    ``m_out = m``, ``sigma_out = sigma``.  Reference: ivon_sigma, price_hessian, outer_fold.
+    with outer momentum (the first refresh, or an outer momentum of 0, takes the estimate
+    as it is), the snapshot ``m_out = m``, ``sigma_out = sigma``.  Reference: ivon_sigma,
+    price_hessian, outer_fold.
 
     ``FAMILY_SGD``/``FAMILY_ADAMW``: ``g_out = gM`` and the refresh point
     ``theta_out = m (+ sigma eps)`` (``m_out_ptr``; ``sigma`` the constant of VSGD-PoCo).
@@ -533,26 +453,31 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
     mask = idx < n
     skip = _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF)
     wmask = mask & ((idx * 0 + skip) == 0)   # (a scalar mask, broadcast explicitly)
-    scale = 1.0
-    if HAS_SCALE:
-        scale = 1.0 / tl.load(grad_scale_ptr).to(tl.float32)
+    scale = tl.load(hp_ptr + R_INV_N).to(tl.float32) * _inv_scale(grad_scale_ptr, HAS_SCALE)
     refreshes = tl.load(ctl_ptr + 1)
     m = tl.load(mean_ptr + idx, mask=mask, other=0.0)
-    gM = _estimate(acc_g_ptr, idx, mask, inv_n * scale)
+    gM = _estimate(acc_g_ptr, idx, mask, scale)
     if FAMILY == 0:
+        ess = tl.load(hp_ptr + R_ESS).to(tl.float32)
+        wd = tl.load(hp_ptr + R_WD).to(tl.float32)
+        rho1 = tl.load(hp_ptr + R_RHO1)
+        rho2 = tl.load(hp_ptr + R_RHO2)
+        r1, r2 = rho1.to(tl.float32), rho2.to(tl.float32)
+        omr1, omr2 = (1.0 - rho1).to(tl.float32), (1.0 - rho2).to(tl.float32)
         h = tl.load(h_ptr + idx, mask=mask, other=1.0)
         g_old = tl.load(g_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         h_old = tl.load(h_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if GE:
-            geM = _estimate(acc_ge_ptr, idx, mask, inv_n * scale)
+            geM = _estimate(acc_ge_ptr, idx, mask, scale)
         sigma_r = _ivon_sigma(h, ess, wd)
         if not GE:
             geM = gM * _noise(seed, idx, pid, offset, refreshes, stream, NOISE, SHARD,
                               BLOCK)
-        hM = geM / sigma_r
-        first = refreshes == 0
-        g_new = tl.where(first, gM, rho1 * g_old + (1.0 - rho1) * gM)
-        h_new = tl.where(first, hM, rho2 * h_old + (1.0 - rho2) * hM)
+        hM = tl.div_rn(geM, sigma_r)
+        keep_g = (refreshes == 0) | (r1 == 0.0)
+        keep_h = (refreshes == 0) | (r2 == 0.0)
+        g_new = tl.where(keep_g, gM, r1 * g_old + omr1 * gM)
+        h_new = tl.where(keep_h, hM, r2 * h_old + omr2 * hM)
         # (bfloat16 buffers, state_dtype: stochastically rounded, tags of noise.ROUND_TAGS)
         bucket = stream >> 16
         _store_state(g_out_ptr, idx, offset, g_new, wmask, seed, refreshes, bucket, 1, SHARD)
@@ -563,8 +488,8 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
     else:
         tl.store(g_out_ptr + idx, gM, mask=wmask)
         if NOISY:
-            theta = m + sigma * _noise(seed, idx, pid, offset, refreshes, stream, NOISE,
-                                       SHARD, BLOCK)
+            theta = m + tl.load(hp_ptr + R_SIGMA).to(tl.float32) * _noise(
+                seed, idx, pid, offset, refreshes, stream, NOISE, SHARD, BLOCK)
         else:
             theta = m
         tl.store(m_out_ptr + idx, theta, mask=wmask)

@@ -7,7 +7,8 @@ then divisible by 16 and the loads and stores vectorised), else over its exact l
 directly (no dispatcher overhead); while ``torch.compile`` traces, the same call goes
 through a ``poco_kernels::*`` custom op that declares what it mutates, so a compiled
 training step keeps the optimizer kernels as opaque nodes instead of breaking the graph.
-Nothing here synchronises with the host or allocates.
+Nothing here synchronises with the host, and nothing allocates when the hyperparameters
+come as rows (the optimizers' case; a record is turned into a new row per call).
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from torch import Tensor
 
 from .._layout import launch_numel
 from . import triton_kernels as K
-from .interface import (RefreshFlags, RefreshHyper, StepFlags, StepHyper, StepStreams,
-                        require)
+from .interface import (RefreshFlags, RefreshHyper, SampleHyper, StepFlags, StepHyper,
+                        StepStreams, hyper_row, require)
 
-__all__ = ["sample", "accumulate", "check", "fold_ge", "step", "refresh", "finish"]
+__all__ = ["sample", "accumulate", "check", "fold_ge", "step", "refresh", "finish", "randn"]
+
 
 def _grid(n: int):
     return (triton.cdiv(n, K.BLOCK),)
@@ -39,18 +41,24 @@ def _compiling() -> bool:
 
 
 # --------------------------------------------------------------------------- launches
+#: every launch: no floating-point contraction (the C++ kernels' arithmetic, bit for bit;
+#: ``triton_kernels``), and the warps of a block
+_OPTS = dict(num_warps=K.NUM_WARPS, enable_fp_fusion=False)
+
+
 def _sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
             sigma: Optional[Tensor], ctl: Tensor, seed: int, noise: int, stream: int,
-            counter_slot: int, ess: float, wd: float, sigma_const: float, sign: float,
-            sigma_mode: int, sync: bool, offset: int = 0) -> None:
+            counter_slot: int, hp, sign: float, sigma_mode: int, sync: bool,
+            offset: int = 0) -> None:
     n = launch_numel(param.numel(), param, centre, mean, h, sigma)
     if n == 0:
         return
+    row = hyper_row(hp, SampleHyper, param.device)
     K.sample_kernel[_grid(n)](
         param, centre, mean, h if h is not None else mean, sigma if sigma is not None else mean,
-        ctl, n, offset, seed, stream, counter_slot, ess, wd, sigma_const, sign,
+        ctl, row, n, offset, seed, stream, counter_slot, sign,
         SIGMA_MODE=sigma_mode, SYNC=sync, NOISE=noise, SHARD=_shard(offset), BLOCK=K.BLOCK,
-        num_warps=K.NUM_WARPS)
+        **_OPTS)
 
 
 def _accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor, seed: int,
@@ -62,14 +70,14 @@ def _accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tens
     K.accumulate_kernel[_grid(n)](
         grad, acc_g, acc_ge if acc_ge is not None else acc_g, ctl, n, offset, seed, stream,
         counter_slot, sign, FIRST=first, GE=ge, NOISE=noise, SHARD=_shard(offset),
-        BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+        BLOCK=K.BLOCK, **_OPTS)
 
 
 def _check(grad: Tensor, ctl: Tensor) -> None:
     n = launch_numel(grad.numel(), grad)
     if n == 0:
         return
-    K.check_kernel[_grid(n)](grad, ctl, n, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+    K.check_kernel[_grid(n)](grad, ctl, n, BLOCK=K.BLOCK, **_OPTS)
 
 
 def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, stream: int,
@@ -78,21 +86,21 @@ def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, 
     if n == 0:
         return
     K.fold_ge_kernel[_grid(n)](acc_g, acc_ge, ctl, n, offset, seed, stream, counter_slot, sign,
-                               NOISE=noise, SHARD=_shard(offset), BLOCK=K.BLOCK,
-                               num_warps=K.NUM_WARPS)
+                               NOISE=noise, SHARD=_shard(offset), BLOCK=K.BLOCK, **_OPTS)
 
 
 def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
           g_in: Tensor, ge_in: Optional[Tensor], g_o: Optional[Tensor], ge_o: Optional[Tensor],
           g_out: Optional[Tensor], h_out: Optional[Tensor], m_out: Optional[Tensor],
           sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
-          grad_scale: Optional[Tensor], streams: StepStreams, hp: StepHyper,
-          flags: StepFlags, offset: int = 0) -> None:
+          grad_scale: Optional[Tensor], streams: StepStreams, hp, flags: StepFlags,
+          offset: int = 0) -> None:
     n = launch_numel(mean.numel(), mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out,
                      m_out, sigma_out)
     if n == 0:
         return
     d = mean
+    row = hyper_row(hp, StepHyper, mean.device)
     K.step_kernel[_grid(n)](
         mean, param, s1 if s1 is not None else d, s2 if s2 is not None else d,
         g_in, ge_in if ge_in is not None else d, g_o if g_o is not None else d,
@@ -100,46 +108,59 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
         h_out if h_out is not None else d, m_out if m_out is not None else d,
         sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
-        grad_scale if grad_scale is not None else ctl,
-        n, offset, streams.seed, streams.stream, streams.stream_o, **hp._asdict(),
+        grad_scale if grad_scale is not None else ctl, row,
+        n, offset, streams.seed, streams.stream, streams.stream_o,
         **flags.constexprs(), NOISE=streams.noise, SHARD=_shard(offset),
         HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
-        BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+        BLOCK=K.BLOCK, **_OPTS)
 
 
 def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
              g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor, sigma_out: Optional[Tensor],
              ctl: Tensor, found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
-             noise: int, stream: int, hp: RefreshHyper, flags: RefreshFlags,
-             offset: int = 0) -> None:
+             noise: int, stream: int, hp, flags: RefreshFlags, offset: int = 0) -> None:
     n = launch_numel(mean.numel(), mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out)
     if n == 0:
         return
     d = mean
+    row = hyper_row(hp, RefreshHyper, mean.device)
     K.refresh_kernel[_grid(n)](
         mean, h if h is not None else d, acc_g, acc_ge if acc_ge is not None else d, g_out,
         h_out if h_out is not None else d, m_out, sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
-        grad_scale if grad_scale is not None else ctl,
-        n, offset, seed, stream, **hp._asdict(), **flags.constexprs(), NOISE=noise,
+        grad_scale if grad_scale is not None else ctl, row,
+        n, offset, seed, stream, **flags.constexprs(), NOISE=noise,
         SHARD=_shard(offset),
         HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
-        BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+        BLOCK=K.BLOCK, **_OPTS)
 
 
 def _finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:
     K.finish_kernel[(1,)](ctl, found_inf if found_inf is not None else ctl, slot,
-                          HAS_FOUND_INF=found_inf is not None, num_warps=1)
+                          HAS_FOUND_INF=found_inf is not None, num_warps=1,
+                          enable_fp_fusion=False)
+
+
+def randn(out: Tensor, seed: int, counter: int, stream: int, offset: int = 0,
+          version: int = 2) -> Tensor:
+    """``out[j]`` = the normal of element ``offset + j`` of stream ``(seed, counter,
+    stream)``: :func:`poco_kernels.noise.randn` (of that ``version``) by the kernels' own
+    noise code, the C++ kernels' ``randn``.  ``out``: a contiguous float32 tensor."""
+    n = out.numel()
+    if n:
+        K.randn_kernel[_grid(n)](out, n, offset, seed, counter, stream, NOISE=version,
+                                 SHARD=_shard(offset), BLOCK=K.BLOCK, **_OPTS)
+    return out
 
 
 # --------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("poco_kernels::sample", mutates_args=("param", "mean"))
 def _sample_op(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
                sigma: Optional[Tensor], ctl: Tensor, seed: int, noise: int, stream: int,
-               counter_slot: int, ess: float, wd: float, sigma_const: float, sign: float,
-               sigma_mode: int, sync: bool, offset: int = 0) -> None:
-    _sample(param, centre, mean, h, sigma, ctl, seed, noise, stream, counter_slot, ess, wd,
-            sigma_const, sign, sigma_mode, sync, offset)
+               counter_slot: int, hp: Tensor, sign: float, sigma_mode: int, sync: bool,
+               offset: int = 0) -> None:
+    _sample(param, centre, mean, h, sigma, ctl, seed, noise, stream, counter_slot, hp, sign,
+            sigma_mode, sync, offset)
 
 
 @torch.library.custom_op("poco_kernels::accumulate", mutates_args=("acc_g", "acc_ge", "ctl"))
@@ -167,9 +188,9 @@ def _step_op(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Ten
              ge_o: Optional[Tensor], g_out: Optional[Tensor], h_out: Optional[Tensor],
              m_out: Optional[Tensor], sigma_out: Optional[Tensor], ctl: Tensor,
              found_inf: Optional[Tensor], grad_scale: Optional[Tensor], streams: List[int],
-             hp: List[float], flags: List[int], offset: int = 0) -> None:
+             hp: Tensor, flags: List[int], offset: int = 0) -> None:
     _step(mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out, m_out, sigma_out, ctl,
-          found_inf, grad_scale, StepStreams(*streams), StepHyper(*hp),
+          found_inf, grad_scale, StepStreams(*streams), hp,
           StepFlags(flags[0], *(bool(v) for v in flags[1:])), offset)
 
 
@@ -179,9 +200,9 @@ def _refresh_op(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Option
                 g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor,
                 sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
                 grad_scale: Optional[Tensor], seed: int, noise: int, stream: int,
-                hp: List[float], flags: List[int], offset: int = 0) -> None:
+                hp: Tensor, flags: List[int], offset: int = 0) -> None:
     _refresh(mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out, ctl, found_inf,
-             grad_scale, seed, noise, stream, RefreshHyper(*hp),
+             grad_scale, seed, noise, stream, hp,
              RefreshFlags(flags[0], *(bool(v) for v in flags[1:])), offset)
 
 
@@ -203,13 +224,18 @@ def _dispatch(direct, op):
     return call
 
 
-def _record_args(direct, op, records):
+def _record_args(direct, op, records, rows):
     """Like :func:`_dispatch`, for a launch that takes typed records (checked here): under
-    torch.compile they travel through the custom op as lists of numbers."""
+    torch.compile they travel through the custom op as lists of numbers.  ``rows``: the
+    arguments that are hyperparameter rows (a record, or its float64 row: made here,
+    :func:`~poco_kernels.kernels.interface.hyper_row`, on the device of the first
+    argument)."""
     def call(*args):
         args = list(args)
         for i, (cls, what) in records.items():
             require(args[i], cls, what)
+        for i, cls in rows.items():
+            args[i] = hyper_row(args[i], cls, args[0].device)
         if not _compiling():
             return direct(*args)
         for i in records:
@@ -218,16 +244,17 @@ def _record_args(direct, op, records):
     call.__name__ = direct.__name__.lstrip("_")
     call.__doc__ = (f"Launch ``{call.__name__}`` (directly in eager mode, through the custom op "
                     f"``{op._qualname}`` under torch.compile); records of "
-                    ":mod:`~poco_kernels.kernels.interface` by name.")
+                    ":mod:`~poco_kernels.kernels.interface` by name, hyperparameters as a "
+                    "record or its row.")
     return call
 
 
-sample = _dispatch(_sample, _sample_op)
+sample = _record_args(_sample, _sample_op, {}, {10: SampleHyper})
 accumulate = _dispatch(_accumulate, _accumulate_op)
 check = _dispatch(_check, _check_op)
 fold_ge = _dispatch(_fold_ge, _fold_ge_op)
-step = _record_args(_step, _step_op, {15: (StepStreams, "streams"), 16: (StepHyper, "hp"),
-                                      17: (StepFlags, "flags")})
-refresh = _record_args(_refresh, _refresh_op, {14: (RefreshHyper, "hp"),
-                                               15: (RefreshFlags, "flags")})
+step = _record_args(_step, _step_op, {15: (StepStreams, "streams"), 17: (StepFlags, "flags")},
+                    {16: StepHyper})
+refresh = _record_args(_refresh, _refresh_op, {15: (RefreshFlags, "flags")},
+                       {14: RefreshHyper})
 finish = _dispatch(_finish, _finish_op)

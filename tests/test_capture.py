@@ -1,0 +1,253 @@
+"""What CUDA-graph capture and torch.compile need of the fused backends, checked on the
+CPU: a steady-state iteration (samples, backward passes, accumulation, the step) and a
+refresh read no device value on the host and make no tensor out of host data (on a GPU,
+the host-to-device copies a capture refuses); hyperparameters given as tensors (a
+scheduled ``lr``, a scheduled ``alpha``) reach the kernels on the device and give the
+float run's bits; a refresh reads the device only until the correction is active; a
+compiled training step does not recompile when the learning rate changes.  The capture
+itself, replayed against eager execution, is checked on a GPU (``bench_gpu.py``)."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import poco_kernels as pk
+from helpers import FUSED_BACKENDS, Problem, mlp
+from poco_kernels.backends import fused as F
+
+fused = pytest.mark.parametrize("backend", FUSED_BACKENDS)
+
+
+class HostTraffic(TorchDispatchMode):
+    """Records the operators that move host data to the device or device data to the host:
+    a tensor made from Python data (``lift_fresh``: ``torch.tensor``), a scalar read
+    (``_local_scalar_dense``: ``.item()``, ``bool()``), a copy to another device.  Kernel
+    launches are left out (the Triton interpreter converts its arguments on the host)."""
+
+    WATCH = ("aten.lift_fresh", "aten._local_scalar_dense", "aten.scalar_tensor")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+        self.quiet = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not self.quiet and name.startswith(self.WATCH):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def quiet_launches(monkeypatch):
+    """A HostTraffic mode that does not look inside kernel launches."""
+    mode = HostTraffic()
+    from poco_kernels.kernels import triton_kernels as K
+
+    class Launch:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def call(*a, **k):
+                mode.quiet += 1
+                try:
+                    return launch(*a, **k)
+                finally:
+                    mode.quiet -= 1
+            return call
+
+    if "triton" in FUSED_BACKENDS:
+        for name, obj in list(vars(K).items()):
+            if name.endswith("_kernel") and hasattr(obj, "arg_names"):
+                monkeypatch.setattr(K, name, Launch(obj))
+    return mode
+
+
+def _no_host_reads(monkeypatch):
+    """Any read of a tensor value on the host raises; tensor hyperparameters are treated
+    as living on a GPU (not read to check their range, as there)."""
+    from poco_kernels import _validation
+
+    def boom(*a, **k):
+        raise AssertionError("a tensor value read on the host")
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    monkeypatch.setattr(_validation, "readable", lambda t: False)
+
+
+def _iteration(opt, model, prob, idx):
+    """One inner iteration of the sampling protocol: what a captured graph would hold."""
+    with opt.sampled("inner"):
+        prob.loss(model, idx).backward()
+    if opt.correction_active():
+        with opt.sampled("outer"):
+            prob.loss(model, idx).backward()
+    opt.step()
+
+
+def _refresh(opt, model, prob):
+    with opt.sampled("refresh", accumulate=False):
+        for c in prob.chunks(2):
+            prob.loss(model, c).backward()
+            opt.accumulate()
+    opt.refresh()
+
+
+def _tensor_opt(backend, model, **kw):
+    """IVON-PoCoMo with ``lr`` and ``alpha`` as float64 tensors (the Python floats'
+    precision: a schedule moves them as it would move floats)."""
+    f64 = dict(dtype=torch.float64)
+    return pk.IVONPoCoMo(model.parameters(), lr=torch.tensor(0.05, **f64), ess=200.0,
+                         alpha=torch.tensor(0.6, **f64), backend=backend, seed=3,
+                         check_finite=False, **kw)
+
+
+@fused
+def test_a_steady_state_iteration_and_refresh_make_no_host_traffic(backend, quiet_launches,
+                                                                   monkeypatch):
+    model, prob = mlp(), Problem()
+    opt = _tensor_opt(backend, model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1.0 + 0.1 * t))
+    batches = prob.batches(6)
+    for t in range(3):                   # past the first refresh: the steady state
+        if t == 1:
+            _refresh(opt, model, prob)
+        _iteration(opt, model, prob, batches[t])
+        sched.step()
+    with monkeypatch.context() as m:
+        _no_host_reads(m)
+        with quiet_launches:
+            _iteration(opt, model, prob, batches[3])
+            _refresh(opt, model, prob)
+            _iteration(opt, model, prob, batches[4])
+    assert quiet_launches.seen == []
+    sched.step()                         # (the scheduler's fill_ happens outside a graph)
+    assert opt.step_count == 5 and opt.refresh_count == 2
+
+
+@fused
+def test_the_traffic_check_can_fail(backend, quiet_launches, monkeypatch):
+    """The checks see a read of a device value (``check_finite=True`` reads the bad flag
+    after each update) and a tensor made from host data (an AMP ``found_inf`` made in the
+    loop)."""
+    model, prob = mlp(), Problem()
+    opt = pk.IVON(model.parameters(), lr=0.05, ess=200.0, backend=backend, check_finite=True)
+    _iteration(opt, model, prob, prob.batches(1)[0])
+    with monkeypatch.context() as m:
+        _no_host_reads(m)
+        with pytest.raises(AssertionError, match="read on the host"):
+            _iteration(opt, model, prob, prob.batches(1)[0])
+    opt.check_finite = False
+    with quiet_launches:
+        with opt.sampled("inner"):
+            prob.loss(model, prob.batches(1)[0]).backward()
+        opt.step(found_inf=torch.tensor(0.0))
+    assert "aten.lift_fresh.default" in quiet_launches.seen
+
+
+@fused
+def test_tensor_hyperparameters_on_a_schedule_give_the_float_run(backend):
+    """``lr`` and ``alpha`` as (float64) tensors, moved in place by an lr scheduler and by
+    DoubleLoop's alpha schedule, reach the kernels on the device: bit for bit the run whose
+    floats the schedules set."""
+    from poco_kernels.driver import DoubleLoop, Linear
+    prob = Problem()
+    runs = []
+    for as_tensor in (False, True):
+        model = mlp()
+        if as_tensor:
+            opt = _tensor_opt(backend, model)
+        else:
+            opt = pk.IVONPoCoMo(model.parameters(), lr=0.05, ess=200.0, alpha=0.6,
+                                backend=backend, seed=3, check_finite=False)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1.0 + 0.1 * t))
+        loop = DoubleLoop(opt, refresh_every=3, warmup_steps=2,
+                          alpha=Linear(0.2, 0.8, total_steps=8))
+        for t, idx in enumerate(prob.batches(8)):
+            if loop.refresh_due():
+                loop.refresh([prob.closure(opt, model, c) for c in prob.chunks(2)], 96)
+            loop.step(prob.closure(opt, model, idx), 8)
+            sched.step()
+        runs.append([p.detach().clone() for p in model.parameters()]
+                    + [s.clone() for s in opt.flat_state("h")])
+        if as_tensor:
+            assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+            assert float(opt.param_groups[0]["alpha"]) == pytest.approx(Linear(0.2, 0.8, 8)(7))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@fused
+def test_a_refresh_reads_the_device_only_until_the_correction_is_active(backend, monkeypatch):
+    reads = []
+    real = F.FusedBackend.counters
+    monkeypatch.setattr(F.FusedBackend, "counters",
+                        lambda self: (reads.append(1), real(self))[1])
+    model, prob = mlp(), Problem()
+    opt = pk.IVONPoCoMo(model.parameters(), lr=0.05, ess=200.0, alpha=0.6, backend=backend)
+    for k in range(3):
+        _refresh(opt, model, prob)
+        _iteration(opt, model, prob, prob.batches(1)[0])
+        assert len(reads) == 1, k          # the first refresh only
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(5))]})
+    _refresh(opt, model, prob)             # a new group joins: whether it was taken matters
+    assert len(reads) == 2
+
+
+@pytest.mark.parametrize("backend", ["cpp"] if "cpp" in FUSED_BACKENDS else [])
+def test_a_compiled_training_step_does_not_recompile_when_the_lr_changes(backend,
+                                                                         monkeypatch):
+    """``torch.compile`` of a step that calls ``opt.step(closure)`` around a compiled model
+    (the optimizer runs outside Dynamo: a graph break), with a scheduler moving a float
+    learning rate every step: after the first steps nothing is compiled again
+    (``error_on_recompile``)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model, prob = mlp(), Problem()
+    net = torch.compile(model, backend="eager")
+    opt = pk.IVONPoCoMo(model.parameters(), lr=0.05, ess=200.0, alpha=0.6, backend=backend)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+
+    @torch.compile(backend="eager")
+    def train_step(x, y):
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            return loss
+        return opt.step(closure) * 1.0
+
+    try:
+        for t, idx in enumerate(prob.batches(6)):
+            if t == 1:
+                opt.refresh([prob.closure(opt, model, c) for c in prob.chunks(2)])
+            if t == 3:
+                monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+            train_step(prob.X[idx], prob.Y[idx])
+            sched.step()
+        assert counters["stats"]["unique_graphs"] > 0
+    finally:
+        torch._dynamo.reset()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.9 ** 6)
+
+
+@fused
+def test_while_capturing_an_unwritten_gradient_counts_as_written(backend, monkeypatch):
+    """During a CUDA graph capture the engine does not read whether a handed-out
+    ``.grad`` view still holds zeros (a read would break the capture): the parameter's
+    zero gradient is accumulated instead of leaving it out of the step."""
+    model, prob = mlp(), Problem()
+    opt = pk.IVON(model.parameters(), lr=0.05, ess=200.0, backend=backend)
+    _iteration(opt, model, prob, prob.batches(1)[0])
+    w = next(model.parameters())
+    eng = opt._backend
+    with opt.sampled("inner"):
+        prob.loss(model, prob.batches(1)[0]).backward()
+        eng.reached.discard(id(w))            # as if autograd had not reached it...
+        w.grad.zero_()                        # ... and it held zeros
+        assert (0, 0) in eng.unwritten()
+        monkeypatch.setattr(F, "_capturing", lambda: True)
+        assert eng.unwritten() == set()
