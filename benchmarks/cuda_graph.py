@@ -8,25 +8,20 @@ import torch
 from internals import lazy_restore
 
 
-def graph_seq(opt, params, grads_fixed=None):
-    """One IVON-PoCo step as a graph captures it: inner sample, fixed gradients written
-    into .grad in place (``grads_fixed``; None: .grad already holds them, e.g. as views of
-    the flat gradient buffer), accumulate (grads kept), lazy restore; the same for the
+def graph_seq(opt, backward):
+    """One IVON-PoCo step as a graph captures it: inner sample, ``backward()`` (a backward
+    pass that writes the gradients into ``.grad`` through autograd, as training does),
+    accumulate (the gradient buffer lent, not copied), lazy restore; the same for the
     outer sample; step."""
-    def write():
-        if grads_fixed is not None:
-            for p, g in zip(params, grads_fixed):
-                p.grad.copy_(g)
-
     def seq():
         opt.sample("inner")
-        write()
-        opt.accumulate(clear_grads=False)
+        backward()
+        opt.accumulate()
         lazy_restore(opt)
         if opt.correction_active():
             opt.sample("outer")
-            write()
-            opt.accumulate(clear_grads=False)
+            backward()
+            opt.accumulate()
             lazy_restore(opt)
         opt.step()
     return seq

@@ -1,7 +1,7 @@
 """The steady-state checks of the Triton backend (``bench_gpu.py``, section 2): no host
-synchronisation, no new compilation when only the learning rate changes, no growth of
-allocated memory, the bits stored into bf16 parameters (informational), and one step
-captured in a CUDA graph against the same steps run eagerly."""
+synchronisation (steps and refreshes), no new compilation when only the learning rate
+changes, no growth of allocated memory, the bits stored into bf16 parameters
+(informational).  The CUDA-graph and torch.compile checks are ``gpu_capture.py``."""
 from __future__ import annotations
 
 import warnings
@@ -9,9 +9,7 @@ import warnings
 import torch
 
 import poco_kernels as pk
-from cuda_graph import capture, graph_seq
 from device import release, sync
-from gpu_parity import rel_err
 from internals import reset_host
 from report import log
 
@@ -112,8 +110,8 @@ def _warm(opt, params, grads):
 
 
 def check_sync(dev, smoke):
-    """set_sync_debug_mode: 'error' over whole steady-state steps (the verdict), then
-    'warn' per phase (to say where, if anywhere)."""
+    """set_sync_debug_mode: 'error' over whole steady-state steps and refreshes (the
+    verdict), then 'warn' per phase of a step (to say where, if anywhere)."""
     if dev.type != "cuda":
         return {"skipped": "CUDA only"}, []
     params, opt, grads = _steady_setup(dev, smoke)
@@ -121,7 +119,8 @@ def check_sync(dev, smoke):
     torch.cuda.synchronize()
     res, failures = {}, []
     for label, fn in (("public protocol step", lambda: _run_cycle(opt, params, grads)),
-                      ("step(closure)", lambda: _closure_step(opt, params, grads))):
+                      ("step(closure)", lambda: _closure_step(opt, params, grads)),
+                      ("refresh", lambda: _refresh_once(opt, params, grads))):
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(3):
@@ -148,16 +147,6 @@ def check_sync(dev, smoke):
                 if "synchroniz" in str(x.message).lower()]
         per_phase[name] = msgs[:3] if msgs else "none"
     res["per_phase"] = per_phase
-    # informational: the refresh
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            _refresh_once(opt, params, grads)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    msgs = [str(x.message).splitlines()[0] for x in w if "synchroniz" in str(x.message).lower()]
-    res["refresh (informational)"] = msgs[:3] if msgs else "none"
     del params, opt, grads
     release(dev)
     return res, failures
@@ -210,7 +199,7 @@ def check_bf16_store(dev):
     random values, rounding ties and specials.  NaN counts as equal to NaN whatever the
     payload.  Not gated (a mismatch is reported as a package finding)."""
     from poco_kernels.kernels import triton_ops as ops
-    from poco_kernels.kernels import triton_kernels as K
+    from poco_kernels.kernels import interface as K
     g = torch.Generator().manual_seed(4)
     rnd = torch.randn(4093, generator=g) * torch.logspace(-30, 30, 4093)
     ties = (torch.randint(0, 2 ** 15, (64,), generator=g).to(torch.int64) * 2 ** 17
@@ -225,8 +214,8 @@ def check_bf16_store(dev):
     param = torch.empty(centre.numel(), dtype=torch.bfloat16, device=dev)
     mean = torch.zeros_like(centre)
     ctl = torch.zeros(K.CTL_SIZE, dtype=torch.int64, device=dev)
-    ops.sample(param, centre, mean, None, None, ctl, 0, 2, 0, 0, 1.0, 0.0, 0.0, 1.0,
-               K.SIGMA_NONE, False)
+    ops.sample(param, centre, mean, None, None, ctl, 0, 2, 0, 0, K.SampleHyper(1.0, 0.0, 0.0),
+               1.0, K.SIGMA_NONE, False)
     cast = centre.to(torch.bfloat16)
     got_b = param.view(torch.int16).cpu().to(torch.int64) & 0xFFFF
     cast_b = cast.view(torch.int16).cpu().to(torch.int64) & 0xFFFF
@@ -240,54 +229,3 @@ def check_bf16_store(dev):
         log(f"    WARN bf16 store: {len(bad)} of {len(inp)} values differ from torch's cast: "
             + "; ".join(examples[:4]))
     return res
-
-
-def check_graph(dev, smoke, replays=5):
-    """Capture on optimizer A, replay; run the same steps eagerly on twin B; compare."""
-    res, failures = {}, []
-    twins = []
-    for _ in range(2):
-        params, opt, grads = _steady_setup(dev, smoke)
-        _warm(opt, params, grads)
-        _assign(params, [g.clone() for g in grads])       # .grad buffers written in place
-        twins.append((params, opt, grads))
-    (pa, oa, ga), (pb, ob, gb) = twins
-    seq_a, seq_b = graph_seq(oa, pa, ga), graph_seq(ob, pb, gb)
-    replay, err = capture(dev, seq_a)
-    for _ in range(3):                                      # B: the warm-up steps of A
-        seq_b()
-    if err is not None:
-        reset_host(oa)
-        res["capture"] = f"FAILED: {err}"
-        log(f"  graph capture FAILED: {err}")
-    else:
-        res["capture"] = "ok" if dev.type == "cuda" else "skipped on CPU (seq run eagerly)"
-        try:
-            for _ in range(replays):
-                replay()
-            for _ in range(replays):
-                seq_b()
-            sync(dev)
-            cmp = {}
-            for n in ("mean", "h", "momentum"):
-                cmp[n] = max(rel_err(a, b)[0] for a, b in zip(oa.flat_state(n), ob.flat_state(n)))
-            cmp["params"] = max(rel_err(a, b)[0] for a, b in zip(pa, pb))
-            sa, sb = oa.step_count, ob.step_count
-            res["replay_vs_eager_maxnorm_rel"] = cmp
-            res["device_steps"] = {"graph": sa, "eager": sb}
-            bad = {k: v for k, v in cmp.items() if v != 0.0}
-            if bad or sa != sb:
-                failures.append(f"graph: replay differs from eager: {bad}, steps {sa} vs {sb}")
-                res["replay"] = "MISMATCH"
-            else:
-                res["replay"] = "bitwise equal to eager"
-            res["note"] = ("hyperparameters are baked into the graph at capture (a new lr "
-                           "needs a new capture); the host step counter of A stays at the "
-                           "capture, the device counter advances per replay")
-        except Exception as exc:
-            res["replay"] = f"FAILED: {type(exc).__name__}: {exc}"
-            failures.append(f"graph: replay raised {exc}")
-    del twins, pa, oa, ga, pb, ob, gb, replay, seq_a, seq_b
-    release(dev)
-    return res, failures
-

@@ -3,8 +3,8 @@
 Every access to a private attribute or argument of ``poco_kernels``' optimizers is here,
 so that a change of the package's internals is followed in one file:
 
-* ``opt._buckets`` and a bucket's ``buffers``, ``param_dtype``, ``numel``, ``grad_flat``,
-  ``grad_views`` (the fused engine's flat layout);
+* ``opt._buckets`` and a bucket's ``buffers``, ``param_dtype``, ``numel``, ``params``,
+  ``write_params`` (the layout; :func:`perturb_state` moves the state in place);
 * ``opt._active`` and ``opt._pending`` (the host's record of the open sample and of the
   collected gradient sums);
 * ending a sample without restoring the mean (``opt._active = None``: what
@@ -29,14 +29,6 @@ def bucket_numels(opt):
     return [b.numel for b in opt._buckets]
 
 
-def flat_grad_view(opt, grad):
-    """Write ``grad`` into the first bucket's flat gradient buffer and return the view of
-    it that belongs to the first parameter (a ``.grad`` the engine need not gather)."""
-    bk = opt._buckets[0]
-    bk.grad_flat.copy_(grad)
-    return list(bk.grad_views)[0]
-
-
 def lazy_restore(opt):
     """``restore`` that leaves the sample in the parameters (what ``step(closure)`` does
     between its samples)."""
@@ -49,3 +41,29 @@ def reset_host(opt):
     if opt._active is not None:
         opt.restore()
     opt._pending.clear((0, 1))
+
+
+def perturb_state(opt, rel, gen):
+    """Move every float32 number of ``opt``'s state by a random relative amount of at most
+    ``rel`` (uniform, from the CPU generator ``gen``), in place: the parameters where they
+    hold the mean (float32 buckets), the mean buffer where they do not (low precision),
+    and the float32 state buffers.  What a kernel's rounding does to a trajectory at each
+    update, at the level ``rel`` (the trajectory parity's sensitivity runs)."""
+    import torch
+
+    def move(t):
+        if t.dtype != torch.float32 or t.numel() == 0:
+            return
+        r = torch.rand(t.numel(), generator=gen).to(t.device).view_as(t)
+        t.mul_(1.0 + rel * (2.0 * r - 1.0))
+    with torch.no_grad():
+        for b in opt._buckets:
+            if b.param_dtype == torch.float32:
+                for p in b.params:
+                    move(p.data)
+            for name, buf in b.buffers.items():
+                if name == "mean" and b.param_dtype == torch.float32:
+                    continue           # (the parameters are the mean's truth there)
+                move(buf)
+            if b.param_dtype != torch.float32:
+                b.write_params(b.buffers["mean"])

@@ -51,7 +51,7 @@ from byte_models import (b_accumulate_restore, b_adamw, b_gather, b_ivon_cycle,
                          b_step_poco)
 from cuda_graph import capture, graph_seq
 from device import free_bytes
-from internals import flat_grad_view, lazy_restore, reset_host
+from internals import reset_host
 from report import dtype_name, log
 from setups import poco_opt, step_buffers, step_launcher
 from timing import rotation, round_robin
@@ -272,21 +272,16 @@ def bench_size(B, timer, dev, size, dt, backends, ivon_mod, rot_bytes, with_torc
 
 def triton_extras(B, timer, dev, size, dt, opt, p, grad):
     """CUDA only: what the Triton backend costs without host overhead and without the
-    gather copy (``.grad`` as views of the engine's flat gradient buffer), through a
-    CUDA graph, and host-inclusive (``*_wall``)."""
+    gather copy (the gradients reach ``.grad``, the views of the engine's flat gradient
+    buffer, through autograd: the backward pass of ``sum(p * grad)``), through a CUDA
+    graph, and host-inclusive (``*_wall``).  The backward pass's own time is in these
+    rows (2 elementwise passes per gradient)."""
     P = torch.tensor([], dtype=dt).element_size()
     prov = "poco_kernels.triton"
-    view = flat_grad_view(opt, grad)
 
-    def flat():
-        opt.sample("inner")
-        p.grad = view
-        opt.accumulate(clear_grads=False)
-        lazy_restore(opt)
-        opt.sample("outer")
-        opt.accumulate(clear_grads=False)
-        lazy_restore(opt)
-        opt.step()
+    def backward():
+        (p * grad).sum().backward()
+    flat = graph_seq(opt, backward)
     B.add("ivon_poco_cycle", prov + "(flat-grads)", dt, size, timer(flat),
           b_poco_cycle(P, "flat"))
     B.add("ivon_poco_cycle_wall", prov + "(flat-grads)", dt, size, timer.wall(flat),
@@ -294,8 +289,7 @@ def triton_extras(B, timer, dev, size, dt, opt, p, grad):
     closure = lambda: opt.step(lambda: setattr(p, "grad", grad))  # noqa: E731
     B.add("ivon_poco_cycle_wall", prov + "(closure)", dt, size, timer.wall(closure),
           b_poco_cycle(P, "closure"), wall=True)
-    p.grad = view
-    replay, err = capture(dev, graph_seq(opt, [p]))
+    replay, err = capture(dev, graph_seq(opt, backward))
     if err is not None:
         reset_host(opt)
         B.errors.append(f"graph capture {size}/{dtype_name(dt)}: {err}")

@@ -64,7 +64,8 @@ def rows_for(ops, backend, version, n, dev, timer):
     b = step_buffers(n, torch.float32, dev)
     ctl = b["ctl"]
     row("sample_inner", lambda: ops.sample(b["param"], b["param"], b["mean"], b["s2"], None,
-                                           ctl, 7, version, stream, 0, 1.0, 1e-4, 0.0, 1.0,
+                                           ctl, 7, version, stream, 0,
+                                           K.SampleHyper(1.0, 1e-4, 0.0), 1.0,
                                            K.SIGMA_IVON, True),
         b_sample_inner(4, True))
     row("step_ivon", step_launcher(ops, b, corr=False, noise=version), b_step_ivon(4))

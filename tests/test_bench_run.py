@@ -140,6 +140,53 @@ def test_bench_gpu_smoke_runs_the_suite_on_triton(tmp_path, bench_modules):
 
 
 @pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
+                    reason="the C++ kernels are the candidate")
+def test_the_trajectory_gate_passes_the_kernels_and_fails_a_float32_beta2(bench_modules):
+    """The closed-loop gate of the GPU check (gpu_parity.py), at smoke sizes on the CPU:
+    the C++ kernels (the Triton kernels' bits) pass it against the torch backend; the same
+    kernels with beta1 and beta2 rounded to float32 first (the Triton kernels' defect
+    before their constants were made in double) fail it: the mean of both large buckets
+    (float32 and bf16 parameters) and h, by 20-60 times at the 99th percentile here."""
+    sys.modules.pop("gpu_parity", None)
+    import gpu_parity
+    dev = torch.device("cpu")
+    res, fails = gpu_parity.parity(dev, True, "cpp")
+    assert fails == [], fails
+    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
+    res, fails = gpu_parity.parity(dev, True, "cpp", dict(beta1=f32(0.9), beta2=f32(0.9999)))
+    bad = {(r["buffer"], r["bucket"]) for rs in res.values() for r in rs["rows"]
+           if r["gated"] and not r["ok"]}
+    assert {("mean", 0), ("mean", 1), ("h", 0)} <= bad, fails
+
+
+def test_bench_gpu_quick_smoke_runs_every_section(tmp_path, bench_modules):
+    """``bench_gpu.py --quick --smoke``: every section of the GPU check runs on the CPU
+    (the Triton interpreter, tiny sizes), passes, and is written to its own file as it
+    finishes, with the summary in quick.md and quick.json."""
+    pytest.importorskip("triton")
+    for m in ("bench_gpu", "gpu_quick", "gpu_openloop", "gpu_parity", "gpu_capture",
+              "gpu_tables", "gpu_checks"):
+        sys.modules.pop(m, None)
+    import bench_gpu
+    import gpu_quick
+    code = bench_gpu.main(["--quick", "--smoke", "--out", str(tmp_path)])
+    md = (tmp_path / "quick.md").read_text()
+    assert code == 0, md
+    with open(tmp_path / "quick.json") as f:
+        summary = json.load(f)
+    assert set(summary["sections"]) == set(gpu_quick.NEEDS_S)
+    for name in gpu_quick.NEEDS_S:
+        with open(tmp_path / f"{name}.json") as f:
+            assert json.load(f)["failures"] == [], name
+        assert f"## {name}" in md
+    with open(tmp_path / "optimizer_only.json") as f:
+        rows = json.load(f)["result"]["rows"]
+    assert rows["ivon_pocomo"]["ratio_to_fused_adamw"] > 0
+    with open(tmp_path / "capture.json") as f:
+        assert json.load(f)["result"]["graph"]["replay"] == "bitwise equal to eager"
+
+
+@pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
                     reason="measures the C++ backend beside the torch backend")
 def test_host_overhead_writes_the_schema(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(BENCH)
@@ -168,8 +215,11 @@ def test_bench_gpu_parts_cover_every_section_once(tmp_path, bench_modules, monke
     import bench_gpu
     import run as suite_mod
     ran = []
+    import gpu_openloop
     monkeypatch.setattr(bench_gpu, "parity", lambda dev, smoke: (ran.append("parity") or {}, []))
-    for name in ("check_sync", "check_jit_and_memory", "check_graph"):
+    monkeypatch.setattr(gpu_openloop, "run",
+                        lambda dev, smoke, log: (ran.append("openloop") or {}, []))
+    for name in ("check_sync", "check_jit_and_memory", "check_graph", "check_compile"):
         monkeypatch.setattr(bench_gpu, name,
                             lambda dev, smoke, name=name: (ran.append(name) or {}, []))
     monkeypatch.setattr(bench_gpu, "check_bf16_store",
@@ -186,8 +236,8 @@ def test_bench_gpu_parts_cover_every_section_once(tmp_path, bench_modules, monke
         with open(out / "bench_gpu_report.json") as f:
             secs = json.load(f)["section_seconds"]
         assert set(secs) == set(bench_gpu.PARTS[part][0]), (part, secs)
-    assert sorted(ran) == sorted(["parity", "check_sync", "check_jit_and_memory",
-                                  "check_graph", *sections])
+    assert sorted(ran) == sorted(["openloop", "parity", "check_sync", "check_jit_and_memory",
+                                  "check_graph", "check_compile", *sections])
     assert bench_gpu.main(["--smoke", "--part", "1", "--only", "bench"]) == 8
     # a user's --skip adds to the part's: never a section of another part
     seen = {}
