@@ -4,7 +4,7 @@
 * **Graph**: one whole inner iteration of IVON-PoCoMo (the inner sample, forward and
   backward, accumulation, the outer sample and its backward, the step) captured in one
   CUDA graph, and a refresh (two chunks) in another; replayed ``steps`` times with a
-  ``LambdaLR`` moving a tensor ``lr`` and a tensor ``alpha`` set every step, a refresh
+  ``LambdaLR`` moving a tensor ``lr`` and a tensor ``alpha`` filled every step, a refresh
   every fifth step and a new mini-batch copied into the static input each time, against
   a twin optimizer running the same steps eagerly: equal bit for bit (parameters, every
   state buffer, the counters).
@@ -141,6 +141,7 @@ def check_graph(dev, smoke, steps=None):
     for t in range(7, 7 + steps):
         for loop, it, rf in ((a, replay_it, replay_rf), (b, b.iteration, b.refresh)):
             loop.batch(t)
+            loop.opt.param_groups[0]["alpha"].fill_(0.5 + 0.01 * (t % 7))   # an alpha schedule
             if t % 5 == 0:
                 rf()
             it()

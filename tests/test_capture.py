@@ -196,8 +196,7 @@ def test_a_refresh_reads_the_device_only_until_the_correction_is_active(backend,
 
 
 @pytest.mark.parametrize("backend", ["cpp"] if "cpp" in FUSED_BACKENDS else [])
-def test_a_compiled_training_step_does_not_recompile_when_the_lr_changes(backend,
-                                                                         monkeypatch):
+def test_a_compiled_training_step_does_not_recompile_when_the_lr_changes(backend):
     """``torch.compile`` of a step that calls ``opt.step(closure)`` around a compiled model
     (the optimizer runs outside Dynamo: a graph break), with a scheduler moving a float
     learning rate every step: after the first steps nothing is compiled again
@@ -220,16 +219,18 @@ def test_a_compiled_training_step_does_not_recompile_when_the_lr_changes(backend
             return loss
         return opt.step(closure) * 1.0
 
+    saved = torch._dynamo.config.error_on_recompile    # (monkeypatch would delete it)
     try:
         for t, idx in enumerate(prob.batches(6)):
             if t == 1:
                 opt.refresh([prob.closure(opt, model, c) for c in prob.chunks(2)])
             if t == 3:
-                monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+                torch._dynamo.config.error_on_recompile = True
             train_step(prob.X[idx], prob.Y[idx])
             sched.step()
         assert counters["stats"]["unique_graphs"] > 0
     finally:
+        torch._dynamo.config.error_on_recompile = saved
         torch._dynamo.reset()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.9 ** 6)
 

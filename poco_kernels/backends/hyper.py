@@ -13,9 +13,9 @@ A field is a Python float or a one-element tensor (a ``torch.optim``-style tenso
   at replay time.
 
 Nothing here reads a device value on the host: no synchronisation, and inside a CUDA
-graph capture nothing but device copies (the pinned host copy of a changed float is
-captured as such: its value is fixed in the graph, as a float hyperparameter of any
-captured optimizer is).
+graph capture nothing but device copies: a float that changes during a capture is an
+error that says to give it as a tensor (its value would be fixed in the graph); floats
+set before the capture are constants of the graph, as in any captured optimizer.
 """
 from __future__ import annotations
 
@@ -61,6 +61,15 @@ class HyperRow:
             self.row.numpy()[:] = vals             # (in place: no allocation)
             return
         host = torch.tensor(vals, dtype=torch.float64)
+        if torch.cuda.is_current_stream_capturing():
+            now = ", ".join(f"{k}={v}" for k, v in zip(self.cls._fields, floats)
+                            if v is not None)
+            raise RuntimeError(
+                f"a float hyperparameter of {self.cls.__name__} changed while a CUDA graph is "
+                f"being captured ({now}): its value would be fixed in the graph. Give a "
+                "hyperparameter that changes "
+                "between replays as a one-element tensor (lr=torch.tensor(...), as "
+                "torch.optim's capturable optimizers take it), or set it before capturing")
         # a GPU: one copy from pinned memory, not waited for (the caching host allocator
         # keeps the block until the copy has run)
         self.row.copy_(host.pin_memory(), non_blocking=True)

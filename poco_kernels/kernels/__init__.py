@@ -78,7 +78,8 @@ def device_randn(numel: int, seed: int, counter: int, stream: int, *, device,
         from . import triton_ops
         f32 = out if (out is not None and out.dtype == torch.float32) else \
             torch.empty(numel, device=device, dtype=torch.float32)
-        triton_ops.randn(f32, seed, counter, stream, offset, version)
+        with torch.cuda.device(device):          # (Triton launches on the current device)
+            triton_ops.randn(f32, seed, counter, stream, offset, version)
         if out is None:
             return f32 if dtype == torch.float32 else f32.to(dtype)
         if f32 is not out:
