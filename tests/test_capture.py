@@ -3,9 +3,10 @@ CPU: a steady-state iteration (samples, backward passes, accumulation, the step)
 refresh read no device value on the host and make no tensor out of host data (on a GPU,
 the host-to-device copies a capture refuses); hyperparameters given as tensors (a
 scheduled ``lr``, a scheduled ``alpha``) reach the kernels on the device and give the
-float run's bits; a refresh reads the device only until the correction is active; a
-compiled training step does not recompile when the learning rate changes.  The capture
-itself, replayed against eager execution, is checked on a GPU (``bench_gpu.py``)."""
+float run's bits; a refresh reads the device only until the correction is active.  The
+capture itself, replayed against eager execution, and torch.compile of a training step
+without recompilation are ``benchmarks/gpu_capture.py``'s checks, run on a GPU by
+``bench_gpu.py --quick`` and on the CPU by its smoke run (``tests/test_bench_run.py``)."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -193,46 +194,6 @@ def test_a_refresh_reads_the_device_only_until_the_correction_is_active(backend,
     opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(5))]})
     _refresh(opt, model, prob)             # a new group joins: whether it was taken matters
     assert len(reads) == 2
-
-
-@pytest.mark.parametrize("backend", ["cpp"] if "cpp" in FUSED_BACKENDS else [])
-def test_a_compiled_training_step_does_not_recompile_when_the_lr_changes(backend):
-    """``torch.compile`` of a step that calls ``opt.step(closure)`` around a compiled model
-    (the optimizer runs outside Dynamo: a graph break), with a scheduler moving a float
-    learning rate every step: after the first steps nothing is compiled again
-    (``error_on_recompile``)."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    torch._dynamo.reset()
-    counters.clear()
-    model, prob = mlp(), Problem()
-    net = torch.compile(model, backend="eager")
-    opt = pk.IVONPoCoMo(model.parameters(), lr=0.05, ess=200.0, alpha=0.6, backend=backend)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-
-    @torch.compile(backend="eager")
-    def train_step(x, y):
-        def closure():
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(net(x), y)
-            loss.backward()
-            return loss
-        return opt.step(closure) * 1.0
-
-    saved = torch._dynamo.config.error_on_recompile    # (monkeypatch would delete it)
-    try:
-        for t, idx in enumerate(prob.batches(6)):
-            if t == 1:
-                opt.refresh([prob.closure(opt, model, c) for c in prob.chunks(2)])
-            if t == 3:
-                torch._dynamo.config.error_on_recompile = True
-            train_step(prob.X[idx], prob.Y[idx])
-            sched.step()
-        assert counters["stats"]["unique_graphs"] > 0
-    finally:
-        torch._dynamo.config.error_on_recompile = saved
-        torch._dynamo.reset()
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.9 ** 6)
 
 
 @fused
