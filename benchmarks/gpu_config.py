@@ -17,8 +17,9 @@ QUANTILE_FACTOR = 3.0
 #: ... and its largest distance at most this many times theirs
 MAX_FACTOR = 10.0
 #: Measured on the CPU (AMD EPYC, 2026-11-26), full sizes, the three configurations below,
-#: against 1-ulp sensitivity runs: the C++ kernels (the Triton kernels' bits) reach 0.17-
-#: 0.28 of the sensitivity at the percentiles and 0.01-0.85 at the maximum; the same
+#: against 1-ulp sensitivity runs, the mean and h of the two large buckets: the C++ kernels
+#: (the Triton kernels' bits) reach 0.14-0.28 of the sensitivity at the percentiles and
+#: 0.002-0.85 at the maximum; the same
 #: kernels with beta1 and beta2 rounded to float32 first (the Triton kernels' defect the
 #: H200 run of 2026-11-26 saw) reach 9-160 at the 99th percentile.  docs/design.md,
 #: "Parity", has the table.
