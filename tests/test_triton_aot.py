@@ -4,7 +4,7 @@ Each variant of :func:`poco_kernels.kernels.aot.variants` is compiled with ``tri
 for sm_80 and sm_90a and assembled by Triton's bundled ``ptxas -v``; the test fails on a
 compile error, on a register count outside (0, 255] and on any spill.  The register table
 is printed (``pytest -s`` or ``-rA`` shows it).  The tests run under ``TRITON_INTERPRET=1``
-(conftest), so :func:`aot.report` compiles in a subprocess without it.
+(conftest), so :func:`aot_report.report` compiles in a subprocess without it.
 """
 import time
 
@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from poco_kernels.kernels import aot  # noqa: E402
+from poco_kernels.kernels import aot, aot_report  # noqa: E402
 
 CCS = (80, 90)
 MAX_REGISTERS = 255  # architectural limit per thread on sm_80/sm_90
@@ -48,7 +48,7 @@ def aot_rows(tmp_path_factory):
     t0 = time.perf_counter()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_cache")))
-        rows = aot.report(ccs, timeout=600) if ccs else []
+        rows = aot_report.report(ccs, timeout=600) if ccs else []
     elapsed = time.perf_counter() - t0
     return {cc: [r for r in rows if r["cc"] == cc] for cc in ccs}, elapsed
 
@@ -175,7 +175,7 @@ def launch_rows(tmp_path_factory):
     ccs = [cc for cc in LAUNCH_CCS if aot.toolchain_status(cc) is None]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_cache_launch")))
-        rows = aot.report(ccs, timeout=600, specs=list(specs.values())) if ccs else []
+        rows = aot_report.report(ccs, timeout=600, specs=list(specs.values())) if ccs else []
     return {cc: [r for r in rows if r["cc"] == cc] for cc in ccs}, specs
 
 
@@ -190,7 +190,7 @@ def test_the_variants_real_launches_compile_without_spills(cc, launch_rows):
     rows, specs = launch_rows
     assert len(specs) > 15
     problems = _problems(rows[cc], list(specs))
-    print(f"\n{len(rows[cc])} launched variants on sm_{cc}:\n" + aot.format_table(rows[cc]))
+    print(f"\n{len(rows[cc])} launched variants on sm_{cc}:\n" + aot_report.format_table(rows[cc]))
     assert not problems, "\n".join(problems)
 
 
@@ -202,7 +202,7 @@ def test_compiles_without_spills(cc, aot_rows):
     by_cc, elapsed = aot_rows
     rows = by_cc[cc]
     print(f"\nTriton AOT, cc {cc} (all targets compiled in {elapsed:.1f} s):")
-    print(aot.format_table(rows))
+    print(aot_report.format_table(rows))
     problems = _problems(rows, [v.name for v in aot.variants()])
     assert not problems, "\n".join(problems)
 

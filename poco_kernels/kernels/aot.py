@@ -19,36 +19,31 @@ Besides these hand-picked code paths, ``tests/test_triton_aot.py`` compiles ever
 distinct variant that recorded launches of the optimizers get (:func:`launch_variant`,
 passed as :func:`to_spec` data: ``--specs FILE``) and fails on any spill there too.
 
-Run ``python -m poco_kernels.kernels.aot`` for the table (``--json`` for machine-readable
+Run ``python -m poco_kernels.kernels.aot`` for the table (:mod:`~poco_kernels.kernels.aot_report`) (``--json`` for machine-readable
 rows, ``--cc 80 --cc 90`` to choose targets); ``tests/test_triton_aot.py`` fails on any
 compile error or spill.
 
 Under ``TRITON_INTERPRET=1`` (the test suite) ``triton.jit`` makes interpreter wrappers
-that ``triton.compile`` cannot take, so :func:`report` then compiles in a subprocess with
+that ``triton.compile`` cannot take, so :func:`~poco_kernels.kernels.aot_report.report` then compiles in a subprocess with
 the variable removed from its environment.
 """
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
-import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 # the SASS classes and the PTX audit (re-exported)
 from .compiled_code import FORBIDDEN_PTX, audit_ptx, instruction_mix, sass
 
 __all__ = ["Variant", "variants", "signature", "divisible", "launch_signature",
-           "launch_variant", "to_spec", "from_spec", "json_subprocess", "compile_variant",
+           "launch_variant", "to_spec", "from_spec", "compile_variant",
            "COMPILE_OPTIONS", "FORBIDDEN_PTX", "audit_ptx", "ptxas_path",
-           "toolchain_status", "parse_ptxas_log", "resource_report", "sass", "instruction_mix",
-           "report", "format_table", "main"]
+           "toolchain_status", "parse_ptxas_log", "resource_report", "sass", "instruction_mix"]
 
 
 DEFAULT_CCS = (80, 90)
@@ -378,134 +373,7 @@ def launch_variant(kernel, args: Dict[str, Any], num_warps: int) -> Variant:
     return Variant(name, kernel, sig, cx, num_warps, not unpadded)
 
 
-def _row(name: str, cc: int, spec: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Compile one variant (of :func:`variants` by name, or given as ``spec``) for one
-    target and measure it (one pool task)."""
-    row: Dict[str, Any] = {"variant": name, "cc": cc, "arch": None, "registers": None,
-                           "spill_stores": None, "spill_loads": None, "stack": None,
-                           "mix": None, "forbidden": None, "seconds": None, "error": None}
-    t0 = time.perf_counter()
-    try:
-        row["arch"] = _arch(cc)
-        compiled = compile_variant(from_spec(spec) if spec else _variant(name), cc)
-        res = resource_report(compiled.asm["ptx"], cc)
-        res.pop("log")
-        row.update(res)
-        row["forbidden"] = audit_ptx(compiled.asm["ptx"])
-        text = sass(compiled.asm["cubin"])
-        row["mix"] = instruction_mix(text)
-        row["fast_mix"] = instruction_mix(text, fast_path=True)
-    except Exception as exc:  # reported per row: one broken variant does not hide the rest
-        row["error"] = f"{type(exc).__name__}: {exc}"
-    row["seconds"] = round(time.perf_counter() - t0, 2)
-    return row
+if __name__ == "__main__":   # the report (aot_report imports this module, not the reverse)
+    import importlib
 
-
-def _report_here(ccs: Sequence[int], workers: Optional[int],
-                 specs: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
-    if specs is None:
-        tasks = [(v.name, cc, None) for cc in ccs for v in variants()]
-    else:
-        tasks = [(sp["name"], cc, sp) for cc in ccs for sp in specs]
-    workers = workers or min(len(tasks), os.cpu_count() or 1)
-    if workers <= 1:
-        return [_row(*t) for t in tasks]
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(_row, *t) for t in tasks]
-        return [f.result() for f in futures]
-
-
-def json_subprocess(module: str, args: Sequence[str],
-                    timeout: Optional[float] = None) -> Any:
-    """Run ``python -m module --json *args`` in a process without ``TRITON_INTERPRET``
-    (from the repository root, the package on its path) and return the JSON of its last
-    output line: how an interpreting process compiles for real targets."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    cmd = [sys.executable, "-m", module, "--json", *args]
-    p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return json.loads(lines[-1])
-
-
-def _report_subprocess(ccs: Sequence[int], workers: Optional[int],
-                       timeout: Optional[float],
-                       specs: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
-    args = [a for cc in ccs for a in ("--cc", str(cc))]
-    if workers:
-        args += ["--workers", str(workers)]
-    with tempfile.TemporaryDirectory(prefix="poco_aot_specs_") as d:
-        if specs is not None:
-            path = os.path.join(d, "specs.json")
-            with open(path, "w") as f:
-                json.dump(specs, f)
-            args += ["--specs", path]
-        return json_subprocess("poco_kernels.kernels.aot", args, timeout)
-
-
-def report(ccs: Iterable[int] = DEFAULT_CCS, workers: Optional[int] = None,
-           timeout: Optional[float] = None,
-           specs: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
-    """One row per (variant, cc): ``variant, cc, arch, registers, spill_stores, spill_loads,
-    stack, mix`` (SASS instructions by class, :func:`poco_kernels.kernels.budget.
-    instruction_mix`), ``seconds, error`` (``error`` is None when it compiled).  Compiles in parallel
-    processes; in a subprocess without ``TRITON_INTERPRET`` when this one interprets.
-    ``specs``: compile these variants (:func:`to_spec` data) instead of :func:`variants`."""
-    ccs = tuple(int(c) for c in ccs)
-    if interpreting():
-        return _report_subprocess(ccs, workers, timeout, specs)
-    return _report_here(ccs, workers, specs)
-
-
-def format_table(rows: Sequence[Dict[str, Any]]) -> str:
-    """The rows as a text table."""
-    head = ("variant", "arch", "regs", "spill st", "spill ld", "stack", "s")
-    body = []
-    for r in rows:
-        if r.get("error"):
-            body.append((r["variant"], r.get("arch") or f"cc{r['cc']}", "ERROR", "", "", "",
-                         str(r.get("seconds", ""))))
-        else:
-            body.append((r["variant"], r["arch"], str(r["registers"]), str(r["spill_stores"]),
-                         str(r["spill_loads"]), str(r["stack"]), str(r["seconds"])))
-    w = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
-    fmt = lambda x: "  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i])  # noqa: E731
-                              for i, c in enumerate(x))
-    lines = [fmt(head), fmt(tuple("-" * n for n in w))] + [fmt(x) for x in body]
-    lines += [f"{r['variant']} [{r.get('arch') or r['cc']}]: {r['error']}"
-              for r in rows if r.get("error")]
-    return "\n".join(lines)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m poco_kernels.kernels.aot",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cc", type=int, action="append",
-                    help="compute capability (repeatable; default 80 and 90)")
-    ap.add_argument("--workers", type=int, default=None, help="parallel compile processes")
-    ap.add_argument("--specs", default=None,
-                    help="a JSON file of variants (to_spec data) to compile instead")
-    ap.add_argument("--json", action="store_true", help="print the rows as one JSON line")
-    args = ap.parse_args(argv)
-    ccs = tuple(args.cc or DEFAULT_CCS)
-    t0 = time.perf_counter()
-    specs = None
-    if args.specs:
-        with open(args.specs) as f:
-            specs = json.load(f)
-    rows = report(ccs, args.workers, specs=specs)
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        print(format_table(rows))
-        print(f"{len(rows)} compilations in {time.perf_counter() - t0:.1f} s")
-    bad = any(r["error"] or r["spill_stores"] or r["spill_loads"] or r["forbidden"]
-              for r in rows)
-    return 1 if bad and not args.json else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(importlib.import_module("poco_kernels.kernels.aot_report").main())

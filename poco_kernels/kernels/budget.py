@@ -16,7 +16,7 @@ operations (IADD3, LOP3, SHF, ISETP, SEL, ...) have 64 lanes; the special-functi
 (NVIDIA, CUDA C++ Programming Guide, "Arithmetic Instructions" throughput table, compute
 capability 8.0).  The instruction time per element is the largest of the issue time and
 each unit's time; the memory time per element is the kernel's bytes per element (the
-byte model of :data:`BYTES`, the same terms as ``benchmarks/byte_models.py``) over
+byte model of :data:`BYTES`, the same terms as ``benchmarks/common/byte_models.py``) over
 2.0 TB/s.  A ratio below 1 means the kernel can run at memory speed; the goal is 0.5
 (a 2x margin for latency, address arithmetic the model does not see, and clocks below
 boost).
@@ -35,7 +35,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import aot
+from . import aot, aot_report
 from .aot import instruction_mix, sass  # noqa: F401  (re-exported)
 
 __all__ = ["BYTES", "A100", "budget_variants", "sass", "instruction_mix", "budget", "rows",
@@ -47,7 +47,7 @@ A100 = dict(sms=108, clock_hz=1.41e9, hbm_Bps=2.0e12, issue=128, fma=64, alu=64,
 
 S = 4   # float32 state
 #: bytes per element each variant moves (reads + writes), by its name's kernel and path:
-#: the terms of benchmarks/byte_models.py for the rows it has
+#: the terms of benchmarks/common/byte_models.py for the rows it has
 BYTES = {
     "sample[ivon,sync,fp32]": 4 + S + S + 4,          # params (the mean), mean, h, sample
     "sample[buffer,bf16]": 2 + 2 + 2,                 # m_out, sigma_out (bf16 state), sample
@@ -127,7 +127,7 @@ def rows(ccs: Sequence[int] = (80,), workers: Optional[int] = None,
     """One row per (budget variant, cc); in a subprocess when this process interprets."""
     ccs = tuple(int(c) for c in ccs)
     if aot.interpreting():
-        return aot.json_subprocess("poco_kernels.kernels.budget",
+        return aot_report.json_subprocess("poco_kernels.kernels.budget",
                                    [a for cc in ccs for a in ("--cc", str(cc))], timeout)
     tasks = [(v.name, cc) for cc in ccs for v in budget_variants()]
     workers = workers or min(len(tasks), os.cpu_count() or 1)
