@@ -6,7 +6,7 @@
     python3 benchmarks/bench_gpu.py --part 1 --out $OUT/p1  # one part of it (1-4, below)
     python3 benchmarks/bench_gpu.py --smoke --out /tmp/s  # CPU, TRITON_INTERPRET=1, tiny sizes
 
-**Quick.** ``--quick`` runs ``gpu_quick.py``: open-loop and trajectory parity, the
+**Quick.** ``--quick`` runs ``gpu/quick.py``: open-loop and trajectory parity, the
 steady-state checks, CUDA-graph capture and torch.compile, the optimizer-only and
 end-to-end tables at GPT-2 124M shapes and the torch backend's sampling, each section
 written to ``--out`` as it finishes (its docstring lists them).  Run it first on a lent
@@ -26,7 +26,7 @@ later keeps what came before):
 1. **Device**: name, properties, versions, date (the copy bandwidth, the memory ceiling,
    is measured by the benchmark suite, section 3).
 2. **Checks** (correctness first):
-   * parity: the open-loop parity of every kernel operation (``gpu_openloop.py``) and the
+   * parity: the open-loop parity of every kernel operation (``gpu/openloop.py``) and the
      same trajectory (a quadratic loss, 30 steps, refresh at steps 5, 15, 25)
      with ``backend="torch"`` and ``backend="triton"`` on the device, for IVON-PoCo (Alg. 3
      defaults, several groups, fp32 and bf16 parameters, odd sizes), IVON-PoCo with the
@@ -35,7 +35,7 @@ later keeps what came before):
      ``h`` of float32 buckets, the float32 master ``mean`` of bf16 buckets): the
      percentiles and the maximum of ``|a - b| / max|b|`` against those of the torch
      backend with its state moved by ``SENSITIVITY_ULPS`` ulp after every update
-     (``gpu_parity.py``, ``gpu_config.py``);
+     (``gpu/parity.py``, ``gpu/config.py``);
    * no host synchronisation in steady-state ``sample``/``accumulate``/``restore``/``step``
      (``torch.cuda.set_sync_debug_mode``); no new Triton compilation when the learning
      rate changes every step; no growth of ``torch.cuda.memory_allocated`` across steps;
@@ -43,17 +43,17 @@ later keeps what came before):
      torch's float32 -> bfloat16 cast, on random values, rounding ties and specials;
    * CUDA-graph capture of a whole inner iteration and of a refresh, replayed with a
      scheduled learning rate and compared with the same steps run eagerly on a twin
-     optimizer, bit for bit; torch.compile of a training step (``gpu_capture.py``).
+     optimizer, bit for bit; torch.compile of a training step (``gpu/capture.py``).
 3. **Benchmarks**: ``benchmarks/run.py``'s suite on the device (microbenchmarks of every
    backend beside ivon-opt and AdamW, memory, the GPT training step; see its docstring),
-   plus the Triton-only rows of ``micro.triton_extras`` (the step with ``.grad`` as views
-   of the flat buffer, through a CUDA graph, and host-inclusive ``*_wall`` times).  Any
-   option after this script's own (``--smoke``, ``--only``) goes to ``run.py``
-   (``--sizes``, ``--record``, ``--out``, ...).
+   plus the Triton-only rows of ``triton_extras`` in ``suite/micro.py`` (the step with
+   ``.grad`` as views of the flat buffer, through a CUDA graph, and host-inclusive
+   ``*_wall`` times).  Any option after this script's own (``--smoke``, ``--only``) goes
+   to ``run.py`` (``--sizes``, ``--record``, ``--out``, ...).
 4. Output in ``--out``: ``bench_gpu_report.json`` (device and checks) beside run.py's
    ``bench.csv``, ``bench.md`` and ``bench_report.json``; with ``--record``,
-   ``benchmarks/results/gpu_<device>_<date>[_partN].{csv,md}`` and, where checks ran,
-   ``..._checks.json`` (a ``--part``'s files carry its name, so the four parts of one day
+   ``benchmarks/results/suite/gpu_<device>_<date>[_partN].{csv,md}`` and, where checks
+   ran, ``..._checks.json`` (a ``--part``'s files carry its name, so the four parts of one day
    keep four sets; a ``--skip`` given with ``--part`` adds to the part's skips).
 
 Exit status: 0 all passed; otherwise the OR of 1 (parity above tolerance), 2 (a
@@ -85,18 +85,19 @@ import traceback  # noqa: E402
 
 import torch  # noqa: E402
 
-from device import REPO, device_info  # noqa: E402
+if __package__ in (None, ""):    # run as a script: the repository root, for ``benchmarks.*``
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-sys.path.insert(0, REPO)     # poco_kernels, for the checks below
-
-# configuration, the parity check, the steady-state and graph checks: gpu_config.py,
-# gpu_parity.py, gpu_checks.py; report: report.py (shared with run.py)
-from gpu_capture import check_compile, check_graph  # noqa: E402
-from gpu_checks import check_bf16_store, check_jit_and_memory, check_sync  # noqa: E402
-from gpu_config import (MAX_FACTOR, QUANTILE_FACTOR, SENSITIVITY_RUNS,  # noqa: E402
-                        SENSITIVITY_ULPS, SMOKE_SUITE_ARGS)
-from gpu_parity import parity  # noqa: E402
-from report import dump, json_default, log  # noqa: E402
+# configuration, the parity check, the steady-state and graph checks: gpu/config.py,
+# gpu/parity.py, gpu/checks.py, gpu/capture.py; report: common/report.py (shared with run.py)
+from benchmarks.common.device import device_info  # noqa: E402
+from benchmarks.common.report import dump, json_default, log  # noqa: E402
+from benchmarks.gpu.capture import check_compile, check_graph  # noqa: E402
+from benchmarks.gpu.checks import (check_bf16_store, check_jit_and_memory,  # noqa: E402
+                                   check_sync)
+from benchmarks.gpu.config import (MAX_FACTOR, QUANTILE_FACTOR, SENSITIVITY_RUNS,  # noqa: E402
+                                   SENSITIVITY_ULPS, SMOKE_SUITE_ARGS)
+from benchmarks.gpu.parity import parity  # noqa: E402
 
 
 #: part -> (sections, run.py sections skipped): each fits one 10-minute device call
@@ -113,7 +114,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes on the CPU under TRITON_INTERPRET=1 (CUDA-only parts skipped)")
     ap.add_argument("--quick", action="store_true",
-                    help="the check that fits one short device call (gpu_quick.py)")
+                    help="the check that fits one short device call (gpu/quick.py)")
     ap.add_argument("--only", nargs="*", default=None,
                     choices=["parity", "checks", "graph", "bench"],
                     help="sections to run (default: all)")
@@ -122,14 +123,14 @@ def main(argv=None):
                          "(sections and benchmark skips of PARTS)")
     ap.add_argument("-h", "--help", action="store_true")
     args, rest = ap.parse_known_args(argv)
-    import run as suite_mod
+    from benchmarks import run as suite_mod
     if args.help:
         ap.print_help()
         print("\nBenchmark options (benchmarks/run.py):")
         suite_mod.build_parser().print_help()
         return 0
     if args.quick:
-        import gpu_quick
+        from benchmarks.gpu import quick as gpu_quick
         qa = argparse.ArgumentParser()
         qa.add_argument("--out", default="bench_out/quick")
         qa.add_argument("--budget-s", type=float, default=gpu_quick.BUDGET_S)
@@ -194,7 +195,7 @@ def main(argv=None):
             f"{QUANTILE_FACTOR:g} x the sensitivity to {SENSITIVITY_ULPS} ulp per update at "
             f"the 90th and 99th percentiles, {MAX_FACTOR:g} x at the maximum)")
         try:
-            import gpu_openloop
+            from benchmarks.gpu import openloop as gpu_openloop
             report["openloop"], failures["parity"] = gpu_openloop.run(dev, args.smoke, log)
             report["parity"], fails = parity(dev, args.smoke)
             failures["parity"] += fails

@@ -1,12 +1,12 @@
 """The benchmark a user runs before adopting poco_kernels, on whatever device it runs on.
 
     .venv/bin/python benchmarks/run.py                  # this machine's default device
-    .venv/bin/python benchmarks/run.py --record         # also into benchmarks/results/
+    .venv/bin/python benchmarks/run.py --record         # also into benchmarks/results/suite/
 
 The device is CUDA when torch sees one, else the CPU (``--device`` overrides).  Four
 sections, each written to ``--out`` as soon as it is done:
 
-1. **Optimizer-step microbenchmarks** (``micro.py``) at sizes 2**20, 2**22, ... up to what
+1. **Optimizer-step microbenchmarks** (``suite/micro.py``) at sizes 2**20, 2**22, ... up to what
    fits in memory (2**26 on a machine with ~23 GB available), float32 and bf16: this
    package's IVON step, IVON-PoCoMo inner step, refresh fold, sample and whole cycles on
    every backend that runs on the device (``cpp`` or ``triton``, and ``torch``, the
@@ -14,12 +14,12 @@ sections, each written to ``--out`` as soon as it is done:
    ``torch.optim.AdamW`` with ``foreach=True`` and ``fused=True``.  Each row has the bytes
    per parameter its operation must move, the achieved GB/s and that as a percentage of
    the device's copy bandwidth, measured in the same run (the ceiling).
-2. **Memory** (``memory.py``): optimizer state in bytes per parameter for each optimizer,
+2. **Memory** (``suite/memory.py``): optimizer state in bytes per parameter for each optimizer,
    and the allocations one steady-state step makes.
-3. **Training-step cost** (``train_gpt.py``): on a small GPT, the share of an iteration
+3. **Training-step cost** (``suite/train_gpt.py``): on a small GPT, the share of an iteration
    spent outside forward / backward for AdamW, ivon-opt's IVON, our IVON and our
    IVON-PoCoMo.
-4. **Pretraining throughput** (``pretrain_bench.py``): the package's GPT pretraining loop
+4. **Pretraining throughput** (``suite/pretrain.py``): the package's GPT pretraining loop
    (``poco_kernels.experiments.pretrain``) for a few hundred steps on real text, GPT-2
    124M in bf16 on CUDA: tokens per second, step time and the share outside forward /
    backward for AdamW (fused), ivon-opt's IVON, our IVON and our IVON-PoCoMo.
@@ -33,8 +33,8 @@ Outputs in ``--out`` (default ``bench_out/``): ``bench.csv`` (kernel, provider, 
 size, median, p20, p80, bytes_per_param, gbps, pct_of_copy, timing, device, date),
 ``bench.md`` (the short tables), ``bench_report.json`` (everything, the memory
 breakdown included).  ``--record`` copies the CSV and the tables to
-``benchmarks/results/<device>_<date>[_<tag>].{csv,md}`` (``--record-tag``).  Exit status 0, or 4 if a benchmark
-raised (the others still ran).
+``benchmarks/results/suite/<device>_<date>[_<tag>].{csv,md}`` (``--record-tag``).  Exit
+status 0, or 4 if a benchmark raised (the others still ran).
 """
 from __future__ import annotations
 
@@ -48,21 +48,17 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+if __package__ in (None, ""):    # run as a script: the repository root, for ``benchmarks.*``
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import memory  # noqa: E402
-import micro  # noqa: E402
-import pretrain_bench  # noqa: E402
-import train_gpt  # noqa: E402
-from byte_models import BYTE_MODELS  # noqa: E402
-from device import device_info  # noqa: E402
-from report import (Bench, copy_row, cpp_targets, dump, inplace_row, log, markdown,  # noqa: E402
-                    pretrain_csv_rows, train_csv_rows, write_csv)
-from setups import import_ivon  # noqa: E402
-from timing import Timer, copy_bandwidth, inplace_bandwidth  # noqa: E402
-
+from benchmarks.common.byte_models import BYTE_MODELS  # noqa: E402
+from benchmarks.common.device import device_info  # noqa: E402
+from benchmarks.common.report import (RESULTS, Bench, copy_row, cpp_targets, dump,  # noqa: E402
+                                      inplace_row, log, markdown, pretrain_csv_rows,
+                                      train_csv_rows, write_csv)
+from benchmarks.common.setups import import_ivon  # noqa: E402
+from benchmarks.common.timing import Timer, copy_bandwidth, inplace_bandwidth  # noqa: E402
+from benchmarks.suite import memory, micro, pretrain, train_gpt  # noqa: E402
 
 # --------------------------------------------------------------------------- configuration
 def build_parser():
@@ -111,18 +107,19 @@ def build_parser():
                     choices=["micro", "memory", "train", "pretrain"])
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--record", action="store_true",
-                    help="also write benchmarks/results/<device>_<date>[_<tag>].csv and .md")
+                    help="also write benchmarks/results/suite/<device>_<date>[_<tag>].csv "
+                         "and .md")
     ap.add_argument("--record-tag", default="",
                     help="appended to the recorded files' names (bench_gpu.py --part N: partN)")
     return ap
 
 
 def record_base(info, args) -> str:
-    """``benchmarks/results/<slug>_<date>[_<tag>]``: the recorded files' path, less the
-    extension."""
+    """``benchmarks/results/suite/<slug>_<date>[_<tag>]``: the recorded files' path, less
+    the extension."""
     tag = re.sub(r"[^A-Za-z0-9_-]+", "_", args.record_tag or "").strip("_")
     name = f"{info['slug']}_{info['date'][:10]}" + (f"_{tag}" if tag else "")
-    return os.path.join(HERE, "results", name)
+    return os.path.join(RESULTS, "suite", name)
 
 
 def pick_device(name):
@@ -222,12 +219,13 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
         write()
     if "pretrain" not in args.skip:
         log("[5] pretraining throughput")
-        pre_rows = pretrain_bench.run(dev, ivon_mod, preset=args.pretrain_preset,
-                                      batch=args.pretrain_batch, steps=args.pretrain_steps)
+        pre_rows = pretrain.run(dev, ivon_mod, preset=args.pretrain_preset,
+                                batch=args.pretrain_batch, steps=args.pretrain_steps)
         write()
     rows, md = write()
     if args.record:
         base = record_base(info, args)
+        os.makedirs(os.path.dirname(base), exist_ok=True)
         shutil.copyfile(os.path.join(args.out, "bench.csv"), base + ".csv")
         shutil.copyfile(os.path.join(args.out, "bench.md"), base + ".md")
         log(f"    recorded {base}.csv and .md")

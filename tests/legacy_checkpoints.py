@@ -1,4 +1,4 @@
-"""Checkpoints written before the architecture change (issue 16, at commit 720fa9a) must
+"""Checkpoints written before the architecture change (033f673), at commit 720fa9a, must
 load and resume bit for bit.
 
 ``tests/data/checkpoints_720fa9a.pt`` was written by ``python tests/legacy_checkpoints.py

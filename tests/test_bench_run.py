@@ -5,23 +5,20 @@ asserted here.)"""
 import csv
 import json
 import os
-import sys
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "benchmarks")
 
 
 @pytest.fixture
-def bench_modules(monkeypatch):
-    monkeypatch.syspath_prepend(BENCH)
-    for m in ("report", "micro", "memory", "train_gpt", "run"):
-        sys.modules.pop(m, None)
-    import report as common
-    import memory
-    import run
+def bench_modules():
+    """The benchmarks are the package ``benchmarks`` (the repository root is on
+    ``sys.path``: conftest.py)."""
+    from benchmarks import run
+    from benchmarks.common import report as common
+    from benchmarks.suite import memory
     return common, memory, run
 
 
@@ -125,8 +122,7 @@ def test_bench_gpu_smoke_runs_the_suite_on_triton(tmp_path, bench_modules):
     """bench_gpu.py hands its benchmark section to run.py's suite (here on the Triton
     interpreter, tiny, memory and training skipped); options after its own go to run.py."""
     pytest.importorskip("triton")
-    sys.modules.pop("bench_gpu", None)
-    import bench_gpu
+    from benchmarks import bench_gpu
     code = bench_gpu.main(["--smoke", "--only", "bench", "--backends", "triton", "--sizes",
                            "1031", "--dtypes", "float32", "--skip", "memory", "train", "pretrain",
                            "--out", str(tmp_path)])
@@ -142,13 +138,12 @@ def test_bench_gpu_smoke_runs_the_suite_on_triton(tmp_path, bench_modules):
 @pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
                     reason="the C++ kernels are the candidate")
 def test_the_trajectory_gate_passes_the_kernels_and_fails_a_float32_beta2(bench_modules):
-    """The closed-loop gate of the GPU check (gpu_parity.py), at smoke sizes on the CPU:
+    """The closed-loop gate of the GPU check (gpu/parity.py), at smoke sizes on the CPU:
     the C++ kernels (the Triton kernels' bits) pass it against the torch backend; the same
     kernels with beta1 and beta2 rounded to float32 first (the Triton kernels' defect
     before their constants were made in double) fail it: the mean of both large buckets
     (float32 and bf16 parameters) and h, by 20-60 times at the 99th percentile here."""
-    sys.modules.pop("gpu_parity", None)
-    import gpu_parity
+    from benchmarks.gpu import parity as gpu_parity
     dev = torch.device("cpu")
     res, fails = gpu_parity.parity(dev, True, "cpp")
     assert fails == [], fails
@@ -164,11 +159,8 @@ def test_bench_gpu_quick_smoke_runs_every_section(tmp_path, bench_modules):
     (the Triton interpreter, tiny sizes), passes, and is written to its own file as it
     finishes, with the summary in quick.md and quick.json."""
     pytest.importorskip("triton")
-    for m in ("bench_gpu", "gpu_quick", "gpu_openloop", "gpu_parity", "gpu_capture",
-              "gpu_tables", "gpu_checks"):
-        sys.modules.pop(m, None)
-    import bench_gpu
-    import gpu_quick
+    from benchmarks import bench_gpu
+    from benchmarks.gpu import quick as gpu_quick
     code = bench_gpu.main(["--quick", "--smoke", "--out", str(tmp_path)])
     md = (tmp_path / "quick.md").read_text()
     assert code == 0, md
@@ -188,12 +180,9 @@ def test_bench_gpu_quick_smoke_runs_every_section(tmp_path, bench_modules):
 
 @pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
                     reason="measures the C++ backend beside the torch backend")
-def test_host_overhead_writes_the_schema(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(BENCH)
-    for m in ("report", "host_overhead"):
-        sys.modules.pop(m, None)
-    import host_overhead
-    from report import CSV_FIELDS
+def test_host_overhead_writes_the_schema(tmp_path):
+    from benchmarks.common.report import CSV_FIELDS
+    from benchmarks.studies import host_overhead
     out = tmp_path / "host.csv"
     host_overhead.main(["--device", "cpu", "--tensors", "3", "--numel", "7", "--reps", "3",
                         "--backends", "cpp", "torch", "--out", str(out)])
@@ -211,11 +200,10 @@ def test_bench_gpu_parts_cover_every_section_once(tmp_path, bench_modules, monke
     """``--part 1..4`` (one 10-minute device call each): together they run every check
     and every benchmark section exactly once, and each report times its sections."""
     pytest.importorskip("triton")
-    sys.modules.pop("bench_gpu", None)
-    import bench_gpu
-    import run as suite_mod
+    from benchmarks import bench_gpu
+    from benchmarks import run as suite_mod
+    from benchmarks.gpu import openloop as gpu_openloop
     ran = []
-    import gpu_openloop
     monkeypatch.setattr(bench_gpu, "parity", lambda dev, smoke: (ran.append("parity") or {}, []))
     monkeypatch.setattr(gpu_openloop, "run",
                         lambda dev, smoke, log: (ran.append("openloop") or {}, []))
@@ -256,7 +244,8 @@ def test_bench_gpu_parts_cover_every_section_once(tmp_path, bench_modules, monke
     info = {"slug": "gpu_X", "date": "2026-11-24T10:00:00"}
     names = {suite_mod.record_base(info, suite_mod.build_parser().parse_args(
         ["--record", "--record-tag", t])) for t in ("", "part2", "part3", "part 4/x")}
-    assert len(names) == 4 and all(os.path.dirname(n).endswith("results") for n in names)
+    assert len(names) == 4 and all(
+        os.path.dirname(n).endswith(os.path.join("benchmarks", "results", "suite")) for n in names)
     assert {os.path.basename(n) for n in names} == {
         "gpu_X_2026-11-24", "gpu_X_2026-11-24_part2", "gpu_X_2026-11-24_part3",
         "gpu_X_2026-11-24_part_4_x"}

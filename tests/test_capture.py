@@ -5,7 +5,7 @@ the host-to-device copies a capture refuses); hyperparameters given as tensors (
 scheduled ``lr``, a scheduled ``alpha``) reach the kernels on the device and give the
 float run's bits; a refresh reads the device only until the correction is active.  The
 capture itself, replayed against eager execution, and torch.compile of a training step
-without recompilation are ``benchmarks/gpu_capture.py``'s checks, run on a GPU by
+without recompilation are ``benchmarks/gpu/capture.py``'s checks, run on a GPU by
 ``bench_gpu.py --quick`` and on the CPU by its smoke run (``tests/test_bench_run.py``)."""
 import pytest
 import torch

@@ -1,6 +1,7 @@
-"""A checkpoint written before the architecture change (issue 16) loads and resumes bit for
-bit: see ``tests/legacy_checkpoints.py``.  It runs in a subprocess so that ATen and the C++
-kernels can be pinned to AVX2 before torch loads (the bits then do not depend on the CPU)."""
+"""A checkpoint written before the architecture change (033f673, at commit 720fa9a) loads
+and resumes bit for bit: see ``tests/legacy_checkpoints.py``.  It runs in a subprocess so
+that ATen and the C++ kernels can be pinned to AVX2 before torch loads (the bits then do
+not depend on the CPU)."""
 import os
 import subprocess
 import sys

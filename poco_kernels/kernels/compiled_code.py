@@ -3,7 +3,7 @@ on its fast path, and its PTX audited for instructions the kernels must not use.
 
 :mod:`poco_kernels.kernels.aot` compiles the kernels for real targets and reports each
 variant with these; :mod:`poco_kernels.kernels.budget` turns the counts into time per
-element; ``benchmarks/gpu_openloop.py`` audits the PTX of the kernels a GPU compiled.
+element; ``benchmarks/gpu/openloop.py`` audits the PTX of the kernels a GPU compiled.
 """
 from __future__ import annotations
 
