@@ -136,9 +136,9 @@ _LOW_STATE = {"s1_ptr": "*bf16", "g_out_ptr": "*bf16", "h_out_ptr": "*bf16",
 def variants() -> List[Variant]:
     """Every kernel, in the code paths that matter (the heaviest ones included)."""
     from ..noise import STREAM_VERSION
-    from . import triton_kernels as K
+    from . import triton_kernels as tk
 
-    block, warps = K.BLOCK, K.NUM_WARPS
+    block, warps = tk.BLOCK, tk.NUM_WARPS
     out: List[Variant] = []
 
     def add(name, kernel, dtype="fp32", num_warps=warps, types=None, padded=True,
@@ -154,54 +154,54 @@ def variants() -> List[Variant]:
         out.append(Variant(name, kernel, sig, constexprs, num_warps, padded))
 
     # samples
-    add("sample[ivon,sync,fp32]", K.sample_kernel, "fp32", SIGMA_MODE=K.SIGMA_IVON, SYNC=True)
-    add("sample[buffer,bf16]", K.sample_kernel, "bf16", SIGMA_MODE=K.SIGMA_BUFFER, SYNC=False)
+    add("sample[ivon,sync,fp32]", tk.sample_kernel, "fp32", SIGMA_MODE=tk.SIGMA_IVON, SYNC=True)
+    add("sample[buffer,bf16]", tk.sample_kernel, "bf16", SIGMA_MODE=tk.SIGMA_BUFFER, SYNC=False)
     # gradient sums (FIRST=False: the read-modify-write of acc_g, the heavier path)
-    add("accumulate[ge,bf16]", K.accumulate_kernel, "bf16", FIRST=False, GE=True)
-    add("accumulate[ge,fp32]", K.accumulate_kernel, "fp32", FIRST=False, GE=True)
-    add("check[fp32]", K.check_kernel, "fp32")
-    add("fold_ge", K.fold_ge_kernel)
+    add("accumulate[ge,bf16]", tk.accumulate_kernel, "bf16", FIRST=False, GE=True)
+    add("accumulate[ge,fp32]", tk.accumulate_kernel, "fp32", FIRST=False, GE=True)
+    add("check[fp32]", tk.check_kernel, "fp32")
+    add("fold_ge", tk.fold_ge_kernel)
     # steps
-    ivon_full = dict(_STEP_OFF, FAMILY=K.FAMILY_IVON, CORR=True, HESS_CORR=True, FLOOR=True,
+    ivon_full = dict(_STEP_OFF, FAMILY=tk.FAMILY_IVON, CORR=True, HESS_CORR=True, FLOOR=True,
                      CLIP=True, DEBIAS=True)
-    add("step[ivon,full,fp32]", K.step_kernel, "fp32", **ivon_full)
-    add("step[ivon,full,bf16]", K.step_kernel, "bf16", **ivon_full)
+    add("step[ivon,full,fp32]", tk.step_kernel, "fp32", **ivon_full)
+    add("step[ivon,full,bf16]", tk.step_kernel, "bf16", **ivon_full)
     # sample_ahead: the next sample's noise and sigma on top of the heaviest path
-    add("step[ivon,full,next,fp32]", K.step_kernel, "fp32", **dict(ivon_full, NEXT_SAMPLE=True))
+    add("step[ivon,full,next,fp32]", tk.step_kernel, "fp32", **dict(ivon_full, NEXT_SAMPLE=True))
     # state_dtype=bfloat16: momentum and outer buffers bfloat16, stochastic rounding
-    add("step[ivon,full,next,lowstate,fp32]", K.step_kernel, "fp32", types=_LOW_STATE,
+    add("step[ivon,full,next,lowstate,fp32]", tk.step_kernel, "fp32", types=_LOW_STATE,
         **dict(ivon_full, NEXT_SAMPLE=True))
     # the noise of checkpoints written before version 2 (one Philox call per element)
-    add("step[ivon,full,next,fp32,noise1]", K.step_kernel, "fp32",
+    add("step[ivon,full,next,fp32,noise1]", tk.step_kernel, "fp32",
         **dict(ivon_full, NEXT_SAMPLE=True, NOISE=1))
     # an exact, odd length: no tt.divisibility on n, so every load and store is scalar
-    add("step[ivon,full,fp32,unpadded]", K.step_kernel, "fp32", padded=False, **ivon_full)
+    add("step[ivon,full,fp32,unpadded]", tk.step_kernel, "fp32", padded=False, **ivon_full)
     # shards of FSDP2 (exact lengths) at a place in their bucket that is a multiple of 4,
     # and that is not (every element runs its own Philox call)
-    add("step[ivon,full,next,fp32,shard]", K.step_kernel, "fp32", padded=False,
+    add("step[ivon,full,next,fp32,shard]", tk.step_kernel, "fp32", padded=False,
         **dict(ivon_full, NEXT_SAMPLE=True, SHARD=1))
-    add("step[ivon,full,next,fp32,shard-unaligned]", K.step_kernel, "fp32", padded=False,
+    add("step[ivon,full,next,fp32,shard-unaligned]", tk.step_kernel, "fp32", padded=False,
         **dict(ivon_full, NEXT_SAMPLE=True, SHARD=2))
-    add("step[ivon,nocorr,bf16]", K.step_kernel, "bf16",
-        **dict(_STEP_OFF, FAMILY=K.FAMILY_IVON, CLIP=True, DEBIAS=True))
-    add("step[ivon,ge_in+ge_o,fp32]", K.step_kernel, "fp32",
+    add("step[ivon,nocorr,bf16]", tk.step_kernel, "bf16",
+        **dict(_STEP_OFF, FAMILY=tk.FAMILY_IVON, CLIP=True, DEBIAS=True))
+    add("step[ivon,ge_in+ge_o,fp32]", tk.step_kernel, "fp32",
         **dict(ivon_full, GE_IN=True, GE_O=True))
-    add("step[sgd,mom+nesterov+corr,bf16]", K.step_kernel, "bf16",
-        **dict(_STEP_OFF, FAMILY=K.FAMILY_SGD, CORR=True, MOMENTUM=True, NESTEROV=True))
-    add("step[adamw,corr,fp32]", K.step_kernel, "fp32",
-        **dict(_STEP_OFF, FAMILY=K.FAMILY_ADAMW, CORR=True))
+    add("step[sgd,mom+nesterov+corr,bf16]", tk.step_kernel, "bf16",
+        **dict(_STEP_OFF, FAMILY=tk.FAMILY_SGD, CORR=True, MOMENTUM=True, NESTEROV=True))
+    add("step[adamw,corr,fp32]", tk.step_kernel, "fp32",
+        **dict(_STEP_OFF, FAMILY=tk.FAMILY_ADAMW, CORR=True))
     # refreshes
-    add("refresh[ivon]", K.refresh_kernel, FAMILY=K.FAMILY_IVON, GE=False, NOISY=False,
+    add("refresh[ivon]", tk.refresh_kernel, FAMILY=tk.FAMILY_IVON, GE=False, NOISY=False,
         HAS_FOUND_INF=True, HAS_SCALE=True)
-    add("refresh[ivon,lowstate]", K.refresh_kernel,
-        types={k: v for k, v in _LOW_STATE.items() if k != "s1_ptr"}, FAMILY=K.FAMILY_IVON,
+    add("refresh[ivon,lowstate]", tk.refresh_kernel,
+        types={k: v for k, v in _LOW_STATE.items() if k != "s1_ptr"}, FAMILY=tk.FAMILY_IVON,
         GE=False, NOISY=False, HAS_FOUND_INF=True, HAS_SCALE=True)
-    add("refresh[sgd,noisy]", K.refresh_kernel, FAMILY=K.FAMILY_SGD, GE=False, NOISY=True,
+    add("refresh[sgd,noisy]", tk.refresh_kernel, FAMILY=tk.FAMILY_SGD, GE=False, NOISY=True,
         HAS_FOUND_INF=True, HAS_SCALE=True)
     # bookkeeping (launched with one warp, see triton_ops._finish)
-    add("finish", K.finish_kernel, num_warps=1, HAS_FOUND_INF=True)
+    add("finish", tk.finish_kernel, num_warps=1, HAS_FOUND_INF=True)
     # the stream itself (the torch backend's noise on a GPU, the GPU check)
-    add("randn", K.randn_kernel)
+    add("randn", tk.randn_kernel)
     return out
 
 
@@ -216,8 +216,8 @@ def _variant(name: str) -> Variant:
 def interpreting() -> bool:
     """True when ``triton.jit`` objects are interpreter wrappers (not compilable here)."""
     import triton
-    from . import triton_kernels as K
-    return not isinstance(K.step_kernel, triton.runtime.JITFunction)
+    from . import triton_kernels as tk
+    return not isinstance(tk.step_kernel, triton.runtime.JITFunction)
 
 
 def ptxas_path(cc: int) -> str:
@@ -267,7 +267,7 @@ def launch_signature(kernel, args: Dict[str, Any]):
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import _normalize_ty
-    from . import triton_kernels as K
+    from . import triton_kernels as tk
 
     params = inspect.signature(_python_fn(kernel)).parameters
     cnames = set(constexpr_names(kernel))
@@ -278,7 +278,7 @@ def launch_signature(kernel, args: Dict[str, Any]):
             continue
         ann = params[a].annotation
         ann = "" if ann is inspect.Parameter.empty else _normalize_ty(ann)
-        ty, key = native_specialize_impl(BaseBackend, args[a], False, a not in K._NO_SPEC, True)
+        ty, key = native_specialize_impl(BaseBackend, args[a], False, a not in tk._NO_SPEC, True)
         sig[a] = ann or ty
         if key == "D":
             div.append(a)
@@ -352,8 +352,8 @@ def to_spec(v: Variant) -> Dict[str, Any]:
 
 def from_spec(spec: Dict[str, Any]) -> Variant:
     """The variant of :func:`to_spec`'s data."""
-    from . import triton_kernels as K
-    return Variant(spec["name"], getattr(K, spec["kernel"]), dict(spec["signature"]),
+    from . import triton_kernels as tk
+    return Variant(spec["name"], getattr(tk, spec["kernel"]), dict(spec["signature"]),
                    dict(spec["constexprs"]), int(spec["num_warps"]), bool(spec["padded"]))
 
 

@@ -25,7 +25,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from . import interface as K
+from . import interface as iface
 from .bounds import Tracked as T
 from .openloop_model import model as _model
 
@@ -38,39 +38,39 @@ HP = dict(lr=0.07, hess_init=0.3, beta1=0.9, beta2=0.9999, wd=2e-3, ess=1.0e4, a
 
 #: name -> (operation, options)
 CASES: Dict[str, dict] = {
-    "sample[none]": dict(op="sample", mode=K.SIGMA_NONE),
-    "sample[ivon]": dict(op="sample", mode=K.SIGMA_IVON, sign=-1.0),
-    "sample[ivon,sync]": dict(op="sample", mode=K.SIGMA_IVON, sync=True, fp32_only=True),
-    "sample[buffer]": dict(op="sample", mode=K.SIGMA_BUFFER),
-    "sample[buffer,low]": dict(op="sample", mode=K.SIGMA_BUFFER, low=True),
-    "sample[const]": dict(op="sample", mode=K.SIGMA_CONST),
+    "sample[none]": dict(op="sample", mode=iface.SIGMA_NONE),
+    "sample[ivon]": dict(op="sample", mode=iface.SIGMA_IVON, sign=-1.0),
+    "sample[ivon,sync]": dict(op="sample", mode=iface.SIGMA_IVON, sync=True, fp32_only=True),
+    "sample[buffer]": dict(op="sample", mode=iface.SIGMA_BUFFER),
+    "sample[buffer,low]": dict(op="sample", mode=iface.SIGMA_BUFFER, low=True),
+    "sample[const]": dict(op="sample", mode=iface.SIGMA_CONST),
     "accumulate[first]": dict(op="accumulate", first=True),
     "accumulate[ge]": dict(op="accumulate", ge=True, sign=-1.0),
     "fold_ge": dict(op="fold_ge"),
-    "step[ivon]": dict(op="step", family=K.FAMILY_IVON),
-    "step[ivon,nodebias,noclip]": dict(op="step", family=K.FAMILY_IVON, debias=False,
+    "step[ivon]": dict(op="step", family=iface.FAMILY_IVON),
+    "step[ivon,nodebias,noclip]": dict(op="step", family=iface.FAMILY_IVON, debias=False,
                                        clip=False),
-    "step[poco]": dict(op="step", family=K.FAMILY_IVON, corr=True),
-    "step[poco,independent]": dict(op="step", family=K.FAMILY_IVON, corr=True,
+    "step[poco]": dict(op="step", family=iface.FAMILY_IVON, corr=True),
+    "step[poco,independent]": dict(op="step", family=iface.FAMILY_IVON, corr=True,
                                    independent=True),
-    "step[poco,mc2]": dict(op="step", family=K.FAMILY_IVON, corr=True, mc=2),
-    "step[poco,next]": dict(op="step", family=K.FAMILY_IVON, corr=True, next=True),
-    "step[poco,low]": dict(op="step", family=K.FAMILY_IVON, corr=True, low=True),
-    "step[poco,amp]": dict(op="step", family=K.FAMILY_IVON, corr=True, amp=True),
-    "step[poco,before-refresh]": dict(op="step", family=K.FAMILY_IVON, corr=True,
+    "step[poco,mc2]": dict(op="step", family=iface.FAMILY_IVON, corr=True, mc=2),
+    "step[poco,next]": dict(op="step", family=iface.FAMILY_IVON, corr=True, next=True),
+    "step[poco,low]": dict(op="step", family=iface.FAMILY_IVON, corr=True, low=True),
+    "step[poco,amp]": dict(op="step", family=iface.FAMILY_IVON, corr=True, amp=True),
+    "step[poco,before-refresh]": dict(op="step", family=iface.FAMILY_IVON, corr=True,
                                       refreshes=0),
-    "step[poco,skipped]": dict(op="step", family=K.FAMILY_IVON, corr=True, next=True,
+    "step[poco,skipped]": dict(op="step", family=iface.FAMILY_IVON, corr=True, next=True,
                                skip=True),
-    "step[sgd]": dict(op="step", family=K.FAMILY_SGD, corr=True, momentum=True,
+    "step[sgd]": dict(op="step", family=iface.FAMILY_SGD, corr=True, momentum=True,
                       nesterov=True),
-    "step[sgd,first]": dict(op="step", family=K.FAMILY_SGD, momentum=True, mom_first=True),
-    "step[adamw]": dict(op="step", family=K.FAMILY_ADAMW, corr=True),
-    "step[adamw,beta1<0.5]": dict(op="step", family=K.FAMILY_ADAMW, beta1=0.3),
-    "refresh[ivon]": dict(op="refresh", family=K.FAMILY_IVON),
-    "refresh[ivon,first]": dict(op="refresh", family=K.FAMILY_IVON, refreshes=0),
-    "refresh[ivon,ge]": dict(op="refresh", family=K.FAMILY_IVON, ge=True),
-    "refresh[ivon,low]": dict(op="refresh", family=K.FAMILY_IVON, low=True),
-    "refresh[sgd]": dict(op="refresh", family=K.FAMILY_SGD, noisy=True),
+    "step[sgd,first]": dict(op="step", family=iface.FAMILY_SGD, momentum=True, mom_first=True),
+    "step[adamw]": dict(op="step", family=iface.FAMILY_ADAMW, corr=True),
+    "step[adamw,beta1<0.5]": dict(op="step", family=iface.FAMILY_ADAMW, beta1=0.3),
+    "refresh[ivon]": dict(op="refresh", family=iface.FAMILY_IVON),
+    "refresh[ivon,first]": dict(op="refresh", family=iface.FAMILY_IVON, refreshes=0),
+    "refresh[ivon,ge]": dict(op="refresh", family=iface.FAMILY_IVON, ge=True),
+    "refresh[ivon,low]": dict(op="refresh", family=iface.FAMILY_IVON, low=True),
+    "refresh[sgd]": dict(op="refresh", family=iface.FAMILY_SGD, noisy=True),
 }
 
 
@@ -134,30 +134,30 @@ def _step_records(case: str, x: dict):
     c, hp = CASES[case], x["hp"]
     fam, corr = c["family"], c.get("corr", False)
     mc = x["mc"]
-    if fam == K.FAMILY_IVON:
+    if fam == iface.FAMILY_IVON:
         lr = hp["lr"] * (hp["hess_init"] + hp["wd"])
-        shp = K.StepHP.ivon(lr=lr, beta1=hp["beta1"], beta2=hp["beta2"], wd=hp["wd"],
+        shp = iface.StepHP.ivon(lr=lr, beta1=hp["beta1"], beta2=hp["beta2"], wd=hp["wd"],
                             ess=hp["ess"], alpha=hp["alpha"] if corr else 0.0,
                             hess_corr=hp["hess_corr"] if corr else 0.0,
                             floor=hp["floor"] if corr else 0.0,
                             clip=hp["clip"] if c.get("clip", True) else 0.0)
-        path = K.StepPath.ivon(hess_corr=corr, floor=corr, clip=c.get("clip", True),
+        path = iface.StepPath.ivon(hess_corr=corr, floor=corr, clip=c.get("clip", True),
                                debias=c.get("debias", True))
-    elif fam == K.FAMILY_SGD:
-        shp = K.StepHP.sgd(lr=hp["lr"], wd=hp["wd"], alpha=hp["alpha"] if corr else 0.0,
+    elif fam == iface.FAMILY_SGD:
+        shp = iface.StepHP.sgd(lr=hp["lr"], wd=hp["wd"], alpha=hp["alpha"] if corr else 0.0,
                            momentum=hp["momentum"], dampening=hp["dampening"],
                            mom_first=1.0 if c.get("mom_first") else 0.0)
-        path = K.StepPath.sgd(momentum=c.get("momentum", False), nesterov=c.get("nesterov"))
+        path = iface.StepPath.sgd(momentum=c.get("momentum", False), nesterov=c.get("nesterov"))
     else:
-        shp = K.StepHP.adamw(lr=hp["lr"], beta1=hp["beta1"], beta2=0.999, wd=hp["wd"],
+        shp = iface.StepHP.adamw(lr=hp["lr"], beta1=hp["beta1"], beta2=0.999, wd=hp["wd"],
                              eps=hp["eps"], alpha=hp["alpha"] if corr else 0.0)
-        path = K.StepPath.adamw()
-    flags = K.StepFlags.of(fam, path, corr=corr, ge_in=x["ge_in"] is not None,
+        path = iface.StepPath.adamw()
+    flags = iface.StepFlags.of(fam, path, corr=corr, ge_in=x["ge_in"] is not None,
                            ge_o=corr and x["ge_o"] is not None,
-                           shared_noise=(fam == K.FAMILY_IVON and corr and mc == 1
+                           shared_noise=(fam == iface.FAMILY_IVON and corr and mc == 1
                                          and not c.get("independent")),
                            next_sample=c.get("next", False))
-    hyper = K.StepHyper.of(shp, sign_o=-1.0 if c.get("independent") else 1.0,
+    hyper = iface.StepHyper.of(shp, sign_o=-1.0 if c.get("independent") else 1.0,
                            inv_n_in=1.0 / mc, inv_n_o=1.0 / mc if corr else 0.0)
     return hyper, flags
 
@@ -174,7 +174,7 @@ def run(ops, case: str, x: dict) -> Dict[str, Tensor]:
         sync = c.get("sync", False)
         ops.sample(cp["param"], cp["param"] if sync else cp["centre"], cp["mean"], cp["h"],
                    cp["sigma_buf"], ctl, SEED, 2, x["stream"], 0,
-                   K.SampleHyper(hp["ess"], hp["wd"], hp["sigma"]), c.get("sign", 1.0),
+                   iface.SampleHyper(hp["ess"], hp["wd"], hp["sigma"]), c.get("sign", 1.0),
                    c["mode"], sync)
     elif op == "accumulate":
         out = dict(acc_g=cp["acc_g"], acc_ge=cp["acc_ge"])
@@ -187,37 +187,37 @@ def run(ops, case: str, x: dict) -> Dict[str, Tensor]:
     elif op == "step":
         hyper, flags = _step_records(case, x)
         fam = c["family"]
-        s1 = {K.FAMILY_IVON: "momentum", K.FAMILY_SGD: "buf", K.FAMILY_ADAMW: "exp_avg"}[fam]
-        s2 = {K.FAMILY_IVON: "h", K.FAMILY_SGD: None, K.FAMILY_ADAMW: "exp_avg_sq"}[fam]
+        s1 = {iface.FAMILY_IVON: "momentum", iface.FAMILY_SGD: "buf", iface.FAMILY_ADAMW: "exp_avg"}[fam]
+        s2 = {iface.FAMILY_IVON: "h", iface.FAMILY_SGD: None, iface.FAMILY_ADAMW: "exp_avg_sq"}[fam]
         out = dict(mean=cp["mean"], param=cp["param"], s1=cp[s1])
         if s2:
             out["s2"] = cp[s2]
         corr = c.get("corr", False)
         o = (lambda k: cp[k] if corr else None)
-        ops.step(cp["mean"], cp["param"], cp[s1] if (fam != K.FAMILY_SGD or
+        ops.step(cp["mean"], cp["param"], cp[s1] if (fam != iface.FAMILY_SGD or
                                                     c.get("momentum")) else None,
                  cp[s2] if s2 else None, cp["g_in"], cp["ge_in"], o("g_o"), o("ge_o"),
-                 o("g_out"), o("h_out") if fam == K.FAMILY_IVON else None,
-                 o("m_out") if fam == K.FAMILY_IVON else None,
-                 o("sigma_out") if fam == K.FAMILY_IVON else None, ctl,
+                 o("g_out"), o("h_out") if fam == iface.FAMILY_IVON else None,
+                 o("m_out") if fam == iface.FAMILY_IVON else None,
+                 o("sigma_out") if fam == iface.FAMILY_IVON else None, ctl,
                  cp["found_inf"], cp["grad_scale"],
-                 K.StepStreams(SEED, x["stream"], x["stream_o"]), hyper, flags)
+                 iface.StepStreams(SEED, x["stream"], x["stream_o"]), hyper, flags)
     else:
         fam = c["family"]
         k = 3
-        if fam == K.FAMILY_IVON:
+        if fam == iface.FAMILY_IVON:
             out = {n: cp[n] for n in ("g_out", "h_out", "m_out", "sigma_out")}
-            rhp = K.RefreshHP.ivon(ess=hp["ess"], wd=hp["wd"], rho1=hp["rho1"], rho2=hp["rho2"])
+            rhp = iface.RefreshHP.ivon(ess=hp["ess"], wd=hp["wd"], rho1=hp["rho1"], rho2=hp["rho2"])
             ops.refresh(cp["mean"], cp["h"], cp["acc_g"], cp["acc_ge"] if c.get("ge") else None,
                         cp["g_out"], cp["h_out"], cp["m_out"], cp["sigma_out"], ctl, None,
-                        None, SEED, 2, x["stream"], K.RefreshHyper.of(rhp, inv_n=1.0 / k),
-                        K.RefreshFlags(fam, ge=c.get("ge", False), noisy=True))
+                        None, SEED, 2, x["stream"], iface.RefreshHyper.of(rhp, inv_n=1.0 / k),
+                        iface.RefreshFlags(fam, ge=c.get("ge", False), noisy=True))
         else:
             out = dict(g_out=cp["g_out"], m_out=cp["m_out"])
             ops.refresh(cp["mean"], None, cp["acc_g"], None, cp["g_out"], None, cp["m_out"],
                         None, ctl, None, None, SEED, 2, x["stream"],
-                        K.RefreshHyper.of(K.RefreshHP.sgd(sigma=hp["sigma"]), inv_n=1.0 / k),
-                        K.RefreshFlags(fam, ge=False, noisy=True))
+                        iface.RefreshHyper.of(iface.RefreshHP.sgd(sigma=hp["sigma"]), inv_n=1.0 / k),
+                        iface.RefreshFlags(fam, ge=False, noisy=True))
     return {k: v.cpu() for k, v in out.items()}
 
 

@@ -15,7 +15,7 @@ from typing import Dict
 import torch
 from torch import Tensor
 
-from . import interface as K
+from . import interface as iface
 from .bounds import Tracked as T
 
 
@@ -65,9 +65,9 @@ def model(c: dict, x: dict, noise: Dict[str, Tensor]) -> Dict[str, T]:
     if op == "refresh":
         return _refresh(c, x, noise)
     fam = c["family"]
-    if fam == K.FAMILY_IVON:
+    if fam == iface.FAMILY_IVON:
         return _step_ivon(c, x, noise)
-    if fam == K.FAMILY_SGD:
+    if fam == iface.FAMILY_SGD:
         return _step_sgd(c, x)
     return _step_adamw(c, x)
 
@@ -75,12 +75,12 @@ def model(c: dict, x: dict, noise: Dict[str, Tensor]) -> Dict[str, T]:
 def _sample(c, x, noise) -> Dict[str, T]:
     hp, mode = x["hp"], c["mode"]
     centre = _x(x["param"] if c.get("sync") else x["centre"])
-    if mode == K.SIGMA_NONE:
+    if mode == iface.SIGMA_NONE:
         theta = centre
     else:
-        if mode == K.SIGMA_IVON:
+        if mode == iface.SIGMA_IVON:
             sigma = _sigma(_x(x["h"]), T.const(hp["ess"]), T.const(hp["wd"]))
-        elif mode == K.SIGMA_BUFFER:
+        elif mode == iface.SIGMA_BUFFER:
             sigma = _x(x["sigma_buf"])
         else:
             sigma = T.const(hp["sigma"])
@@ -193,7 +193,7 @@ def _refresh(c, x, noise) -> Dict[str, T]:
     scale = T.const(1.0 / k) * T.const(1.0)
     m = _x(x["mean"])
     gM = _x(x["acc_g"]) * scale
-    if c["family"] != K.FAMILY_IVON:
+    if c["family"] != iface.FAMILY_IVON:
         return dict(g_out=gM, m_out=m + T.const(hp["sigma"]) * _x(noise["eps"]))
     sigma = _sigma(_x(x["h"]), T.const(hp["ess"]), T.const(hp["wd"]))
     geM = _x(x["acc_ge"]) * scale if c.get("ge") else gM * _x(noise["eps"])

@@ -19,7 +19,7 @@ import triton
 from torch import Tensor
 
 from .._layout import launch_numel
-from . import triton_kernels as K
+from . import triton_kernels as tk
 from .interface import (RefreshFlags, RefreshHyper, SampleHyper, StepFlags, StepHyper,
                         StepStreams, hyper_row, require)
 
@@ -27,7 +27,7 @@ __all__ = ["sample", "accumulate", "check", "fold_ge", "step", "refresh", "finis
 
 
 def _grid(n: int):
-    return (triton.cdiv(n, K.BLOCK),)
+    return (triton.cdiv(n, tk.BLOCK),)
 
 
 def _shard(offset: int) -> int:
@@ -43,7 +43,7 @@ def _compiling() -> bool:
 # --------------------------------------------------------------------------- launches
 #: every launch: no floating-point contraction (the C++ kernels' arithmetic, bit for bit;
 #: ``triton_kernels``), and the warps of a block
-_OPTS = dict(num_warps=K.NUM_WARPS, enable_fp_fusion=False)
+_OPTS = dict(num_warps=tk.NUM_WARPS, enable_fp_fusion=False)
 
 
 def _sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
@@ -54,10 +54,10 @@ def _sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
     if n == 0:
         return
     row = hyper_row(hp, SampleHyper, param.device)
-    K.sample_kernel[_grid(n)](
+    tk.sample_kernel[_grid(n)](
         param, centre, mean, h if h is not None else mean, sigma if sigma is not None else mean,
         ctl, row, n, offset, seed, stream, counter_slot, sign,
-        SIGMA_MODE=sigma_mode, SYNC=sync, NOISE=noise, SHARD=_shard(offset), BLOCK=K.BLOCK,
+        SIGMA_MODE=sigma_mode, SYNC=sync, NOISE=noise, SHARD=_shard(offset), BLOCK=tk.BLOCK,
         **_OPTS)
 
 
@@ -67,17 +67,17 @@ def _accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tens
     n = launch_numel(grad.numel(), grad, acc_g, acc_ge)
     if n == 0:
         return
-    K.accumulate_kernel[_grid(n)](
+    tk.accumulate_kernel[_grid(n)](
         grad, acc_g, acc_ge if acc_ge is not None else acc_g, ctl, n, offset, seed, stream,
         counter_slot, sign, FIRST=first, GE=ge, NOISE=noise, SHARD=_shard(offset),
-        BLOCK=K.BLOCK, **_OPTS)
+        BLOCK=tk.BLOCK, **_OPTS)
 
 
 def _check(grad: Tensor, ctl: Tensor) -> None:
     n = launch_numel(grad.numel(), grad)
     if n == 0:
         return
-    K.check_kernel[_grid(n)](grad, ctl, n, BLOCK=K.BLOCK, **_OPTS)
+    tk.check_kernel[_grid(n)](grad, ctl, n, BLOCK=tk.BLOCK, **_OPTS)
 
 
 def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, stream: int,
@@ -85,8 +85,8 @@ def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, 
     n = launch_numel(acc_g.numel(), acc_g, acc_ge)
     if n == 0:
         return
-    K.fold_ge_kernel[_grid(n)](acc_g, acc_ge, ctl, n, offset, seed, stream, counter_slot, sign,
-                               NOISE=noise, SHARD=_shard(offset), BLOCK=K.BLOCK, **_OPTS)
+    tk.fold_ge_kernel[_grid(n)](acc_g, acc_ge, ctl, n, offset, seed, stream, counter_slot, sign,
+                               NOISE=noise, SHARD=_shard(offset), BLOCK=tk.BLOCK, **_OPTS)
 
 
 def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
@@ -101,7 +101,7 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
         return
     d = mean
     row = hyper_row(hp, StepHyper, mean.device)
-    K.step_kernel[_grid(n)](
+    tk.step_kernel[_grid(n)](
         mean, param, s1 if s1 is not None else d, s2 if s2 is not None else d,
         g_in, ge_in if ge_in is not None else d, g_o if g_o is not None else d,
         ge_o if ge_o is not None else d, g_out if g_out is not None else d,
@@ -112,7 +112,7 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
         n, offset, streams.seed, streams.stream, streams.stream_o,
         **flags.constexprs(), NOISE=streams.noise, SHARD=_shard(offset),
         HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
-        BLOCK=K.BLOCK, **_OPTS)
+        BLOCK=tk.BLOCK, **_OPTS)
 
 
 def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
@@ -124,7 +124,7 @@ def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[
         return
     d = mean
     row = hyper_row(hp, RefreshHyper, mean.device)
-    K.refresh_kernel[_grid(n)](
+    tk.refresh_kernel[_grid(n)](
         mean, h if h is not None else d, acc_g, acc_ge if acc_ge is not None else d, g_out,
         h_out if h_out is not None else d, m_out, sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
@@ -132,11 +132,11 @@ def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[
         n, offset, seed, stream, **flags.constexprs(), NOISE=noise,
         SHARD=_shard(offset),
         HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
-        BLOCK=K.BLOCK, **_OPTS)
+        BLOCK=tk.BLOCK, **_OPTS)
 
 
 def _finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:
-    K.finish_kernel[(1,)](ctl, found_inf if found_inf is not None else ctl, slot,
+    tk.finish_kernel[(1,)](ctl, found_inf if found_inf is not None else ctl, slot,
                           HAS_FOUND_INF=found_inf is not None, num_warps=1,
                           enable_fp_fusion=False)
 
@@ -148,8 +148,8 @@ def randn(out: Tensor, seed: int, counter: int, stream: int, offset: int = 0,
     noise code, the C++ kernels' ``randn``.  ``out``: a contiguous float32 tensor."""
     n = out.numel()
     if n:
-        K.randn_kernel[_grid(n)](out, n, offset, seed, counter, stream, NOISE=version,
-                                 SHARD=_shard(offset), BLOCK=K.BLOCK, **_OPTS)
+        tk.randn_kernel[_grid(n)](out, n, offset, seed, counter, stream, NOISE=version,
+                                 SHARD=_shard(offset), BLOCK=tk.BLOCK, **_OPTS)
     return out
 
 
