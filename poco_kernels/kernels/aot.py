@@ -19,13 +19,14 @@ Besides these hand-picked code paths, ``tests/test_triton_aot.py`` compiles ever
 distinct variant that recorded launches of the optimizers get (:func:`launch_variant`,
 passed as :func:`to_spec` data: ``--specs FILE``) and fails on any spill there too.
 
-Run ``python -m poco_kernels.kernels.aot`` for the table (:mod:`~poco_kernels.kernels.aot_report`) (``--json`` for machine-readable
-rows, ``--cc 80 --cc 90`` to choose targets); ``tests/test_triton_aot.py`` fails on any
-compile error or spill.
+Run ``python -m poco_kernels.kernels.aot`` for the table (made by
+:mod:`~poco_kernels.kernels.aot_report`; ``--json`` for machine-readable rows, ``--cc 80
+--cc 90`` to choose targets); ``tests/test_triton_aot.py`` fails on any compile error or
+spill.
 
 Under ``TRITON_INTERPRET=1`` (the test suite) ``triton.jit`` makes interpreter wrappers
-that ``triton.compile`` cannot take, so :func:`~poco_kernels.kernels.aot_report.report` then compiles in a subprocess with
-the variable removed from its environment.
+that ``triton.compile`` cannot take, so :func:`~poco_kernels.kernels.aot_report.report`
+then compiles in a subprocess with the variable removed from its environment.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import tempfile
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 # the SASS classes and the PTX audit (re-exported)
+from . import interface as iface
 from .compiled_code import FORBIDDEN_PTX, audit_ptx, instruction_mix, sass
 
 __all__ = ["Variant", "variants", "signature", "divisible", "launch_signature",
@@ -154,15 +156,15 @@ def variants() -> List[Variant]:
         out.append(Variant(name, kernel, sig, constexprs, num_warps, padded))
 
     # samples
-    add("sample[ivon,sync,fp32]", tk.sample_kernel, "fp32", SIGMA_MODE=tk.SIGMA_IVON, SYNC=True)
-    add("sample[buffer,bf16]", tk.sample_kernel, "bf16", SIGMA_MODE=tk.SIGMA_BUFFER, SYNC=False)
+    add("sample[ivon,sync,fp32]", tk.sample_kernel, "fp32", SIGMA_MODE=iface.SIGMA_IVON, SYNC=True)
+    add("sample[buffer,bf16]", tk.sample_kernel, "bf16", SIGMA_MODE=iface.SIGMA_BUFFER, SYNC=False)
     # gradient sums (FIRST=False: the read-modify-write of acc_g, the heavier path)
     add("accumulate[ge,bf16]", tk.accumulate_kernel, "bf16", FIRST=False, GE=True)
     add("accumulate[ge,fp32]", tk.accumulate_kernel, "fp32", FIRST=False, GE=True)
     add("check[fp32]", tk.check_kernel, "fp32")
     add("fold_ge", tk.fold_ge_kernel)
     # steps
-    ivon_full = dict(_STEP_OFF, FAMILY=tk.FAMILY_IVON, CORR=True, HESS_CORR=True, FLOOR=True,
+    ivon_full = dict(_STEP_OFF, FAMILY=iface.FAMILY_IVON, CORR=True, HESS_CORR=True, FLOOR=True,
                      CLIP=True, DEBIAS=True)
     add("step[ivon,full,fp32]", tk.step_kernel, "fp32", **ivon_full)
     add("step[ivon,full,bf16]", tk.step_kernel, "bf16", **ivon_full)
@@ -183,20 +185,20 @@ def variants() -> List[Variant]:
     add("step[ivon,full,next,fp32,shard-unaligned]", tk.step_kernel, "fp32", padded=False,
         **dict(ivon_full, NEXT_SAMPLE=True, SHARD=2))
     add("step[ivon,nocorr,bf16]", tk.step_kernel, "bf16",
-        **dict(_STEP_OFF, FAMILY=tk.FAMILY_IVON, CLIP=True, DEBIAS=True))
+        **dict(_STEP_OFF, FAMILY=iface.FAMILY_IVON, CLIP=True, DEBIAS=True))
     add("step[ivon,ge_in+ge_o,fp32]", tk.step_kernel, "fp32",
         **dict(ivon_full, GE_IN=True, GE_O=True))
     add("step[sgd,mom+nesterov+corr,bf16]", tk.step_kernel, "bf16",
-        **dict(_STEP_OFF, FAMILY=tk.FAMILY_SGD, CORR=True, MOMENTUM=True, NESTEROV=True))
+        **dict(_STEP_OFF, FAMILY=iface.FAMILY_SGD, CORR=True, MOMENTUM=True, NESTEROV=True))
     add("step[adamw,corr,fp32]", tk.step_kernel, "fp32",
-        **dict(_STEP_OFF, FAMILY=tk.FAMILY_ADAMW, CORR=True))
+        **dict(_STEP_OFF, FAMILY=iface.FAMILY_ADAMW, CORR=True))
     # refreshes
-    add("refresh[ivon]", tk.refresh_kernel, FAMILY=tk.FAMILY_IVON, GE=False, NOISY=False,
+    add("refresh[ivon]", tk.refresh_kernel, FAMILY=iface.FAMILY_IVON, GE=False, NOISY=False,
         HAS_FOUND_INF=True, HAS_SCALE=True)
     add("refresh[ivon,lowstate]", tk.refresh_kernel,
-        types={k: v for k, v in _LOW_STATE.items() if k != "s1_ptr"}, FAMILY=tk.FAMILY_IVON,
+        types={k: v for k, v in _LOW_STATE.items() if k != "s1_ptr"}, FAMILY=iface.FAMILY_IVON,
         GE=False, NOISY=False, HAS_FOUND_INF=True, HAS_SCALE=True)
-    add("refresh[sgd,noisy]", tk.refresh_kernel, FAMILY=tk.FAMILY_SGD, GE=False, NOISY=True,
+    add("refresh[sgd,noisy]", tk.refresh_kernel, FAMILY=iface.FAMILY_SGD, GE=False, NOISY=True,
         HAS_FOUND_INF=True, HAS_SCALE=True)
     # bookkeeping (launched with one warp, see triton_ops._finish)
     add("finish", tk.finish_kernel, num_warps=1, HAS_FOUND_INF=True)

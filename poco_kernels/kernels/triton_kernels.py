@@ -51,6 +51,12 @@ from .triton_noise import noise as _noise
 from .triton_noise import store_state as _store_state
 from .triton_noise import to_param as _to_param
 
+# (the kernels read these by name; Triton takes module globals as constexpr only)
+FAMILY_IVON, FAMILY_SGD, FAMILY_ADAMW = (tl.constexpr(v) for v in (FAMILY_IVON, FAMILY_SGD,
+                                                                  FAMILY_ADAMW))
+SIGMA_NONE, SIGMA_IVON, SIGMA_BUFFER, SIGMA_CONST = (
+    tl.constexpr(v) for v in (SIGMA_NONE, SIGMA_IVON, SIGMA_BUFFER, SIGMA_CONST))
+
 BLOCK = 1024
 NUM_WARPS = 4
 
@@ -150,7 +156,7 @@ def _step_constants(hp_ptr, steps, refreshes, CORR: tl.constexpr, FLOOR: tl.cons
     decay = one
     step_size = one
     bias2_sqrt = one
-    if FAMILY == 2:
+    if FAMILY == FAMILY_ADAMW:
         bc1 = 1.0 - _pow_steps(beta1, t)
         bc2 = 1.0 - _pow_steps(beta2, t)
         decay = (1.0 - lr * wd).to(f32)
@@ -184,14 +190,14 @@ def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, hp
         tl.store(mean_ptr + idx, centre, mask=mask)
     else:
         centre = tl.load(centre_ptr + idx, mask=mask).to(tl.float32)   # (bfloat16: m_out)
-    if SIGMA_MODE == 0:
+    if SIGMA_MODE == SIGMA_NONE:
         theta = centre
     else:
-        if SIGMA_MODE == 1:
+        if SIGMA_MODE == SIGMA_IVON:
             sigma = _ivon_sigma(tl.load(h_ptr + idx, mask=mask, other=1.0),
                                 tl.load(hp_ptr + P_ESS).to(tl.float32),
                                 tl.load(hp_ptr + P_WD).to(tl.float32))
-        elif SIGMA_MODE == 2:
+        elif SIGMA_MODE == SIGMA_BUFFER:
             sigma = tl.load(sigma_ptr + idx, mask=mask).to(tl.float32)
         else:
             sigma = tl.load(hp_ptr + P_SIGMA).to(tl.float32)
@@ -322,7 +328,7 @@ def step_kernel(
     counter; ``t = ctl[0] + 1`` debiases).
     """
     tl.static_assert(not (SHARED_NOISE and GE_IN), "shared noise is regenerated, not summed")
-    tl.static_assert(not NEXT_SAMPLE or FAMILY == 0, "the next sample is IVON's")
+    tl.static_assert(not NEXT_SAMPLE or FAMILY == FAMILY_IVON, "the next sample is IVON's")
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
@@ -345,7 +351,7 @@ def step_kernel(
         g_out = tl.load(g_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         ghat = g_in - alpha * (g_o - g_out)
 
-    if FAMILY == 0:
+    if FAMILY == FAMILY_IVON:
         # every load is issued before the noise (Philox and the transform are ~100
         # instructions per element: the loads' latency hides behind them)
         g = tl.load(s1_ptr + idx, mask=mask, other=0.0).to(tl.float32)
@@ -391,7 +397,7 @@ def step_kernel(
         _store_state(s1_ptr, idx, offset, g_new, wmask, seed, steps, stream >> 16, 0, SHARD)
         tl.store(s2_ptr + idx, h_new, mask=wmask)
         h_param = tl.where(wmask, h_new, h)
-    elif FAMILY == 1:
+    elif FAMILY == FAMILY_SGD:
         d_p = ghat + wd * m
         if MOMENTUM:
             buf = tl.load(s1_ptr + idx, mask=mask, other=0.0)
@@ -457,7 +463,7 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
     refreshes = tl.load(ctl_ptr + 1)
     m = tl.load(mean_ptr + idx, mask=mask, other=0.0)
     gM = _estimate(acc_g_ptr, idx, mask, scale)
-    if FAMILY == 0:
+    if FAMILY == FAMILY_IVON:
         ess = tl.load(hp_ptr + R_ESS).to(tl.float32)
         wd = tl.load(hp_ptr + R_WD).to(tl.float32)
         rho1 = tl.load(hp_ptr + R_RHO1)
