@@ -385,6 +385,9 @@ class BucketedOptimizer(torch.optim.Optimizer):
         if any(self._pending.count.values()):
             raise RuntimeError("a parameter's requires_grad changed while gradients are "
                                "pending: finish the step (or refresh) first")
+        # (a fused backend settles what only the device knew, a momentum buffer made by a
+        # step it skipped, before the buffers are laid out again)
+        self._read_counters()
         for b in self._buckets:
             for name, buf in b.buffers.items():
                 if not b.is_flat_buffer(buf):
@@ -1076,11 +1079,13 @@ class PosteriorOptimizer(BucketedOptimizer):
     def sampled(self, kind: str = "inner", accumulate: bool = True):
         """``with opt.sampled(kind): loss.backward()`` = sample, (backward), accumulate,
         restore.  On an exception the mean is restored and, unless the block accumulated
-        itself, the sample is forgotten: the next draws are those of an optimizer that
-        never entered the block."""
+        itself, the sample is forgotten, and with it the gradients the block left in
+        ``.grad``: the next draws and gradients are those of an optimizer that never
+        entered the block."""
         self.sample(kind)
         k, draw = self._active
         count = self._pending.count[k]
+        grads = self._grads_now()
         ok = False
         try:
             yield self
@@ -1091,6 +1096,35 @@ class PosteriorOptimizer(BucketedOptimizer):
             self.restore()
             if not ok and self._pending.count[k] == count:
                 self._pending.draws[k] = draw
+                self._put_back_grads(grads)
+
+    @torch._disable_dynamo
+    def _grads_now(self) -> List[Tuple[Tensor, Optional[Tensor], int]]:
+        """Every parameter's ``.grad`` and its version counter (no copy), for
+        :meth:`_put_back_grads`."""
+        out = []
+        for group in self._groups:
+            for p in group["params"]:
+                g = p.grad
+                out.append((p, g, 0 if g is None else g._version))
+        return out
+
+    @torch._disable_dynamo
+    def _put_back_grads(self, saved) -> None:
+        """Drop the gradients a failed ``sampled()`` block left in ``.grad``: a ``.grad``
+        that was None is None again, one that was replaced is put back, and one the
+        backward accumulated into in place (a zeroed ``.grad``, or a view of the fused
+        backends' gradient buffer, zero when the sample handed it out) is zeroed.
+        Otherwise the next block's backward would add to them (a loop that relies on
+        ``accumulate()`` clearing ``.grad`` calls no ``zero_grad()``)."""
+        with torch.no_grad():
+            for p, g, version in saved:
+                if g is not None and g._version != version:
+                    if g.grad_fn is not None:
+                        g.detach_()
+                    g.zero_()
+                if p.grad is not g:
+                    p.grad = g
 
     def _drop_pending(self, kinds) -> None:
         """A call failed after collecting gradients of ``kinds``: drop them and what

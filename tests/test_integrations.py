@@ -286,6 +286,37 @@ def test_accelerate_helpers_equal_the_protocol_loop_bit_for_bit():
         assert torch.equal(a, b)
 
 
+def test_accelerate_train_step_is_the_step_an_lr_scheduler_sees():
+    """An lr scheduler over the prepared optimizer, stepped after each ``train_step``
+    (the right order): torch's check that ``optimizer.step()`` came first sees the
+    step, so no 'lr_scheduler.step() before optimizer.step()' warning; the schedule
+    reaches the package's optimizer."""
+    pytest.importorskip("accelerate")
+    import warnings
+    from accelerate import Accelerator
+    from poco_kernels.integrations import accelerate as pa
+    acc = Accelerator(cpu=True)
+    model = _net()
+    opt = poco_kernels.IVONPoCoMo(model.parameters(), lr=0.05, ess=64.0, seed=3,
+                                  backend="torch")
+    g = torch.Generator().manual_seed(1)
+    X, y = torch.randn(16, 5, generator=g), torch.randn(16, 3, generator=g)
+    model, opt = pa.prepare(acc, model, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def loss_fn(m, idx):
+        return torch.nn.functional.mse_loss(m(X[idx]), y[idx])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r"(?s).*optimizer\.step\(\)")
+        for t in range(3):
+            idx = torch.arange(8) + 8 * (t % 2)
+            pa.train_step(acc, model, opt, [idx[:4], idx[4:]], loss_fn)
+            sched.step()
+    inner = pa.unwrap(opt)
+    assert inner.step_count == 3
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 3)
+
+
 def test_accelerate_ddp_two_ranks_equal_one_process(tmp_path):
     pytest.importorskip("accelerate")
     env = dict(os.environ, OMP_NUM_THREADS="1",

@@ -851,6 +851,42 @@ def test_non_finite_gradient_anywhere(name, backend, n):
     check()
 
 
+def _first_skip_params():
+    out = []
+    for backend in BACKENDS:
+        for how in ("nonfinite", "found_inf"):
+            for check_finite in ([True] if backend == "torch" else [True, False]):
+                out.append(pytest.param(backend, how, check_finite,
+                                        id=f"{backend}-{how}-check{int(check_finite)}"))
+    return out
+
+
+@pytest.mark.parametrize("backend, how, check_finite", _first_skip_params())
+def test_skipped_first_step_does_not_start_the_sgd_momentum(backend, how, check_finite):
+    """SVRG with momentum and dampening whose FIRST step is not taken (a non-finite
+    gradient: refused, or skipped without ``check_finite``; AMP's ``found_inf``): no
+    momentum buffer is left behind, so the next step starts it as ``torch.optim.SGD``
+    does (``buf = d_p``, undampened), as the twin's first step does, bit for bit."""
+    skip = how == "found_inf" or (backend != "torch" and not check_finite)
+    if how == "nonfinite":
+        bad = lambda r: r.arm(poke=(NAN, 1, 0, 3)).opt.step(r.closure(2))   # noqa: E731
+    else:
+        bad = lambda r: r.opt.step(r.closure(2), found_inf=_ones())          # noqa: E731
+    kw = dict(momentum=0.9, dampening=0.5)
+    run_case("SVRG", backend, history="", check_finite=check_finite, kw=kw, bad=bad,
+             raises=None if skip else ValueError, match=None if skip else "non-finite")
+    # the same with no read of the counters in between (run_case's snapshots read them):
+    # without check_finite only the device knows that the first step was skipped
+    a, b = Rig("SVRG", backend, check_finite, **kw), Rig("SVRG", backend, check_finite, **kw)
+    assert _outcome(bad, a, None if skip else ValueError, None) is None
+    for op in "s5 s6 s7".split():
+        a.do(op)
+        b.do(op)
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters())), \
+        "the steps after the skipped one differ from the twin's"
+    assert_twins(a, b, "after three more steps")
+
+
 @pytest.mark.parametrize("name, backend, n",
                          [p for p in _hyp_params({"torch": 6, "cpp": 4, "triton": 2})
                           if p.values[0] != "VONPoCo"])
@@ -872,6 +908,48 @@ def test_exception_inside_sampled_restores_mean_and_draws(name, backend, n):
         run_case(name, backend, history=history, raises=Boom,
                  bad=lambda r: _raise_inside(r, kind, backward), cont=more + " " + probe.tail())
     check()
+
+
+def _block_keeping_grads(rig, kind, idx, boom=False):
+    """``with opt.sampled(kind): loss.backward()`` with no ``zero_grad()`` around it: the
+    loop that relies on ``accumulate()`` leaving no gradient behind (``boom``: the block
+    raises after its backward)."""
+    with rig.opt.sampled(kind):
+        rig.loss(idx).backward()
+        if boom:
+            raise Boom("inside sampled(), after the backward")
+
+
+def _no_zero_grad_params():
+    out = [pytest.param(name, backend, gv, id=f"{name}-{backend}-views{int(gv)}")
+           for name in GRAD for backend in BACKENDS if backend != "triton"
+           for gv in ([True, False] if backend != "torch" else [True])]
+    out += [pytest.param(TRITON_PICK["sampled-raises-inside"], "triton", gv,
+                         id=f"{TRITON_PICK['sampled-raises-inside']}-triton-views{int(gv)}")
+            for gv in (True, False) if "triton" in BACKENDS]
+    return out
+
+
+@pytest.mark.parametrize("name, backend, grad_views", _no_zero_grad_params())
+def test_exception_inside_sampled_leaves_no_gradient_behind(name, backend, grad_views):
+    """An exception inside ``with opt.sampled("inner"):`` after the backward: the gradient
+    that block left in ``.grad`` is dropped with its sample, so a loop that never calls
+    ``zero_grad()`` (``accumulate()`` clears ``.grad``) takes the steps of the twin that
+    never entered the block, bit for bit, whether ``.grad`` is autograd's tensor or a view
+    of the fused backends' gradient buffer (``grad_views``)."""
+    a, b = Rig(name, backend, grad_views=grad_views), Rig(name, backend, grad_views=grad_views)
+    for r in (a, b):
+        r.run(r.warm())
+    with pytest.raises(Boom):
+        _block_keeping_grads(a, "inner", BATCHES[2], boom=True)
+    assert_twins(a, b, "right after the exception")
+    for t in (3, 4):
+        for r in (a, b):
+            _block_keeping_grads(r, "inner", BATCHES[t])
+            if r.opt.correction_active():
+                _block_keeping_grads(r, "outer", BATCHES[t])
+            r.opt.step()
+        assert_twins(a, b, f"after the step on batch {t}")
 
 
 # ============================================================================ constructor

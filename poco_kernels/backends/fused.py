@@ -134,6 +134,11 @@ class FusedBackend(Backend):
         #: ids of the parameters autograd accumulated a gradient into since the last
         #: hand-out (a post-accumulate-grad hook on each parameter given a view)
         self.reached: set = set()
+        #: per bucket index, a momentum buffer (SGD family) made by a step that only the
+        #: device knows whether it took (no ``check_finite``): (the steps-taken counter
+        #: before that step, on the device; the buffer).  Until a step is taken the buffer
+        #: has not started (:meth:`_momentum_first`); :meth:`counters` settles it
+        self.mom_start: Dict[int, Tuple[Tensor, Tensor]] = {}
         self._watched: set = set()
         self.flatten()
 
@@ -314,11 +319,40 @@ class FusedBackend(Backend):
             c.copy_(self._counters_tensor(steps, refreshes, int(c[K.CTL_SKIPPED]), dev))
 
     def counters(self) -> Tuple[int, int, int]:
-        """(steps taken, refreshes taken, updates skipped) -- reads the device."""
+        """(steps taken, refreshes taken, updates skipped) -- reads the device.  A
+        momentum buffer made by a step the device skipped is dropped here, as the host
+        drops it after a step it knows was skipped (:meth:`_settle_momentum`)."""
         if not self.ctl:
             return self.opt._step, self.opt._refreshes, 0
         c = next(iter(self.ctl.values())).tolist()
+        self._settle_momentum(int(c[K.CTL_STEPS]))
         return int(c[K.CTL_STEPS]), int(c[K.CTL_REFRESHES]), int(c[K.CTL_SKIPPED])
+
+    def _settle_momentum(self, steps: int) -> None:
+        """The counters were read (``steps`` taken): a momentum buffer of
+        :attr:`mom_start` made by a step that was skipped (no step taken since) is
+        dropped, so the next step makes it anew, as the first; one that a step has used
+        since is started."""
+        for bi, (start, buf) in list(self.mom_start.items()):
+            del self.mom_start[bi]
+            if steps != int(start):
+                continue
+            b = self.opt._buckets[bi]
+            for name in [n for n, v in b.buffers.items() if v is buf]:
+                del b.buffers[name]
+                self.opt._expose(b)
+
+    def _momentum_first(self, b, t):
+        """The step record ``t`` of bucket ``b``, with SGD's ``mom_first`` read on the
+        device while only the device knows whether the step that made the momentum
+        buffer was taken: 1 until a step is taken (the steps-taken counter unchanged),
+        then 0, as ``torch.optim.SGD`` starts its buffer at the first step it takes."""
+        entry = self.mom_start.get(b.index)
+        if entry is None or t.s1 is not entry[1] or isinstance(t.hp.mom_first, Tensor) \
+                or t.hp.mom_first != 0.0:
+            return t
+        first = (self._ctl(b)[K.CTL_STEPS] == entry[0]).to(torch.float64)
+        return t._replace(hp=t.hp._replace(mom_first=first))
 
     def _ctl(self, b) -> Tensor:
         return self.ctl[b.device]
@@ -706,8 +740,12 @@ class FusedBackend(Backend):
         n_in = pend.count[KIND_INNER]
         self.ahead = None
         nxt = self.ahead_family()   # the kernel writes the next step's inner sample
+        made = {}                   # momentum buffers this step makes: (counter, buffer)
         for b in opt._buckets:
-            t = opt._kernel_step(b, opt._group(b, keep_tensors=True))
+            t = self._momentum_first(b, opt._kernel_step(b, opt._group(b, keep_tensors=True)))
+            if t.s1 is not None and t.path.momentum and not isinstance(t.hp.mom_first, Tensor) \
+                    and t.hp.mom_first != 0.0:
+                made[b.index] = (self._ctl(b)[K.CTL_STEPS].clone(), t.s1)
             c = b.index in corr
             n_o = pend.count[KIND_OUTER] if c else 0
             g_in = self._acc(KIND_INNER, b, "g")
@@ -742,6 +780,10 @@ class FusedBackend(Backend):
             self.ahead = self._ahead_key()
         taken = self._raise_if_bad(COUNTER_STEPS, found_inf) if opt.check_finite else None
         self._finish(COUNTER_STEPS, found_inf)
+        if taken:
+            self.mom_start.clear()      # every momentum buffer has started
+        elif taken is None:
+            self.mom_start.update(made)
         return taken
 
     def after_update(self) -> None:
@@ -793,6 +835,7 @@ class FusedBackend(Backend):
     def loaded(self) -> None:
         self.params_hold_mean = True
         self.ahead = None
+        self.mom_start.clear()          # (the state dict says which buffers exist)
         self.set_counters(self.opt._step, self.opt._refreshes)
 
     def relayout(self) -> None:

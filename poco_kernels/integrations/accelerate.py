@@ -70,7 +70,11 @@ def train_step(accelerator, model, optimizer, micro_batches: Sequence[Any],
     accumulated): the micro-batches at ONE inner posterior sample, and once the
     correction is active again at the outer sample, then the update.  ``loss_fn(model,
     micro_batch)`` returns the mean loss; ``max_grad_norm`` > 0 clips each sample's
-    gradient (inside the sample, as the protocol asks).  Returns the mean inner loss."""
+    gradient (inside the sample, as the protocol asks).  Returns the mean inner loss.
+
+    The update is ``optimizer.step()``, the wrapper's (which calls the package's
+    ``step()``): an lr scheduler built over the prepared optimizer counts the steps of
+    that object, and would otherwise warn that its ``step()`` came first."""
     opt = unwrap(optimizer)
     kinds = ["inner"] + (["outer"] if opt.correction_active() else [])
     loss = None
@@ -80,7 +84,7 @@ def train_step(accelerator, model, optimizer, micro_batches: Sequence[Any],
             if max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
         loss = mean if loss is None else loss
-    opt.step()
+    optimizer.step()
     return loss
 
 
