@@ -8,7 +8,7 @@ a stream is (which counters, which lanes) is :mod:`poco_kernels.noise`'s busines
 from __future__ import annotations
 
 import operator
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 

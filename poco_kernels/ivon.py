@@ -17,7 +17,8 @@ from torch import Tensor
 
 from . import reference as R
 from ._layout import Bucket
-from ._optimizer import ParamGroup, PosteriorOptimizer
+from ._groups import ParamGroup
+from ._posterior import PosteriorOptimizer
 from ._protocol import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KIND_REFRESH,
                         KernelRefresh, KernelStep, SampleSpec)
 from ._validation import check, check_range

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from . import reference as R
-from ._optimizer import PosteriorOptimizer
+from ._posterior import PosteriorOptimizer
 from ._protocol import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER, KIND_REFRESH,
                         KernelRefresh, KernelStep, SampleSpec)
 from ._validation import check, check_range

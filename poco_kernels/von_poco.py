@@ -8,7 +8,7 @@ gradients and Hessians, the outer loop and the bookkeeping.
 Closure convention (differs from the rest of the package!)
 ----------------------------------------------------------
 VON-PoCo needs the Hessian of every mini-batch loss, which the ``.grad``-based protocol of
-:class:`~poco_kernels._optimizer.PosteriorOptimizer` (``sample()``/``accumulate()``) cannot
+:class:`~poco_kernels._posterior.PosteriorOptimizer` (``sample()``/``accumulate()``) cannot
 give.  So a ``VONPoCo`` closure **returns the loss and does NOT call** ``backward()``::
 
     def closure():
@@ -41,7 +41,8 @@ from torch import Tensor
 
 from . import reference as R
 from ._layout import Bucket
-from ._optimizer import BucketedOptimizer, as_closures
+from ._groups import as_closures
+from ._optimizer import BucketedOptimizer
 from ._protocol import KIND_INNER, KIND_OUTER, KIND_REFRESH
 from ._validation import check, check_range
 

@@ -1,0 +1,354 @@
+"""The sampling protocol of the diagonal family (:class:`PosteriorOptimizer`):
+``sample(kind)`` writes ``theta = centre + sigma * eps`` into the parameters,
+``accumulate()`` folds ``.grad`` into the running estimate of that sample, ``restore()`` puts
+the posterior mean back; ``step(closure)`` and ``refresh(closures)`` drive it.  The updates
+themselves are the backend's."""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Dict, Iterable, Optional, Set
+
+import torch
+from torch import Tensor
+
+from . import noise as _noise
+from ._layout import Bucket
+from ._protocol import (KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH, KernelRefresh,
+                        KernelStep, Pending, SampleSpec, mean_loss)
+from ._validation import check
+
+from ._optimizer import BucketedOptimizer
+from ._groups import _from_lightning, as_closures
+from ._transaction import TransactionMixin
+
+
+class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
+    """The sampling protocol (``sample``/``accumulate``/``restore``, ``sampled``) and the
+    closure-driven ``step``/``refresh`` of the diagonal family.
+
+    Subclasses define, besides the hyperparameters and buffers: where samples are centred
+    and how wide they are (``_sample_spec``), whether Hessian estimates are needed
+    (``uses_hessian``), the two updates in the reference maths (``_inner_update``,
+    ``_refresh_update``: the torch backend) and as kernel records (``_kernel_step``,
+    ``_kernel_refresh``: the fused backends).
+    """
+
+    #: the optimizer perturbs parameters (needs a sample before each gradient)
+    noisy: bool = True
+
+    # ------------------------------------------------------------------ the family's rules
+    def _sample_spec(self, b: Bucket, group: Dict[str, Any], kind: int, draw: int) -> SampleSpec:
+        """Where a sample of ``kind`` (draw ``draw``) is centred, how wide it is, and which
+        noise it uses: the one statement that every backend follows."""
+        raise NotImplementedError
+
+    def _inner_update(self, b: Bucket, group: Dict[str, Any], g_in: Tensor,
+                      ge_in: Optional[Tensor], outer, t: int) -> Dict[str, Tensor]:
+        """The new buffers of an inner step (reference maths, out of place)."""
+        raise NotImplementedError
+
+    def _refresh_update(self, b: Bucket, group: Dict[str, Any], gM: Tensor,
+                        geM: Optional[Tensor], first: bool) -> Dict[str, Tensor]:
+        """The new buffers of a refresh (reference maths, out of place)."""
+        raise NotImplementedError
+
+    def _kernel_step(self, b: Bucket, group: Dict[str, Any]) -> KernelStep:
+        """The step kernel's buffers and records for a bucket (the same maths as
+        ``_inner_update``)."""
+        raise NotImplementedError
+
+    def _kernel_refresh(self, b: Bucket, group: Dict[str, Any]) -> KernelRefresh:
+        """The refresh kernel's buffers and record for a bucket (``_refresh_update``)."""
+        raise NotImplementedError
+
+    def _check_pending(self, pend: Pending, awaiting: Set[int]) -> None:
+        """Every noisy kind's sums carry their ``gradient * eps`` sum (the state dict has
+        the torch backend's layout), where the family estimates Hessians."""
+        if not self.uses_hessian:
+            return
+        for (k, bi, n) in list(pend.sums):
+            if n != "g":
+                continue
+            b = self._buckets[bi]
+            if k == KIND_OUTER and b.group_index in awaiting:
+                continue
+            noisy = self._sample_spec(b, self._groups[b.group_index], k, 0).noise
+            check(noisy is None or (k, bi, "ge") in pend.sums,
+                  f"state dict's pending gradients: sample kind {k}, bucket {bi} has a "
+                  "gradient sum but not its gradient * eps sum")
+
+    # ------------------------------------------------------------------ low-level API
+    # torch.compile: the protocol's bookkeeping (``self._active``, the counters) runs
+    # outside Dynamo (``torch._disable_dynamo``: a graph break around sample, restore,
+    # step and refresh).  Dynamo does not write back attributes assigned on a
+    # torch.optim.Optimizer while it traces (it wraps the optimizer without tracking its
+    # mutations), so a traced sample() would leave no active sample behind it.
+    @torch._disable_dynamo
+    def sample(self, kind: str = "inner") -> None:
+        """Write a posterior sample into the parameters.
+
+        ``kind``: ``"inner"`` (the current posterior, once per Monte-Carlo sample of a
+        step), ``"outer"`` (the outer posterior of the correction, same mini-batch) or
+        ``"refresh"`` (the current posterior, ONE sample for the whole mega-batch).
+        Follow with any number of backward passes, then :meth:`accumulate` (once per
+        chunk) and :meth:`restore`.
+        """
+        self._sample(kind, trainable_checked=False)
+
+    def _sample(self, kind: str, trainable_checked: bool) -> None:
+        """:meth:`sample` (``trainable_checked``: step/refresh followed ``requires_grad``
+        already, the closures cannot change it unnoticed: accumulate sees their grads)."""
+        check(kind in KIND_NAMES, f"kind must be one of {tuple(KIND_NAMES)}, got {kind!r}")
+        if self._active is not None:
+            raise RuntimeError("a sample is already in the parameters: call restore() first")
+        k = KIND_NAMES[kind]
+        if k == KIND_REFRESH and not self._has_correction:
+            raise RuntimeError(f"{type(self).__name__} has no outer loop: no refresh sample")
+        self._check_no_mix(k)
+        if not trainable_checked:
+            self._check_trainable()
+        if k == KIND_OUTER and not self.correction_active():
+            raise RuntimeError("no outer sample: the correction is not active "
+                               "(no refresh yet, or alpha == 0 in every group)")
+        draw = self._pending.draws[k]
+        check(draw < _noise.MAX_DRAWS, f"at most {_noise.MAX_DRAWS} samples of one kind per "
+                                       "step: call step() or refresh()")
+        try:
+            self._backend.sample(k, draw)
+        except BaseException:
+            self._backend.restore()
+            raise
+        self._active = (k, draw)
+        self._pending.draws[k] = draw + 1
+
+    def _check_no_mix(self, k: int) -> None:
+        """Gradients for a step and for a refresh are not collected at the same time (each
+        update consumes its own; a non-finite one must not refuse the other)."""
+        cnt = self._pending.count
+        if k == KIND_REFRESH and (cnt[KIND_INNER] or cnt[KIND_OUTER]):
+            raise RuntimeError("gradients for a step are pending: call step() before "
+                               "collecting refresh gradients")
+        if k != KIND_REFRESH and cnt[KIND_REFRESH]:
+            raise RuntimeError("refresh gradients are pending: call refresh() before "
+                               "collecting gradients for a step")
+
+    def accumulate(self, clear_grads: bool = True) -> None:
+        """Fold the parameters' ``.grad`` into the estimate of the active sample and clear
+        ``.grad`` (so the next sample starts from zero).  Call once per sample (Monte Carlo)
+        or once per chunk of a mega-batch."""
+        if self._active is None:
+            raise RuntimeError("accumulate() needs an active sample: call sample() first")
+        k, draw = self._active
+        missing = frozenset({(b.index, i) for b in self._buckets
+                             for i, p in enumerate(b.params) if p.grad is None}
+                            | self._backend.unwritten())
+        self._backend.accumulate(k, draw, lend=clear_grads)
+        self._pending.note_grads(k, missing)
+        self._pending.count[k] += 1
+        if clear_grads:
+            for group in self._groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    @torch._disable_dynamo
+    def restore(self) -> None:
+        """Put the posterior mean back into the parameters (ends the active sample)."""
+        self._backend.restore()
+        self._active = None
+
+    @contextlib.contextmanager
+    def sampled(self, kind: str = "inner", accumulate: bool = True):
+        """``with opt.sampled(kind): loss.backward()`` = sample, (backward), accumulate,
+        restore.  On an exception the mean is restored and, unless the block accumulated
+        itself, the sample is forgotten, and with it the gradients the block left in
+        ``.grad``: the next draws and gradients are those of an optimizer that never
+        entered the block."""
+        self.sample(kind)
+        k, draw = self._active
+        count = self._pending.count[k]
+        grads = self._grads_now()
+        ok = False
+        try:
+            yield self
+            if accumulate:
+                self.accumulate()
+            ok = True
+        finally:
+            self.restore()
+            if not ok and self._pending.count[k] == count:
+                self._pending.draws[k] = draw
+                self._put_back_grads(grads)
+
+    # ------------------------------------------------------------------ step
+    @torch._disable_dynamo           # (see sample(); the closure runs eagerly too)
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None, *, grad_scale: Optional[Tensor] = None,
+             found_inf: Optional[Tensor] = None):
+        """One inner step.
+
+        With a ``closure`` (zeroes grads, forward, backward, returns the loss): evaluate it
+        at ``mc_samples`` inner samples and, once the correction is active, at as many
+        outer samples on the same mini-batch; returns the mean loss at the inner samples.
+
+        Without: use what :meth:`sample`/:meth:`accumulate` collected.  AMP: gradients are
+        divided by ``grad_scale``; a nonzero ``found_inf`` skips the step, leaving the
+        state as it was.
+
+        A step refused before the update (call order, hyperparameters) keeps the collected
+        gradients; an update that runs (taken, skipped, or refused for non-finite
+        gradients) consumes them.
+        """
+        if self._active is not None:
+            raise RuntimeError("step() while a sample is in the parameters: call restore() first")
+        self._check_groups()
+        self._check_amp(grad_scale, found_inf)
+        pend = self._pending
+        self._check_no_mix(KIND_INNER)
+        self._check_trainable()
+        corr = self._corrected()
+        loss = None
+        #: the parameters held the next sample: a failure puts it back, not the mean
+        self._was_ahead = self._backend.ahead is not None
+        if closure is not None:
+            if self._has_correction and self._refreshes == 0 and not self._warned_lightning \
+                    and _from_lightning(closure):
+                self._warned_lightning = True
+                warnings.warn(f"{type(self).__name__} under Lightning's automatic optimization "
+                              "takes IVON's steps: nothing here calls refresh(), so the "
+                              "correction never starts. Use poco_kernels.integrations."
+                              "lightning.PoCoLightningModule (docs/integrations.md)",
+                              stacklevel=2)
+            if pend.count[KIND_INNER] or pend.count[KIND_OUTER]:
+                raise RuntimeError("step(closure) with gradients already accumulated by "
+                                   "sample()/accumulate(): call step() without a closure, or "
+                                   "use one protocol per step")
+            try:
+                losses = [self._run_closure(closure, "inner")
+                          for _ in range(self._closure_samples())]
+                if corr:
+                    for _ in range(self._closure_samples()):
+                        self._run_closure(closure, "outer")
+            except BaseException:
+                self._drop_pending((KIND_INNER, KIND_OUTER))
+                raise
+            loss = mean_loss(losses)
+        else:
+            if pend.count[KIND_INNER] == 0 and self.noisy:
+                raise RuntimeError(
+                    f"{type(self).__name__}.step() needs gradients at a posterior sample: pass a "
+                    "closure, or run the backward pass inside `with optimizer.sampled():` "
+                    "(see the README, 'Training loops without closures'). A training loop "
+                    "that owns step(), such as the Hugging Face Trainer's, needs "
+                    "poco_kernels.integrations (docs/integrations.md): "
+                    "poco_kernels.integrations.hf.PoCoTrainer in place of Trainer")
+            if (corr and pend.count[KIND_OUTER] == 0
+                    and not self._backend.skipped_on_host(found_inf)):
+                raise RuntimeError(
+                    "the posterior correction is active but no gradient at the outer sample "
+                    "was given: pass a closure to step(), or also run `with "
+                    "optimizer.sampled('outer'):` on the same mini-batch, then step()")
+            if pend.count[KIND_INNER] == 0:
+                # noiseless optimizer, torch-style use: the gradients in .grad are at the mean
+                self._sync_mean()
+                self._active = (KIND_INNER, 0)
+                self._backend.at_mean()
+                try:
+                    self.accumulate(clear_grads=False)
+                finally:
+                    self._active = None
+        skip = self._without_grad((KIND_INNER, KIND_OUTER))
+        saved = self._save_params(skip) if skip else None
+        had = [set(b.buffers) for b in self._buckets]
+        try:
+            taken = self._backend.step(corr, grad_scale, found_inf)
+        except BaseException:
+            self._drop_new_buffers(had)
+            self._drop_pending((KIND_INNER, KIND_OUTER))
+            raise
+        finally:
+            pend.clear((KIND_INNER, KIND_OUTER))
+            self._eps_cache.clear()
+            if saved:
+                self._put_back(saved)
+            self._backend.after_update()
+        if taken:
+            self._step += 1
+        elif taken is False:
+            self._drop_new_buffers(had)
+        if self._backend.ahead_family() and (saved or self._backend.ahead is None):
+            # the torch backend, or parameters put back without a gradient: the next
+            # sample by a sample pass (the fused kernels wrote it in the step's pass)
+            self._backend.restore()
+            self._backend.prefetch()
+        return loss
+
+
+    # ------------------------------------------------------------------ refresh
+    @torch._disable_dynamo
+    @torch.no_grad()
+    def refresh(self, closures: Optional[Iterable[Callable]] = None, *,
+                grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
+        """Form the outer estimate from a mega-batch (or the full batch).
+
+        ``closures``: one closure, or one per chunk of the mega-batch (each zeroes grads, runs
+        forward and backward on its chunk, returns its mean loss); the outer gradient is
+        the mean over the chunks, at ONE posterior sample for the whole mega-batch (or at
+        each of ``refresh_samples`` samples, where the optimizer has that option).  Chunks
+        should be of equal size (or their losses weighted accordingly).  Without closures,
+        use what ``sample("refresh")`` / ``accumulate()`` collected.  Returns the mean loss
+        (None when the refresh was skipped: AMP overflow, or non-finite gradients on a
+        fused backend with ``check_finite=False``).
+
+        Whether a refresh was taken decides whether the correction is active, so the
+        fused backends read that one flag from the device here (one synchronisation per
+        refresh; steps have none).
+        """
+        if not self._has_correction:
+            raise RuntimeError(f"{type(self).__name__} has no outer loop to refresh")
+        if self._active is not None:
+            raise RuntimeError("refresh() while a sample is in the parameters: call restore() first")
+        self._check_groups()
+        self._check_amp(grad_scale, found_inf)
+        pend = self._pending
+        self._check_no_mix(KIND_REFRESH)
+        self._check_trainable()
+        losses = []
+        if closures is not None:
+            if pend.count[KIND_REFRESH]:
+                raise RuntimeError("refresh(closures) with refresh gradients already "
+                                   "accumulated: call refresh() without closures")
+            closures = as_closures(closures)
+            check(len(closures) > 0, "refresh() needs at least one chunk of the mega-batch "
+                                     "(closures is empty)")
+            try:
+                for _ in range(self._closure_samples("refresh_samples")):
+                    self._sample("refresh", trainable_checked=True)
+                    try:
+                        for c in closures:
+                            with torch.enable_grad():
+                                losses.append(c())
+                            self.accumulate()
+                    finally:
+                        self.restore()
+            except BaseException:
+                self._drop_pending((KIND_REFRESH,))
+                raise
+        elif pend.count[KIND_REFRESH] == 0:
+            raise ValueError("refresh() needs at least one chunk of the mega-batch: pass "
+                             "closures, or accumulate inside `with optimizer.sampled("
+                             "'refresh'):` first")
+        self._without_grad((KIND_REFRESH,))
+        try:
+            taken = self._backend.refresh(grad_scale, found_inf)
+        except BaseException:
+            self._drop_pending((KIND_REFRESH,))
+            raise
+        finally:
+            pend.clear((KIND_REFRESH,))
+            self._eps_cache.clear()
+            self._backend.after_update()
+        if not taken:
+            return None
+        self._refresh_taken()
+        return mean_loss(losses)

@@ -1,0 +1,145 @@
+"""What a call that fails puts back: gradients a failed ``sampled()`` block left, pending
+sums, buffers a skipped update made, parameters a step skips; the closure run and the AMP
+arguments' checks (the transactional half of the sampling protocol)."""
+from __future__ import annotations
+
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._protocol import KIND_INNER
+from ._validation import check
+
+
+
+class TransactionMixin:
+    """The helpers of :class:`~poco_kernels._posterior.PosteriorOptimizer` that keep a failed
+    or skipped call from changing anything."""
+
+    @torch._disable_dynamo
+    def _grads_now(self) -> List[Tuple[Tensor, Optional[Tensor], int]]:
+        """Every parameter's ``.grad`` and its version counter (no copy), for
+        :meth:`_put_back_grads`."""
+        out = []
+        for group in self._groups:
+            for p in group["params"]:
+                g = p.grad
+                out.append((p, g, 0 if g is None else g._version))
+        return out
+
+    @torch._disable_dynamo
+    def _put_back_grads(self, saved) -> None:
+        """Drop the gradients a failed ``sampled()`` block left in ``.grad``: a ``.grad``
+        that was None is None again, one that was replaced is put back, and one the
+        backward accumulated into in place (a zeroed ``.grad``, or a view of the fused
+        backends' gradient buffer, zero when the sample handed it out) is zeroed.
+        Otherwise the next block's backward would add to them (a loop that relies on
+        ``accumulate()`` clearing ``.grad`` calls no ``zero_grad()``)."""
+        with torch.no_grad():
+            for p, g, version in saved:
+                if g is not None and g._version != version:
+                    if g.grad_fn is not None:
+                        g.detach_()
+                    g.zero_()
+                if p.grad is not g:
+                    p.grad = g
+
+    def _drop_pending(self, kinds) -> None:
+        """A call failed after collecting gradients of ``kinds``: drop them and what
+        collecting them noted, and put back what the parameters held before the call: the
+        mean, or the next sample a step left there (``sample_ahead``)."""
+        self._pending.clear(kinds)
+        self._backend.discard()
+        was_ahead = self._was_ahead and KIND_INNER in kinds
+        if not self._backend.params_hold_mean or was_ahead:
+            self.restore()
+            if was_ahead:
+                self._backend.prefetch()
+
+    def _closure_samples(self, group_key: str = "mc_samples") -> int:
+        return max(int(g.get(group_key, 1)) for g in self._groups)
+
+    def _run_closure(self, closure: Callable, kind: str) -> Tensor:
+        """One evaluation at a ``kind`` sample.  A backend whose update rewrites the
+        parameters leaves the sample there (the next sample or the update overwrites it)."""
+        self._sample(kind, trainable_checked=True)
+        ok = False
+        try:
+            with torch.enable_grad():
+                loss = closure()
+            self.accumulate()
+            ok = True
+        finally:
+            if ok and self._backend.lazy_restore:
+                self._active = None
+            else:
+                self.restore()
+        return loss
+
+    def _check_amp(self, grad_scale, found_inf) -> None:
+        """AMP arguments: one-element real tensors, as torch.amp.GradScaler passes them;
+        ``grad_scale`` positive and finite, checked where reading it is free (a CPU tensor,
+        or the torch backend, which reads its gradients anyway)."""
+        for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+            check(t is None or (isinstance(t, Tensor) and t.numel() == 1 and t.dim() <= 1
+                                and not t.is_complex() and t.device.type != "meta"),
+                  f"{name} must be None or a one-element real tensor (torch.amp.GradScaler's)"
+                  f", got {type(t).__name__}"
+                  f"{'' if not isinstance(t, Tensor) else f' of shape {tuple(t.shape)}'}")
+        if grad_scale is None:
+            return
+        check(grad_scale.is_floating_point(),
+              f"grad_scale must be a float tensor, got {grad_scale.dtype}")
+        if self._backend.host_readable(grad_scale):
+            v = float(grad_scale.detach().reshape(()))
+            check(v > 0 and v != float("inf"), f"grad_scale must be finite and > 0, got {v}")
+
+    def _drop_new_buffers(self, had) -> None:
+        """An update not taken leaves no buffer made at its first use (SGD's momentum)."""
+        for b, names in zip(self._buckets, had):
+            new = [n for n in b.buffers if n not in names]
+            for n in new:
+                del b.buffers[n]
+            if new:
+                self._expose(b)
+
+    def _without_grad(self, kinds) -> FrozenSet[Tuple[int, int]]:
+        """The parameters that had no gradient at any sample of ``kinds`` collected for
+        this update (``(bucket, index)``).  If that is every trainable parameter, the
+        update is refused (pending gradients dropped): a closure that forgot
+        ``backward()`` must not train on zeros."""
+        pend = self._pending
+        sets = [pend.no_grad[k] for k in kinds if pend.count[k]]
+        missing = frozenset.intersection(*sets) if sets else frozenset()
+        n = sum(len(b.params) for b in self._buckets)
+        if n and len(missing) == n:
+            self._drop_pending(kinds)
+            what = "step" if KIND_INNER in kinds else "refresh"
+            raise RuntimeError(
+                f"no parameter received a gradient for this {what} (every .grad was None, "
+                "nothing was updated): did the closure call loss.backward()?  With "
+                "sample()/accumulate(), call backward() inside the `with "
+                "optimizer.sampled():` block.")
+        return missing
+
+    def _save_params(self, which) -> List[Tuple[Tensor, Tensor, Dict[str, Tensor]]]:
+        """Copies of the value and state of parameters a step skips (no gradient)."""
+        out = []
+        for bi, i in sorted(which):
+            b = self._buckets[bi]
+            p = b.params[i]
+            out.append((b.local(i), {n: v.clone() for n, v in self.state[p].items()}, p))
+        return out
+
+    def _put_back(self, saved) -> None:
+        """A skipped parameter's value and state as they were before the step (a buffer
+        the step created, as SGD's momentum, stays zero for it)."""
+        with torch.no_grad():
+            for loc, state, p in saved:
+                for n, v in self.state[p].items():
+                    if n in state:
+                        v.copy_(state[n])
+                    else:
+                        v.zero_()
+                loc.copy_(state["mean"])        # (the parameter may hold a sample)
