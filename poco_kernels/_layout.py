@@ -232,6 +232,26 @@ class Bucket:
     #: sharded parameters: (local offset, length, index in the unsharded bucket) per
     #: parameter, where the noise of those elements is drawn; None: not sharded
     segments: Optional[List[Tuple[int, int, int]]] = None
+    # What a backend keeps on the bucket (not constructor arguments, not compared or shown).
+    # The fused backends ("triton", "cpp") set these; the torch backend leaves them None.
+    #: the flat buffer of the parameter dtype the parameters are views of (fused:
+    #: backends/fused_layout.py, flatten; None while sharded: FSDP2 owns the shards)
+    flat_param: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
+    #: the parameters' addresses as views of ``flat_param``, cached to tell whether they
+    #: still are (fused: backends/fused_layout.py, _is_flat)
+    flat_ptrs: Optional[List[int]] = field(default=None, init=False, repr=False, compare=False)
+    #: the flat gradient buffers of the parameter dtype, fused_grads.GradBuffer objects,
+    #: more while some are lent as pending sums (fused: flatten, _free_buffer; [] sharded)
+    grad_bufs: Optional[list] = field(default=None, init=False, repr=False, compare=False)
+    #: index in ``grad_bufs`` of the buffer whose views the parameters were handed as
+    #: ``.grad`` (fused: backends/fused_grads.py, hand_out; None: none handed out)
+    handed: Optional[int] = field(default=None, init=False, repr=False, compare=False)
+    #: the first gradient buffer's flat tensor, ``grad_bufs[0].flat`` (fused: flatten)
+    grad_flat: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
+    #: the first gradient buffer's per-parameter views, whose shapes are the parameters'
+    #: as flattened, read by the re-link (fused: flatten)
+    grad_views: Optional[List[Tensor]] = field(default=None, init=False, repr=False,
+                                               compare=False)
 
     def local(self, i: int) -> Tensor:
         """Parameter ``i`` as this process holds it (its local shard when sharded)."""

@@ -1,0 +1,223 @@
+"""The fused engine's gradient buffers: the ``.grad`` views it hands out and collects.
+
+Each unsharded bucket has flat gradient buffers of the parameter dtype
+(:class:`GradBuffer`); before a sample's backward every trainable parameter gets a
+``.grad`` that is a view of a zeroed, free one (:meth:`GradsMixin.hand_out`), so autograd
+accumulates straight into the buffer the kernels read.  ``zero_grad()`` zeroes those
+buffers in place, and a handed-out view no backward wrote counts as no gradient
+(:meth:`GradsMixin.unwritten`).  ``accumulate`` collects a bucket's gradients from them
+(:meth:`GradsMixin._gather_grads`), or, for a sharded bucket, reads FSDP2's
+reduce-scattered shards in place (:meth:`GradsMixin._shard_grads`).  A buffer adopted as
+a pending sum is lent until the update that consumes it.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from .._layout import alloc_flat, local
+
+
+def _capturing() -> bool:
+    """A CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_sparse(g: Tensor) -> None:
+    """A sparse gradient is refused (before any sum changes)."""
+    if g.is_sparse:
+        raise RuntimeError("poco_kernels optimizers do not support sparse gradients "
+                           "(e.g. nn.Embedding(sparse=True)): nothing was accumulated")
+
+
+class GradBuffer:
+    """A flat gradient buffer of a bucket (the parameter dtype) and, per parameter, a
+    tensor over its part of the storage that is handed to the parameter as its ``.grad``.
+
+    Those tensors alias the buffer without being autograd views of it, so each keeps its
+    own version counter: every in-place write to one (autograd accumulating a gradient
+    into ``.grad``, ``zero_()``, a copy) moves that parameter's counter only.  ``clean``:
+    the counters at which the buffer was last known to hold zeros (None: not known), so
+    the engine knows without reading the buffer whether it is still zero and which
+    parameters received a gradient since."""
+
+    __slots__ = ("flat", "views", "clean")
+
+    def __init__(self, b):
+        self.flat = alloc_flat(b.numel, b.device, b.param_dtype)     # (zero padding)
+        st = self.flat.untyped_storage()
+        self.views = [torch.empty(0, device=b.device, dtype=b.param_dtype).set_(
+                          st, off, p.shape)            # (contiguous strides)
+                      for p, off in zip(b.params, b.offsets)]
+        self.clean = self._versions()
+
+    def _versions(self) -> List[int]:
+        return [v._version for v in self.views]
+
+    def is_clean(self) -> bool:
+        return self.clean is not None and self.clean == self._versions()
+
+    def zero(self) -> None:
+        """Make it hold zeros (one memset, skipped when it is known to)."""
+        if not self.is_clean():
+            self.flat.zero_()
+            self.clean = self._versions()
+
+
+class GradsMixin:
+    """The gradient buffers of :class:`~poco_kernels.backends.fused.FusedBackend`: hand
+    out ``.grad`` views, zero them, note which received a gradient, and gather them for
+    ``accumulate``."""
+
+    # ------------------------------------------------------------------ gradient buffers
+    def _lent(self) -> set:
+        """ids of the tensors the pending sums are (a gradient buffer adopted as a sum is
+        lent until the update that consumes it)."""
+        return {id(t) for t in self.opt._pending.sums.values()}
+
+    def _free_buffer(self, b, lent: set, prefer: Optional[int] = None) -> int:
+        """The index of a gradient buffer of ``b`` not lent to a pending sum (``prefer``
+        if it is free); a new one when all are lent."""
+        if prefer is not None and id(b.grad_bufs[prefer].flat) not in lent:
+            return prefer
+        for i, gb in enumerate(b.grad_bufs):
+            if id(gb.flat) not in lent:
+                return i
+        b.grad_bufs.append(GradBuffer(b))
+        return len(b.grad_bufs) - 1
+
+    def hand_out(self, cleared_only: bool = False) -> None:
+        """Give every trainable parameter a ``.grad`` that is a view of a zeroed, free
+        flat gradient buffer of its bucket, so that the coming backward pass accumulates
+        straight into the buffer the kernels read (before a sample's backward, and after
+        an update for the buckets whose ``.grad`` were cleared by ``accumulate``:
+        ``cleared_only``)."""
+        if not self.opt.grad_views or torch.compiler.is_compiling():
+            return
+        lent = self._lent()
+        for b in self.opt._buckets:
+            if b.segments is not None:        # FSDP2 hands out the sharded gradients
+                continue
+            if cleared_only and any(p.grad is not None for p in b.params):
+                continue
+            i = self._free_buffer(b, lent, b.handed)
+            gb = b.grad_bufs[i]
+            gb.zero()
+            for p, v in zip(b.params, gb.views):
+                if p.grad is not v:
+                    p.grad = v
+                self.reached.discard(id(p))
+                if id(p) not in self._watched:
+                    self._watch(p)
+            b.handed = i
+
+    def _watch(self, p) -> None:
+        """Note in :attr:`reached` every gradient autograd accumulates into ``p``."""
+        ref = weakref.ref(self)
+
+        def hook(param, ref=ref):
+            eng = ref()
+            if eng is not None:
+                eng.reached.add(id(param))
+        p.register_post_accumulate_grad_hook(hook)
+        self._watched.add(id(p))
+
+    def zero_grads(self) -> set:
+        """``zero_grad()`` for the parameters whose ``.grad`` is a view handed out by
+        :meth:`hand_out`: zero the buffer in place (nothing to do when it is known to be
+        zero), keeping the views.  Returns the ids of the parameters handled."""
+        done = set()
+        if torch.compiler.is_compiling():
+            return done
+        lent = self._lent()
+        for b in self.opt._buckets:
+            if b.handed is None:
+                continue
+            gb = b.grad_bufs[b.handed]
+            if id(gb.flat) in lent:
+                continue
+            ours = [p.grad is v for p, v in zip(b.params, gb.views)]
+            if any(ours):
+                gb.zero()
+                done.update(id(p) for p, o in zip(b.params, ours) if o)
+        return done
+
+    def unwritten(self) -> set:
+        """``(bucket, index)`` of the parameters whose ``.grad`` is a view handed out by
+        :meth:`hand_out` that received no gradient: autograd accumulated nothing into it
+        since (:attr:`reached`) and it still holds zeros (a gradient written another way,
+        e.g. a collective into ``p.grad.data``, counts; clipping a zero one does not).
+        They are skipped, as a ``.grad`` of None is with ``torch.optim``.  Reads the
+        data of those parameters only (usually none), in one device read; none while a
+        CUDA graph is captured (a read would break the capture, and a replay could not
+        repeat it): there every handed-out gradient counts as written."""
+        out = set()
+        if torch.compiler.is_compiling() or _capturing():
+            return out
+        cand = []
+        for b in self.opt._buckets:
+            if b.handed is None:
+                continue
+            gb = b.grad_bufs[b.handed]
+            for i, (p, v) in enumerate(zip(b.params, gb.views)):
+                if p.grad is v and id(p) not in self.reached:
+                    cand.append(((b.index, i), v))
+        if cand:
+            nonzero = torch.stack([v.ne(0).any() for _, v in cand]).tolist()
+            out = {key for (key, _), nz in zip(cand, nonzero) if not nz}
+        return out
+
+    def _gather_grads(self, b, lent: set) -> GradBuffer:
+        """The bucket's gradients in one free flat buffer of the parameter dtype: free
+        when the ``.grad`` are the views handed out, one foreach copy for those that are
+        not (replaced, or made by autograd after ``zero_grad(set_to_none=True)``), zeros
+        for those that are None."""
+        compiling = torch.compiler.is_compiling()
+        i = self._free_buffer(b, lent, b.handed)
+        gb = b.grad_bufs[i]
+        srcs, dsts, zero = [], [], []
+        for p, view in zip(b.params, gb.views):
+            g = p.grad
+            if g is None:
+                zero.append(view)
+                continue
+            _refuse_sparse(g)
+            if compiling or g is not view:
+                srcs.append(g.detach())
+                dsts.append(view)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        if zero:
+            torch._foreach_zero_(zero)
+        return gb
+
+    def _shard_grads(self, b) -> List[Optional[Tensor]]:
+        """The local gradients of a sharded bucket, one per launch of :meth:`_pieces`
+        (FSDP2's reduce-scattered shards, read in place; None: no gradient, a zero one)."""
+        out = []
+        for i, (lo, n, _) in enumerate(b.segments):
+            if n == 0:
+                continue
+            g = b.params[i].grad
+            if g is None:
+                out.append(None)
+                continue
+            _refuse_sparse(g)
+            g = local(g.detach())
+            if g.numel() != n:
+                raise RuntimeError(f"a sharded gradient has {g.numel()} elements where its "
+                                   f"parameter's local shard has {n}: nothing was accumulated")
+            if g.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
+                    or g.device != b.device:
+                g = g.to(device=b.device, dtype=b.param_dtype)
+            out.append(g.reshape(-1).contiguous())
+        return out
+
+    def after_update(self) -> None:
+        """The pending sums of an update are gone (consumed or dropped): the gradient
+        buffers lent to them are free, and parameters whose ``.grad`` ``accumulate``
+        cleared get views of a zeroed one again."""
+        self.hand_out(cleared_only=True)

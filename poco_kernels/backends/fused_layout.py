@@ -1,0 +1,188 @@
+"""The fused engine's layout: flat parameter buffers and the launches over them.
+
+The parameters of an unsharded bucket are views of one flat buffer of their dtype
+(:meth:`LayoutMixin.flatten`), re-linked where they were taken off it
+(:meth:`LayoutMixin.check_layout`).  A sharded bucket (FSDP2) keeps FSDP2's local shards:
+an operation runs one launch per shard over its slice of the bucket's flat buffers
+(:meth:`LayoutMixin._pieces`, :meth:`LayoutMixin._cutter`), and copies between the
+parameters and a flat buffer go shard by shard (:meth:`LayoutMixin._params_to`,
+:meth:`LayoutMixin._params_from`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._layout import alloc_flat
+from .fused_grads import GradBuffer
+
+
+class LayoutMixin:
+    """The flat buffers of :class:`~poco_kernels.backends.fused.FusedBackend`: flatten the
+    buckets, re-link parameters taken off them, and cut an operation into launches."""
+
+    # ------------------------------------------------------------------ layout
+    def flatten(self) -> None:
+        """Make every bucket's parameters views of one flat buffer (and give it a flat
+        gradient buffer).  Idempotent: buckets already flat keep their storage."""
+        for b in self.opt._buckets:
+            flat = getattr(b, "flat_param", None)
+            if b.segments is not None:        # FSDP2 owns the shards: launched per shard
+                b.flat_param, b.grad_bufs, b.handed = None, [], None
+                b.grad_flat, b.grad_views = None, None
+                self._check_shards(b)
+            elif flat is None or not self._is_flat(b):
+                flat = alloc_flat(b.numel, b.device, b.param_dtype)
+                with torch.no_grad():
+                    for p, off in zip(b.params, b.offsets):
+                        flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                    for p, off in zip(b.params, b.offsets):
+                        p.data = flat[off:off + p.numel()].view_as(p)
+                b.flat_param = flat
+                b.grad_bufs = [GradBuffer(b)]
+                b.handed = None
+                b.grad_flat, b.grad_views = b.grad_bufs[0].flat, b.grad_bufs[0].views
+            if b.device not in self.ctl:      # a new device starts from the counters
+                src = next(iter(self.ctl.values()), None)
+                self.ctl[b.device] = (src.to(b.device, copy=True) if src is not None else
+                                      self._counters_tensor(self.opt._step,
+                                                            self.opt._refreshes, 0, b.device))
+
+    # ------------------------------------------------------------------ sharded buckets
+    @staticmethod
+    def _pieces(b):
+        """The launches of an operation on bucket ``b``: ``(lo, n, offset, param)`` per
+        launch, the elements ``lo .. lo + n - 1`` of the bucket's flat buffers, the noise
+        (and rounding) offset of element ``lo``, and the parameter tensor written.  One
+        launch over the flat parameter buffer at offset 0, or per non-empty local shard of
+        a sharded bucket its slice, its place in the unsharded bucket and the shard itself
+        (FSDP2's storage, flattened: a view)."""
+        if b.segments is None:
+            return ((0, b.numel, 0, b.flat_param),)
+        return tuple((lo, n, start, b.local(i).view(-1))
+                     for i, (lo, n, start) in enumerate(b.segments) if n > 0)
+
+    @staticmethod
+    def _cutter(b, lo: int, n: int):
+        """The slice ``lo .. lo + n - 1`` of a flat buffer of ``b`` (None stays None; an
+        unsharded bucket's one launch takes the buffers themselves: their padding counts)."""
+        if b.segments is None:
+            return lambda t: t
+        return lambda t: None if t is None else t[lo:lo + n]
+
+    def _params_to(self, b, dst: Tensor) -> None:
+        """``dst`` (a flat buffer of ``b``) takes the parameters' values."""
+        if b.segments is None:
+            dst.copy_(b.flat_param)
+            return
+        pieces = self._pieces(b)
+        if pieces:
+            torch._foreach_copy_([dst[lo:lo + n] for lo, n, _, _ in pieces],
+                                 [prm for _, _, _, prm in pieces])
+
+    def _params_from(self, b, src: Tensor) -> None:
+        """The parameters take the values of ``src`` (a flat buffer of ``b``)."""
+        if b.segments is None:
+            b.flat_param.copy_(src)
+            return
+        pieces = self._pieces(b)
+        if pieces:
+            torch._foreach_copy_([prm for _, _, _, prm in pieces],
+                                 [src[lo:lo + n] for lo, n, _, _ in pieces])
+
+    def _check_shards(self, b) -> None:
+        """The local shards of a sharded bucket are still contiguous tensors of the
+        bucket's dtype, device and sizes (FSDP2 may replace their storage, e.g. when a
+        state dict is loaded into the model: the launches follow it)."""
+        for i, (lo, n, _) in enumerate(b.segments):
+            loc = b.local(i)
+            if (loc.numel() != n or loc.dtype != b.param_dtype or loc.device != b.device
+                    or not loc.is_contiguous()):
+                group = self.opt.param_groups[b.group_index]["params"]
+                j = next(j for j, q in enumerate(group) if q is b.params[i])
+                raise RuntimeError(
+                    f"parameter {j} of param group {b.group_index}: its local shard changed "
+                    f"since the optimizer was built (now {tuple(loc.shape)} {loc.dtype} on "
+                    f"{loc.device}, contiguous={loc.is_contiguous()}; expected {n} elements "
+                    f"of {b.param_dtype} on {b.device}): build the optimizer after sharding, "
+                    "moving or converting the model (a state dict carries its state over)")
+
+    @staticmethod
+    def _is_flat(b) -> bool:
+        """The bucket's parameters are (still) the views of its flat buffer made by
+        :meth:`flatten` or a re-link: their addresses are those of the views (one list
+        comparison; a parameter re-pointed elsewhere has another address)."""
+        ptrs = getattr(b, "flat_ptrs", None)
+        if ptrs is None or ptrs[0] != b.flat_param.data_ptr():
+            base, size = b.flat_param.data_ptr(), b.flat_param.element_size()
+            b.flat_ptrs = ptrs = [base + off * size for off in b.offsets]
+        return [p.data_ptr() for p in b.params] == ptrs
+
+    def check_layout(self) -> None:
+        """Re-link parameters taken off the flat buffers (by another optimizer built over
+        them, a deepcopy, or ``p.data = t``) that kept their shape, dtype and device:
+        their current values are copied in and ``p.data`` is re-pointed (the parameters
+        are the truth, as in ``torch.optim``).  A changed shape, dtype or device raises,
+        with nothing changed."""
+        self._relink(strict=True)
+
+    def _relink(self, strict: bool) -> None:
+        """:meth:`check_layout`; ``strict=False`` leaves a bucket that cannot be re-linked
+        as it is instead of raising (restore: the error is the next sample's or step's)."""
+        if torch.compiler.is_compiling():     # storage pointers are not traceable
+            return
+        loose = []
+        for b in self.opt._buckets:           # all checked before any is re-linked
+            if b.segments is not None:
+                if strict:
+                    self._check_shards(b)
+                continue
+            if self._is_flat(b):
+                continue
+            why = self._changed(b)
+            if why is None:
+                loose.append(b)
+            elif strict:
+                raise RuntimeError(
+                    f"{why} since the optimizer was built (e.g. by model.to(...) or "
+                    f"`p.data = ...`): with backend={self.name!r} the parameters are views "
+                    "of the optimizer's flat buffers of their dtype and device; build the "
+                    "optimizer after moving or converting the model (a state dict carries "
+                    "the optimizer's state over)")
+        with torch.no_grad():
+            for b in loose:
+                base = b.flat_param.data_ptr()
+                size = b.flat_param.element_size()
+                for p, off, view in zip(b.params, b.offsets, b.grad_views):
+                    if p.data_ptr() == base + off * size and p.is_contiguous():
+                        continue
+                    flat = b.flat_param[off:off + p.numel()]
+                    new = p.detach().reshape(-1)
+                    if not self.params_hold_mean and not torch.equal(flat, new):
+                        # the parameters hold a sample and this one was given another
+                        # value: that value is its mean now (the parameters are the truth)
+                        b.buffers["mean"][off:off + p.numel()].copy_(new)
+                        self.ahead = None
+                    flat.copy_(new)
+                    p.data = flat.view_as(view)
+                if b.param_dtype != b.dtype and self.params_hold_mean:
+                    # low precision: the float32 master copy keeps what the parameters
+                    # still round to, and takes the values changed elsewhere
+                    mean = b.buffers["mean"]
+                    moved = mean.to(b.param_dtype) != b.flat_param
+                    mean.copy_(torch.where(moved, b.flat_param.to(mean.dtype), mean))
+
+    def _changed(self, b) -> Optional[str]:
+        """What keeps a bucket's parameters from being re-linked (None: nothing)."""
+        for p, view in zip(b.params, b.grad_views):
+            for what, now, was in (("dtype", p.dtype, b.param_dtype),
+                                   ("device", p.device, b.device),
+                                   ("shape", tuple(p.shape), tuple(view.shape))):
+                if now != was:
+                    group = self.opt.param_groups[b.group_index]["params"]
+                    i = next(i for i, q in enumerate(group) if q is p)
+                    return (f"parameter {i} of param group {b.group_index}: its storage was "
+                            f"replaced by one of another {what} ({was} -> {now})")
+        return None

@@ -1,0 +1,197 @@
+"""The fused engine's samples and gradient sums.
+
+A sample writes its draw into the parameters in one launch per bucket (or shard), from
+the mean and the noise counters, and ``restore`` puts the mean back.  ``accumulate``
+folds a sample's gradients into the pending sums: the sum of the gradients per (sample
+kind, bucket), and the sum of ``gradient * eps`` once a kind has more than one draw; with
+one draw a gradient buffer itself becomes the pending sum, lent until the update.  Sums
+live in pool buffers allocated at first use and reused (:meth:`SamplesMixin._acc`).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import noise as _noise
+from .._layout import is_padded
+from .._protocol import KIND_INNER, KIND_REFRESH
+from ..kernels import interface as K
+
+
+class SamplesMixin:
+    """The samples and the gradient sums of
+    :class:`~poco_kernels.backends.fused.FusedBackend`: sample, restore, accumulate, and
+    the pool buffers the sums live in."""
+
+    # ------------------------------------------------------------------ sampling
+    def sync_mean(self) -> None:
+        """float32 parameters are the truth for the mean while they hold it."""
+        self.check_layout()
+        if not self.params_hold_mean:
+            return
+        for b in self.opt._buckets:
+            if b.param_dtype == b.dtype:
+                self._params_to(b, b.buffers["mean"])
+
+    def at_mean(self) -> None:
+        self.check_layout()
+        self.active_noise.clear()
+        self.ahead = None
+
+    def discard(self) -> None:
+        for c in self.ctl.values():
+            c[K.CTL_BAD].zero_()
+
+    @torch.no_grad()
+    def sample(self, kind: int, draw: int) -> None:
+        self.check_layout()
+        self.hand_out()
+        opt = self.opt
+        if self.takes_ahead(kind, draw):      # the step wrote it: nothing moves
+            for b in opt._buckets:
+                self.active_noise[b.index] = self.noise_of(kind, b, draw)
+            self.params_hold_mean = False
+            return
+        self.ahead = None
+        for b in opt._buckets:
+            spec = opt._spec(b, kind, draw)
+            is_mean = spec.centre is b.buffers["mean"]
+            sync = self.params_hold_mean and is_mean and b.param_dtype == b.dtype
+            if spec.noise is None:
+                self.active_noise[b.index] = None
+                if is_mean:
+                    if sync:
+                        self._params_to(b, b.buffers["mean"])
+                    elif not self.params_hold_mean or b.param_dtype != b.dtype:
+                        self._params_from(b, spec.centre)
+                else:
+                    if self.params_hold_mean and b.param_dtype == b.dtype:
+                        self._params_to(b, b.buffers["mean"])
+                    self._params_from(b, spec.centre)
+                continue
+            if self.params_hold_mean and not is_mean and b.param_dtype == b.dtype:
+                self._params_to(b, b.buffers["mean"])
+            nk, nd, slot, sign = spec.noise
+            stream = _noise.stream_id(b.index, nk, nd)
+            self.active_noise[b.index] = (stream, slot, float(sign))
+            if spec.h is not None:
+                mode, h, sig, const = K.SIGMA_IVON, spec.h, None, 0.0
+            elif isinstance(spec.sigma, Tensor):
+                mode, h, sig, const = K.SIGMA_BUFFER, None, spec.sigma, 0.0
+            else:
+                mode, h, sig, const = K.SIGMA_CONST, None, None, spec.sigma
+            row = self.rows.row(b, f"sample{kind}", K.SampleHyper(
+                *(K.hyper_value(v) for v in (spec.ess, spec.wd, const))))
+            for lo, n, off, prm in self._pieces(b):
+                cut = self._cutter(b, lo, n)
+                self.ops.sample(prm, prm if sync else cut(spec.centre), cut(b.buffers["mean"]),
+                                cut(h), cut(sig), self._ctl(b), opt.seed, opt.noise_version,
+                                stream, slot, row, float(sign), mode, sync, off)
+        self.params_hold_mean = False
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        self._relink(strict=False)            # the mean goes where the parameters are
+        for b in self.opt._buckets:
+            self._params_from(b, b.buffers["mean"])
+        self.params_hold_mean = True
+        self.ahead = None
+
+    # ------------------------------------------------------------------ accumulation
+    def _buffers(self, kind: int, b) -> List[Optional[Tensor]]:
+        # (refresh sums and step sums are never pending together, _check_no_mix: the
+        # refresh borrows the inner kind's pool buffers)
+        key = (KIND_INNER if kind == KIND_REFRESH else kind, b.index)
+        if key not in self.pool:
+            self.pool[key] = [b.new_buffer(), None]
+        return self.pool[key]
+
+    def _acc(self, kind: int, b, name: str) -> Tensor:
+        """The buffer of a pending sum, holding the pending value: the sum itself when it
+        is a padded flat buffer of ours (a gradient buffer adopted by :meth:`accumulate`,
+        a pool buffer), else a pool buffer, allocated at first use and reused, into which
+        the sum (the float vector a loaded state dict put there) is copied once."""
+        sums = self.opt._pending.sums
+        cur = sums.get((kind, b.index, name))
+        if (cur is not None and cur.dtype == b.dtype and cur.device == b.device
+                and cur.is_contiguous() and cur.numel() == b.numel
+                and (torch.compiler.is_compiling() or is_padded(cur))):
+            return cur
+        bufs = self._buffers(kind, b)
+        i = 0 if name == "g" else 1
+        if bufs[i] is None:
+            bufs[i] = b.new_buffer()
+        if cur is not None:
+            bufs[i].copy_(cur)
+            sums[(kind, b.index, name)] = bufs[i]
+        return bufs[i]
+
+    def _fold_ge(self, b, acc_g: Tensor, acc_ge: Tensor, stream: int, slot: int,
+                 sign: float) -> None:
+        """``acc_ge = acc_g * eps`` of the given draw (per shard for a sharded bucket)."""
+        for lo, n, off, _ in self._pieces(b):
+            cut = self._cutter(b, lo, n)
+            self.ops.fold_ge(cut(acc_g), cut(acc_ge), self._ctl(b), self.opt.seed,
+                             self.opt.noise_version, stream, slot, sign, off)
+
+    def noise_of(self, kind: int, b, draw: int = 0) -> Optional[Tuple[int, int, float]]:
+        """(stream, counter slot, sign) of draw ``draw`` of a kind, or None (no noise)."""
+        spec = self.opt._spec(b, kind, draw)
+        if spec.noise is None:
+            return None
+        nk, nd, slot, sign = spec.noise
+        return _noise.stream_id(b.index, nk, nd), slot, float(sign)
+
+    @torch.no_grad()
+    def accumulate(self, kind: int, draw: int, lend: bool = True) -> None:
+        opt = self.opt
+        sums = opt._pending.sums
+        lent = self._lent()
+        # gather every bucket first: a refused gradient (sparse) raises before a sum changes
+        bufs = [self._shard_grads(b) if b.segments is not None else self._gather_grads(b, lent)
+                for b in opt._buckets]
+        compiling = torch.compiler.is_compiling()
+        for b, gb in zip(opt._buckets, bufs):
+            first = (kind, b.index, "g") not in sums
+            noise = self.active_noise.get(b.index)
+            want_ge = opt.uses_hessian and noise is not None
+            ge_live = (kind, b.index, "ge") in sums
+            needs_ge = want_ge and (draw >= 1 or ge_live)
+            sharded = b.segments is not None
+            if not sharded:
+                grad = gb.flat
+                gb.clean = None                # it holds a gradient now
+            if (first and not needs_ge and b.param_dtype == b.dtype and lend and not compiling
+                    and not sharded):
+                # the sum of one gradient is the gradient: the buffer itself becomes the
+                # pending sum (lent until the update), checked for non-finite values
+                self.ops.check(grad, self._ctl(b))
+                sums[(kind, b.index, "g")] = grad
+                continue
+            acc_g = self._acc(kind, b, "g")
+            acc_ge = None
+            if needs_ge:
+                acc_ge = self._acc(kind, b, "ge")
+                if not ge_live:
+                    if first:
+                        acc_ge.zero_()
+                    else:              # sums so far are all of draw 0: materialise g * eps_0
+                        self._fold_ge(b, acc_g, acc_ge, *self.noise_of(kind, b, 0))
+                    sums[(kind, b.index, "ge")] = acc_ge
+            stream, slot, sign = noise if noise is not None else (0, 0, 1.0)
+            if not sharded:
+                self.ops.accumulate(grad, acc_g, acc_ge, self._ctl(b), opt.seed,
+                                    opt.noise_version, stream, slot, sign, first,
+                                    acc_ge is not None)
+            else:
+                for (lo, n, off, _), g in zip(self._pieces(b), gb):
+                    cut = self._cutter(b, lo, n)
+                    if g is not None:
+                        self.ops.accumulate(g, cut(acc_g), cut(acc_ge), self._ctl(b), opt.seed,
+                                            opt.noise_version, stream, slot, sign, first,
+                                            acc_ge is not None, off)
+                    elif first:                # no gradient: a zero one
+                        acc_g[lo:lo + n].zero_()
+            sums[(kind, b.index, "g")] = acc_g
