@@ -65,6 +65,13 @@ def test_quick_study_writes_every_output(quick):
     assert set(rows[0]) == set(C.CURVE_FIELDS)
     text = (out / "claims.md").read_text()
     assert "| (e) an increasing alpha schedule" in text and "--quick" in text
+    # the quick scale's verdicts are labelled as deciding nothing, wherever they appear
+    assert C.SMOKE_NOTE in text and summary["table_text"].startswith(C.SMOKE_NOTE)
+    assert summary["table_text"].count("(smoke scale: decides nothing)") == 6
+    # wall times of sub-second runs are not printed as 0
+    (c,) = [c for c in summary["claims"] if c["id"] == "c"]
+    walls = c["result"][-1].split(": ", 1)[1]
+    assert "IVON 0," not in walls and "." in walls, walls
 
 
 def test_a_rerun_reuses_the_saved_runs(quick, monkeypatch):
@@ -96,6 +103,46 @@ def test_a_failed_run_stops_the_study_and_names_the_run(tmp_path):
                 job.final_eval_batches, job.base_batch)      # longer than the model's context
     with pytest.raises(RuntimeError, match="run broken/seed0 failed.*seq_len 1000"):
         S.run_jobs([bad, job], tmp_path, n_jobs=2, quiet=True)
+
+
+def test_progress_in_a_log_is_a_few_plain_lines():
+    """Not a terminal (a log file, a pipe): a line at the start and at each tenth of the
+    work, however many updates; no carriage returns, no run names."""
+    import io
+    log = io.StringIO()
+    bar = S._bar(1000, "arms (3 to run)", quiet=False, file=log)
+    for i in range(400):
+        bar.update(2.5)
+        bar.set_postfix_str(f"ivon/seed{i}")
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 11 and "\r" not in log.getvalue() and "seed" not in log.getvalue()
+    assert lines[0] == "arms (3 to run): 1000 gradient evaluations"
+    assert lines[-1].startswith("arms (3 to run): 100% after ")
+    quiet = io.StringIO()
+    S._bar(10, "x", quiet=True, file=quiet).update(10)
+    assert quiet.getvalue() == ""
+
+
+def test_the_stage_line_tells_shared_runs_from_saved_ones(tmp_path, monkeypatch):
+    """On a first run the arms' stage has nothing saved: seed 0 of adamw and ivon are the
+    lr sweeps' runs (copied), and it says so; a rerun has everything saved."""
+    sc = S.SCALES["quick"]
+    jobs = S.plan(sc, 1e-2, 1.0)
+    copied = {"adamw/seed0", "ivon/seed0"}
+    descs = []
+    monkeypatch.setattr(S, "_bar", lambda total, desc, quiet: descs.append(desc) or
+                        S._Null())
+    saved = set(copied)
+    monkeypatch.setattr(S, "cached_result", lambda out, j: (
+        {"copied_from": "sweep"} if j.run_id in copied else {}) if j.run_id in saved else None)
+    monkeypatch.setattr(S, "run_job", lambda j, out, report=None: saved.add(j.run_id) or {})
+    S.run_jobs(jobs, tmp_path, n_jobs=1, desc="arms")
+    S.run_jobs(jobs, tmp_path, n_jobs=1, desc="arms")
+    n = len(jobs)
+    assert descs == [f"arms ({n - 2} to run, 2 shared with the lr sweeps)",
+                     f"arms (0 to run, {n - 2} saved by an earlier run, 2 shared with the "
+                     f"lr sweeps)"]
 
 
 def test_paired_interval_and_verdicts():
@@ -157,6 +204,10 @@ def test_verdicts_follow_the_numbers():
     assert verdict["d"] == "correction beats none: holds; U-shape: holds"
     assert verdict["e"] == "holds"
     assert verdict["f"] == "holds"
+    # only a smoke scale (the quick one) says its verdicts decide nothing
+    full = dataclasses.replace(sc, decisive=True)
+    text = C.judge(_synthetic(full, paper), full, {})["table_text"]
+    assert C.SMOKE_NOTE not in text and "smoke" not in text
 
     def flat(arm, seed, t):            # nothing differs but noise that sums to 0 over seeds
         if arm.startswith("pocomo@") and t <= int(arm.split("@")[1]):

@@ -1,6 +1,10 @@
 """The README holds exactly two set-up-and-run commands, and CI runs the test one."""
 import os
 import re
+import sys
+import sysconfig
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,3 +32,46 @@ def test_install_pins_the_cpu_torch_before_the_package():
         assert cmd.index("torch==2.13.0") < cmd.index("-e ")
         assert cmd.index("ninja") < cmd.index("-e ")
         assert "--no-build-isolation" in cmd
+
+
+def _setup_dist(monkeypatch, build_temp):
+    """setup.py's distribution, its build_temp set as an install would set it (an
+    editable install: a fresh temporary directory), without building anything."""
+    pytest.importorskip("torch.utils.cpp_extension")
+    import setuptools  # noqa: F401  (first: distutils is then setuptools' own)
+    from distutils.core import run_setup
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("POCO_KERNELS_NO_EXTENSION", raising=False)
+    dist = run_setup(os.path.join(ROOT, "setup.py"), stop_after="init")
+    dist.get_command_obj("build").build_temp = str(build_temp)
+    cmd = dist.get_command_obj("build_ext")
+    cmd.ensure_finalized()
+    return cmd
+
+
+def test_a_reinstall_keeps_the_object_files(tmp_path, monkeypatch):
+    """An editable install builds in a new temporary directory each time; the object
+    files go under build/ instead, so ninja recompiles only what changed."""
+    cmd = _setup_dist(monkeypatch, tmp_path / "pip-editable-build-temp")
+    kept = os.path.join(ROOT, "build",
+                        f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
+    assert cmd.build_temp == kept
+    inside = os.path.join(ROOT, "build", "temp.elsewhere")     # an install's own choice
+    assert _setup_dist(monkeypatch, inside).build_temp == inside
+
+
+def test_the_built_library_is_replaced_only_when_it_changed(tmp_path, monkeypatch):
+    """Copying the built library into the package: nothing when the bytes are the same;
+    else a new file renamed over the old (a process that loaded the old one keeps it)."""
+    cmd = _setup_dist(monkeypatch, tmp_path / "t")
+    built, inplace = tmp_path / "built.so", tmp_path / "inplace.so"
+    built.write_bytes(b"v1")
+    assert cmd.copy_file(str(built), str(inplace))[1] and inplace.read_bytes() == b"v1"
+    before = os.stat(inplace)
+    os.utime(built)                                 # newer, same bytes: left alone
+    assert not cmd.copy_file(str(built), str(inplace))[1]
+    assert os.stat(inplace).st_ino == before.st_ino
+    built.write_bytes(b"v2")
+    assert cmd.copy_file(str(built), str(inplace))[1] and inplace.read_bytes() == b"v2"
+    assert os.stat(inplace).st_ino != before.st_ino          # a new file, not rewritten
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["built.so", "inplace.so"]

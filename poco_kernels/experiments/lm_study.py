@@ -2,7 +2,10 @@
 'Ablations') rerun at CPU scale, with seeds, and judged from the numbers.
 
     python -m poco_kernels.experiments.lm_study            # the full study (~35 min, 2 cores)
-    python -m poco_kernels.experiments.lm_study --quick    # the whole pipeline in < 1 min
+    python -m poco_kernels.experiments.lm_study --quick    # the pipeline in about a minute
+
+``--quick`` is a smoke scale (a tiny model, 40 steps): it exercises every stage, and its
+verdicts, labelled so, decide nothing.
 
 Every run is :class:`~poco_kernels.experiments.pretrain_loop.Trainer` (the package's
 pretraining loop) on the built-in corpus (the source of Python's standard library as bytes,
@@ -254,26 +257,67 @@ def _worker(job: Job, out: str, q) -> Dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- many runs
-def _bar(total: float, desc: str, quiet: bool):
+class _Null:
+    """No progress (``--quiet``)."""
+    def __init__(self):
+        self.n = 0.0
+
+    def update(self, d):
+        self.n += d
+
+    def set_postfix_str(self, s):
+        pass
+
+    def close(self):
+        pass
+
+
+class _Lines(_Null):
+    """Progress for a log that is not a terminal: a plain line at the start and at each
+    tenth of the work done (at most eleven lines a stage; no carriage returns, no run
+    names)."""
+    def __init__(self, total: float, desc: str, file):
+        super().__init__()
+        self.total, self.desc, self.file = total, desc, file
+        self.tenths, self.t0 = 0, time.perf_counter()
+        print(f"{desc}: {total:.0f} gradient evaluations", file=file, flush=True)
+
+    def update(self, d):
+        self.n += d
+        tenths = min(int(10 * self.n / self.total), 10) if self.total > 0 else 10
+        if tenths > self.tenths:
+            self.tenths = tenths
+            print(f"{self.desc}: {10 * tenths}% after {time.perf_counter() - self.t0:.0f} s",
+                  file=self.file, flush=True)
+
+
+def _bar(total: float, desc: str, quiet: bool, file=None):
+    """A tqdm bar on a terminal, occasional plain lines in a log, nothing when quiet."""
+    file = sys.stderr if file is None else file
+    if quiet or file is None:
+        return _Null()
     try:
         from tqdm import tqdm
     except ImportError:                     # progress is optional
         tqdm = None
-    if tqdm is None or quiet:
-        class _Null:
-            n = 0.0
-
-            def update(self, d):
-                self.n += d
-
-            def set_postfix_str(self, s):
-                pass
-
-            def close(self):
-                pass
-        return _Null()
+    isatty = getattr(file, "isatty", None)
+    if tqdm is None or not (isatty is not None and isatty()):
+        return _Lines(total, desc, file)
     return tqdm(total=round(total), desc=desc, unit="grad", dynamic_ncols=True,
-                smoothing=0.05, mininterval=2.0, file=sys.stderr)
+                smoothing=0.05, mininterval=2.0, file=file)
+
+
+def _stage_text(desc: str, n_runs: int, n_todo: int, n_shared: int) -> str:
+    """``arms (37 to run, 2 shared with the lr sweeps)``: the runs to train, those saved
+    by an earlier call, and those that are the lr sweeps' runs (seed 0 of ``adamw`` and
+    ``ivon``, copied, not trained again)."""
+    saved = n_runs - n_todo - n_shared
+    parts = [f"{n_todo} to run"]
+    if saved:
+        parts.append(f"{saved} saved by an earlier run")
+    if n_shared:
+        parts.append(f"{n_shared} shared with the lr sweeps")
+    return f"{desc} ({', '.join(parts)})"
 
 
 def run_jobs(jobs: Sequence[Job], out: Path, n_jobs: int = 2, desc: str = "runs",
@@ -291,8 +335,9 @@ def run_jobs(jobs: Sequence[Job], out: Path, n_jobs: int = 2, desc: str = "runs"
         else:
             todo.append(j)
     todo.sort(key=lambda j: -j.cost())
-    bar = _bar(sum(j.cost() for j in todo), f"{desc} ({len(todo)} to run, "
-               f"{len(jobs) - len(todo)} saved)", quiet)
+    shared = sum(1 for r in results.values() if r.get("copied_from"))
+    bar = _bar(sum(j.cost() for j in todo),
+               _stage_text(desc, len(jobs), len(todo), shared), quiet)
     try:
         if n_jobs <= 1:
             for j in todo:
@@ -407,8 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="The paper's LLM claims (IVON-PoCoMo against IVON and AdamW, alpha, "
                     "its schedules, the refresh interval) at CPU scale, over seeds.")
     p.add_argument("--quick", action="store_true",
-                   help="a tiny model and 40 steps: the whole pipeline in under a minute "
-                        "(--scale quick)")
+                   help="a smoke scale (--scale quick): a tiny model and 40 steps, the "
+                        "whole pipeline in about a minute; its verdicts decide nothing")
     p.add_argument("--scale", default="full", choices=tuple(SCALES),
                    help="full: the CPU study (about 35 min on 2 cores); ablation-33m: the "
                         "paper's ablation model on a GPU (with --data)")

@@ -255,8 +255,8 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
          f"same steps, IVON-PoCoMo - IVON-3x: {d4.text()}, margin +-{margin:.4f} -> "
          f"about as good: {v4} (below: {below(d4)})",
          f"at {e_main:.0f} evaluations (IVON-3x's curve), IVON-PoCoMo - IVON-3x: {d5.text()}",
-         f"train wall time (s, mean): IVON {R.wall('ivon'):.0f}, IVON-PoCoMo "
-         f"{R.wall(main):.0f}, IVON-3x {R.wall('ivon-3x'):.0f}"],
+         f"train wall time (s, mean): IVON {_secs(R.wall('ivon'))}, IVON-PoCoMo "
+         f"{_secs(R.wall(main))}, IVON-3x {_secs(R.wall('ivon-3x'))}"],
         _combine([v3, v4]))
 
     # (d) alpha: correction beats none; U-shape
@@ -304,7 +304,7 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
     ms = sorted(set(sc.refreshes) | {m})
     arm_m = {k: (main if k == m else f"refresh={k}") for k in ms}
     parts = [f"every {k}: {R.stat(arm_m[k])}, {R.evals(arm_m[k]):.0f} gradient "
-             f"evaluations, {R.wall(arm_m[k]):.0f} s" for k in ms]
+             f"evaluations, {_secs(R.wall(arm_m[k]))} s" for k in ms]
     v_f, u_text = _u_shape(R.final, arm_m, lambda k: f"every {k}")
     parts.append(u_text)
     add("f", "refreshing too often or too seldom both hurt",
@@ -316,6 +316,7 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
     diverged = sorted(f"{arm}/seed{s}" for arm, runs in R.by.items()
                       for s, r in runs.items() if not math.isfinite(r["final_val_loss"]))
     summary = {"claims": claims, "meta": meta, "diverged": diverged,
+               "decisive": getattr(sc, "decisive", True),
                "arms": {arm: {"final": R.final(arm), "stat": R.stat(arm),
                               "evals": R.evals(arm), "wall_s": R.wall(arm),
                               "sd": spreads[arm]} for arm in sorted(R.by)}}
@@ -323,6 +324,19 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
     summary["table_text"] = claims_text(summary)
     return summary
 
+
+
+def _secs(x: float) -> str:
+    """Seconds with the digits that matter: 0.47, 3.2, 41 (a quick run takes under one)."""
+    if not math.isfinite(x) or x >= 10:
+        return f"{x:.0f}"
+    return f"{x:.2f}" if x < 1 else f"{x:.1f}"
+
+
+#: what a scale too small to decide anything says above its verdicts
+SMOKE_NOTE = ("SMOKE SCALE: a tiny model for a few dozen steps, to exercise the pipeline; "
+              "these verdicts decide nothing about the paper's claims (the full study: "
+              "without --quick)")
 
 
 def _mean(d: Dict[int, float]) -> float:
@@ -339,8 +353,9 @@ def _sd(d: Dict[int, float]) -> float:
 
 
 def claims_markdown(summary: Dict[str, Any]) -> str:
-    rows = ["| claim | setting | result (difference: mean [95% interval], nats) | verdict |",
-            "|---|---|---|---|"]
+    rows = [] if summary.get("decisive", True) else [f"**{SMOKE_NOTE}.**", ""]
+    rows += ["| claim | setting | result (difference: mean [95% interval], nats) | verdict |",
+             "|---|---|---|---|"]
     for c in summary["claims"]:
         rows.append(f"| ({c['id']}) {c['claim']} | {c['setting']} | "
                     f"{'<br>'.join(c['result'])} | **{c['verdict']}** |")
@@ -350,10 +365,12 @@ def claims_markdown(summary: Dict[str, Any]) -> str:
 
 
 def claims_text(summary: Dict[str, Any]) -> str:
-    out = [f"DIVERGED (non-finite final loss): {', '.join(summary['diverged'])}"] \
-        if summary.get("diverged") else []
+    out = [] if summary.get("decisive", True) else [SMOKE_NOTE]
+    if summary.get("diverged"):
+        out.append(f"DIVERGED (non-finite final loss): {', '.join(summary['diverged'])}")
     for c in summary["claims"]:
-        out.append(f"({c['id']}) {c['claim']}: {c['verdict'].upper()}")
+        smoke = "" if summary.get("decisive", True) else " (smoke scale: decides nothing)"
+        out.append(f"({c['id']}) {c['claim']}: {c['verdict'].upper()}{smoke}")
         out += [f"      {line}" for line in c["result"]]
     return "\n".join(out)
 

@@ -37,6 +37,7 @@ class Scale:
     ivon_beta2: float                # 1 - 1/steps: the paper's horizon, 1e5 steps at 0.99999
     preset: str = "gpt-tiny"         # the GPT preset the sizes above override
     device: str = "cpu"
+    decisive: bool = True            # False: a smoke scale, whose verdicts decide nothing
 
 
 ALPHA = 0.7                          # the package's recipes (the paper's continual runs)
@@ -47,9 +48,9 @@ SCALES = {
     "full": Scale("full", 2, 4, 96, 64, 16, 1000, 50, 10, 4, 64, 3, 500, (250, 500, 750),
                   100, 10, 10, (0.2, 0.5, 0.9, 1.0), (2, 5, 25, 100),
                   (1e-3, 3e-3, 1e-2), (0.3, 1.0, 3.0), 0.999),
-    # the pipeline in seconds (tests)
+    # the pipeline in about a minute (tests): a smoke scale, its verdicts decide nothing
     "quick": Scale("quick", 1, 2, 32, 32, 8, 40, 4, 5, 2, 4, 3, 20, (10, 20, 30), 5, 5, 5,
-                   (0.5, 1.0), (2, 20), (3e-3, 1e-2), (0.3, 1.0), 0.975),
+                   (0.5, 1.0), (2, 20), (3e-3, 1e-2), (0.3, 1.0), 0.975, decisive=False),
     # the paper's ablation set-up on one GPU (App., pretraining): GPT-2 with 4 layers, 4
     # heads, 512 wide (33M weights with GPT-2's vocabulary), batch 64 x 128, about one
     # epoch of wikitext-103 (--data: nanoGPT's uint16 train.bin/val.bin), correction
