@@ -26,16 +26,16 @@ constexpr int64_t kTile = 128;
 // dtypes of parameters and gradients (state is float32; with state_dtype=bfloat16 the
 // IVON family's momentum and outer buffers are bfloat16: the `low` flags below)
 enum PDtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
-// sigma of a sample (= triton_kernels.SIGMA_*)
+// sigma of a sample (= kernels/interface.py SIGMA_*)
 enum SigmaMode : int { kSigmaNone = 0, kSigmaIvon = 1, kSigmaBuffer = 2, kSigmaConst = 3 };
-// update family of the step (= triton_kernels.FAMILY_*)
+// update family of the step (= kernels/interface.py FAMILY_*)
 enum Family : int { kFamilyIvon = 0, kFamilySgd = 1, kFamilyAdamw = 2 };
 
 // ------------------------------------------------------------------ the typed interface
 // The scalars and switches each operator takes, in order: the mirror of the records of
 // poco_kernels/kernels/interface.py (StepHyper, StepFlags, RefreshHyper, RefreshFlags,
 // SampleHyper), which the Triton kernels also take by these names;
-// tests/test_architecture.py parses these lists and fails if Python, C++ and Triton
+// tests/repo/test_architecture.py parses these lists and fails if Python, C++ and Triton
 // disagree.  ops.cpp reads the operator's float64 row (one value per field, in this order;
 // count checked) into the structs below and unpacks the flag bits (bit i = the i-th name
 // after `family`).

@@ -146,17 +146,11 @@ class ParamGroupsMixin:
     def _validate_group(self, group: Dict[str, Any]) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _init_buffers(self, bucket: Bucket, group: Dict[str, Any]) -> Dict[str, Tensor]:
-        raise NotImplementedError
-
-    #: the buffers that ``state_dtype`` stores in low precision (stochastic rounding)
-    _low_state_buffers: Tuple[str, ...] = ()
-
     def _initial_buffers(self, b: Bucket, group: Dict[str, Any]) -> Dict[str, Tensor]:
-        """``_init_buffers``, the ``_low_state_buffers`` in ``state_dtype``."""
-        bufs = self._init_buffers(b, group)
+        """The rule's initial buffers, its ``low_state_buffers`` in ``state_dtype``."""
+        bufs = self.rule.init_buffers(b, group)
         if self.state_dtype is not None:
-            for name in self._low_state_buffers:
+            for name in self.rule.low_state_buffers:
                 if name in bufs:
                     bufs[name] = bufs[name].to(self.state_dtype)
         return bufs
@@ -219,20 +213,20 @@ class ParamGroupsMixin:
         try:
             self._check_group(self._groups[gi], gi, new=True)
             buckets = self._new_buckets(self._groups, self._buckets)
-            self._backend.check_buckets(buckets[len(self._buckets):])
+            self._runner.check_buckets(buckets[len(self._buckets):])
         except BaseException:
             del self._groups[gi:]
             raise
         # ---- commit (nothing below raises on valid input)
-        if not self._backend.params_hold_mean:
-            self._backend.restore()          # (sample_ahead: the mean back, laid out anew)
+        if not self._runner.params_hold_mean:
+            self._runner.restore()          # (sample_ahead: the mean back, laid out anew)
         old = self._buckets
         self._buckets = buckets
         for b in buckets:
             self._expose(b)
-        if self._has_correction and self._refreshes > 0:
+        if self.rule.has_correction and self._refreshes > 0:
             self._awaiting.add(gi)
-        self._backend.rebuilt(old)
+        self._runner.rebuilt(old)
 
     # ------------------------------------------------------------------ trainable set
     def _trainable_changed(self) -> bool:
@@ -269,11 +263,11 @@ class ParamGroupsMixin:
                         "bucket, so it cannot follow; build the optimizer again over the "
                         "trainable parameters")
         old = self._buckets
-        if self._active is None and not self._backend.params_hold_mean:
-            self._backend.restore()          # (sample_ahead: the mean back, laid out anew)
+        if self._active is None and not self._runner.params_hold_mean:
+            self._runner.restore()          # (sample_ahead: the mean back, laid out anew)
         before = {id(p): self.state[p] for b in old for p in b.params}
         buckets = self._new_buckets(self._groups, [])      # fresh buffers, initial state
-        self._backend.check_buckets(buckets)
+        self._runner.check_buckets(buckets)
         changed = set()
         with torch.no_grad():
             for b in buckets:
@@ -296,7 +290,7 @@ class ParamGroupsMixin:
         self._buckets = buckets
         for b in buckets:
             self._expose(b)
-        if self._has_correction and self._refreshes > 0:
+        if self.rule.has_correction and self._refreshes > 0:
             self._awaiting |= changed
         self._eps_cache.clear()
-        self._backend.relayout()
+        self._runner.relayout()

@@ -26,27 +26,22 @@ from ._protocol import COUNTER_STEPS, KIND_OUTER, Pending, SampleSpec
 from ._groups import COMMON_ARGUMENTS, ParamGroupsMixin, _maybe_nonzero, draw_seed
 from ._state_dict import StateDictMixin
 from ._validation import check, hyperparameters, strict_keywords
+from ._view import OptimizerView
+from .rules import Rule
 
 
 class BucketedOptimizer(ParamGroupsMixin, StateDictMixin, torch.optim.Optimizer):
     """Buckets, backend, noise, counters and state dict.
 
-    Subclasses define the hyperparameters (``_validate_group``) and the per-bucket buffers
-    (``_init_buffers``); every constructor refuses unknown keywords, naming the closest
+    Subclasses set their algorithm's :class:`~poco_kernels.rules.Rule` (``rule``: buffers,
+    samples, updates, kernel records, flags) and define the hyperparameters
+    (``_validate_group``); every constructor refuses unknown keywords, naming the closest
     valid one.
     """
 
-    #: the optimizer has an outer loop (refresh) and a correction
-    _has_correction: bool = True
+    #: the algorithm, stated once (:mod:`poco_kernels.rules`)
+    rule: Rule
     _warned_lightning: bool = False   # the one warning of _from_lightning (class default)
-    #: appended to the error raised when an update would produce non-finite state
-    _divergence_hint: str = "Lower the learning rate."
-    #: per-parameter buffers created at their first use (not present before)
-    _lazy_buffers: Tuple[str, ...] = ()
-    #: the optimizer has fused kernels, Triton and C++ (``_kernel_step``/``_kernel_refresh``)
-    _kernel_capable: bool = True
-    #: the update needs Price Hessian estimates (accumulate grad * eps)
-    uses_hessian: bool = True
     #: other classes whose state dicts this one loads as they are (the same state)
     _loads_from: Tuple[str, ...] = ()
     #: classes whose state dicts this one continues: their state is a subset of this
@@ -98,10 +93,10 @@ class BucketedOptimizer(ParamGroupsMixin, StateDictMixin, torch.optim.Optimizer)
             state_dtype = None
         check(state_dtype is None or state_dtype == torch.bfloat16,
               f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype!r}")
-        check(state_dtype is None or self._low_state_buffers,
+        check(state_dtype is None or self.rule.low_state_buffers,
               f"{type(self).__name__} has no state that state_dtype={state_dtype} applies to "
               "(it is for the IVON family's momentum and outer buffers)")
-        #: dtype of the buffers named in ``_low_state_buffers`` (None: the state dtype)
+        #: dtype of the rule's ``low_state_buffers`` (None: the state dtype)
         self.state_dtype = state_dtype
         super().__init__(params, self._group_type(defaults))
         for gi, g in enumerate(self._groups):
@@ -115,8 +110,10 @@ class BucketedOptimizer(ParamGroupsMixin, StateDictMixin, torch.optim.Optimizer)
         self._buckets: List[Bucket] = self._new_buckets(self._groups, [])
         for b in self._buckets:
             self._expose(b)
+        #: what the backend sees of this optimizer
+        self._view = OptimizerView(self)
         #: the name of the backend that runs (``backend="auto"`` resolved)
-        self.backend = _backends.resolve(backend, self)
+        self.backend = _backends.resolve(backend, self._view)
         # global counters (in the state dict), advanced only by updates taken.  A fused
         # backend without check_finite decides on the device whether a step is taken: its
         # control tensor holds the count, read into _step when the counters are read.
@@ -130,18 +127,30 @@ class BucketedOptimizer(ParamGroupsMixin, StateDictMixin, torch.optim.Optimizer)
         #: (step) the parameters held the next sample when the call began (sample_ahead)
         self._was_ahead = False
         self._eps_cache: Dict[int, Tuple[Tuple[int, ...], Tensor]] = {}
-        self._backend = _backends.create(self.backend, self)
+        #: the backend object that runs the rule (``self.backend`` is its name)
+        self._runner = _backends.create(self.backend, self._view)
         #: raise on non-finite gradients (the triton backend then reads one flag from the
         #: device per update; without it a bad update is skipped on the device and counted
         #: in ``skipped_updates``).  Default: True for 'torch' and 'cpp' (where reading the
         #: flag is free), False for 'triton'.
-        self.check_finite = (self._backend.check_finite_default if check_finite is None
+        self.check_finite = (self._runner.check_finite_default if check_finite is None
                              else check_finite)
 
     def _construct(self, *args, **kwargs) -> None:
         """This class's constructor whatever a subclass's is (``__setstate__`` builds a
         copy with it)."""
         BucketedOptimizer.__init__(self, *args, **kwargs)
+
+    @property
+    def uses_hessian(self) -> bool:
+        """The update needs Price Hessian estimates (the rule's)."""
+        return self.rule.uses_hessian
+
+    @property
+    def noisy(self) -> bool:
+        """The optimizer perturbs the parameters: a sample before each gradient (the
+        rule's)."""
+        return self.rule.noisy
 
     # ------------------------------------------------------------------ noise
     @property
@@ -209,10 +218,10 @@ class BucketedOptimizer(ParamGroupsMixin, StateDictMixin, torch.optim.Optimizer)
         taken (``COUNTER_REFRESHES``)."""
         return self._step if slot == COUNTER_STEPS else self._refreshes
 
-    def _corrected(self) -> FrozenSet[int]:
+    def _corrected_buckets(self) -> FrozenSet[int]:
         """The buckets whose step uses the correction: after the first refresh, those of
         every group a refresh has taken in; none while ``alpha == 0`` in all of those."""
-        if not (self._has_correction and self._refreshes > 0):
+        if not (self.rule.has_correction and self._refreshes > 0):
             return frozenset()
         if not any(_maybe_nonzero(g.get("alpha", 0.0)) for gi, g in enumerate(self._groups)
                    if gi not in self._awaiting):
@@ -222,7 +231,7 @@ class BucketedOptimizer(ParamGroupsMixin, StateDictMixin, torch.optim.Optimizer)
     def correction_active(self) -> bool:
         """True when a step needs the gradient at the outer sample too: after the first
         refresh, with a nonzero ``alpha`` in some group that a refresh has taken in."""
-        return bool(self._corrected())
+        return bool(self._corrected_buckets())
 
     def _correction_settled(self) -> bool:
         """A refresh has been taken and no group waits for its first: which buckets the
@@ -239,11 +248,11 @@ class BucketedOptimizer(ParamGroupsMixin, StateDictMixin, torch.optim.Optimizer)
 
     def _spec(self, b: Bucket, kind: int, draw: int) -> SampleSpec:
         """Where a sample of ``kind`` lies for bucket ``b`` (what the backends follow): the
-        family's rule (``_sample_spec``), except that the outer sample of a group not yet
+        family's rule (``rule.sample_spec``), except that the outer sample of a group not yet
         taken in by a refresh is its mean (its gradient there is not used)."""
         if kind == KIND_OUTER and self._joining(b):
             return SampleSpec(b.buffers["mean"])
-        return self._sample_spec(b, self._groups[b.group_index], kind, draw)
+        return self.rule.sample_spec(b, self._groups[b.group_index], kind, draw)
 
     def _group(self, b: Bucket, keep_tensors: bool = False) -> Dict[str, Any]:
         """Bucket ``b``'s hyperparameters for an update (a tensor ``lr`` or ``alpha`` read
@@ -258,13 +267,13 @@ class BucketedOptimizer(ParamGroupsMixin, StateDictMixin, torch.optim.Optimizer)
         """Parameters of the state dtype are the source of truth for the mean (as in
         ``torch.optim``); low-precision ones keep a float32 master copy in the state."""
         if self._active is None:
-            self._backend.sync_mean()
+            self._runner.sync_mean()
 
     # ------------------------------------------------------------------ counters
     def _read_counters(self) -> Tuple[int, int, int]:
         """(steps, refreshes, skipped updates) as the backend holds them (fused: read
         from the device); the host's counts are brought up to date."""
-        self._step, self._refreshes, skipped = self._backend.counters()
+        self._step, self._refreshes, skipped = self._runner.counters()
         return self._step, self._refreshes, skipped
 
     @property
@@ -292,7 +301,7 @@ class BucketedOptimizer(ParamGroupsMixin, StateDictMixin, torch.optim.Optimizer)
         None, as ``torch.optim`` does.  ``set_to_none=True``: every ``.grad`` to None
         (the next backward's gradients are then copied into the buffers once);
         ``False``: every ``.grad`` zeroed in place."""
-        done = self._backend.zero_grads() if set_to_none is not True else set()
+        done = self._runner.zero_grads() if set_to_none is not True else set()
         with torch.no_grad():
             for group in self._groups:
                 for p in group["params"]:

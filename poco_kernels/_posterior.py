@@ -7,65 +7,31 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Dict, Iterable, Optional, Set
+from typing import Callable, Iterable, Optional, Set
 
 import torch
 from torch import Tensor
 
 from . import noise as _noise
-from ._layout import Bucket
-from ._protocol import (KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH, KernelRefresh,
-                        KernelStep, Pending, SampleSpec, mean_loss)
-from ._validation import check
-
-from ._optimizer import BucketedOptimizer
 from ._groups import _from_lightning, as_closures
+from ._optimizer import BucketedOptimizer
+from ._protocol import KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH, Pending, mean_loss
 from ._transaction import TransactionMixin
+from ._validation import check
 
 
 class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
     """The sampling protocol (``sample``/``accumulate``/``restore``, ``sampled``) and the
     closure-driven ``step``/``refresh`` of the diagonal family.
 
-    Subclasses define, besides the hyperparameters and buffers: where samples are centred
-    and how wide they are (``_sample_spec``), whether Hessian estimates are needed
-    (``uses_hessian``), the two updates in the reference maths (``_inner_update``,
-    ``_refresh_update``: the torch backend) and as kernel records (``_kernel_step``,
-    ``_kernel_refresh``: the fused backends).
+    What a subclass's algorithm does (samples, updates, kernel records) is its rule's
+    (:mod:`poco_kernels.rules`); the backends run it.
     """
-
-    #: the optimizer perturbs parameters (needs a sample before each gradient)
-    noisy: bool = True
-
-    # ------------------------------------------------------------------ the family's rules
-    def _sample_spec(self, b: Bucket, group: Dict[str, Any], kind: int, draw: int) -> SampleSpec:
-        """Where a sample of ``kind`` (draw ``draw``) is centred, how wide it is, and which
-        noise it uses: the one statement that every backend follows."""
-        raise NotImplementedError
-
-    def _inner_update(self, b: Bucket, group: Dict[str, Any], g_in: Tensor,
-                      ge_in: Optional[Tensor], outer, t: int) -> Dict[str, Tensor]:
-        """The new buffers of an inner step (reference maths, out of place)."""
-        raise NotImplementedError
-
-    def _refresh_update(self, b: Bucket, group: Dict[str, Any], gM: Tensor,
-                        geM: Optional[Tensor], first: bool) -> Dict[str, Tensor]:
-        """The new buffers of a refresh (reference maths, out of place)."""
-        raise NotImplementedError
-
-    def _kernel_step(self, b: Bucket, group: Dict[str, Any]) -> KernelStep:
-        """The step kernel's buffers and records for a bucket (the same maths as
-        ``_inner_update``)."""
-        raise NotImplementedError
-
-    def _kernel_refresh(self, b: Bucket, group: Dict[str, Any]) -> KernelRefresh:
-        """The refresh kernel's buffers and record for a bucket (``_refresh_update``)."""
-        raise NotImplementedError
 
     def _check_pending(self, pend: Pending, awaiting: Set[int]) -> None:
         """Every noisy kind's sums carry their ``gradient * eps`` sum (the state dict has
         the torch backend's layout), where the family estimates Hessians."""
-        if not self.uses_hessian:
+        if not self.rule.uses_hessian:
             return
         for (k, bi, n) in list(pend.sums):
             if n != "g":
@@ -73,7 +39,7 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
             b = self._buckets[bi]
             if k == KIND_OUTER and b.group_index in awaiting:
                 continue
-            noisy = self._sample_spec(b, self._groups[b.group_index], k, 0).noise
+            noisy = self.rule.sample_spec(b, self._groups[b.group_index], k, 0).noise
             check(noisy is None or (k, bi, "ge") in pend.sums,
                   f"state dict's pending gradients: sample kind {k}, bucket {bi} has a "
                   "gradient sum but not its gradient * eps sum")
@@ -103,7 +69,7 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
         if self._active is not None:
             raise RuntimeError("a sample is already in the parameters: call restore() first")
         k = KIND_NAMES[kind]
-        if k == KIND_REFRESH and not self._has_correction:
+        if k == KIND_REFRESH and not self.rule.has_correction:
             raise RuntimeError(f"{type(self).__name__} has no outer loop: no refresh sample")
         self._check_no_mix(k)
         if not trainable_checked:
@@ -115,9 +81,9 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
         check(draw < _noise.MAX_DRAWS, f"at most {_noise.MAX_DRAWS} samples of one kind per "
                                        "step: call step() or refresh()")
         try:
-            self._backend.sample(k, draw)
+            self._runner.sample(k, draw)
         except BaseException:
-            self._backend.restore()
+            self._runner.restore()
             raise
         self._active = (k, draw)
         self._pending.draws[k] = draw + 1
@@ -142,8 +108,8 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
         k, draw = self._active
         missing = frozenset({(b.index, i) for b in self._buckets
                              for i, p in enumerate(b.params) if p.grad is None}
-                            | self._backend.unwritten())
-        self._backend.accumulate(k, draw, lend=clear_grads)
+                            | self._runner.unwritten())
+        self._runner.accumulate(k, draw, lend=clear_grads)
         self._pending.note_grads(k, missing)
         self._pending.count[k] += 1
         if clear_grads:
@@ -154,7 +120,7 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
     @torch._disable_dynamo
     def restore(self) -> None:
         """Put the posterior mean back into the parameters (ends the active sample)."""
-        self._backend.restore()
+        self._runner.restore()
         self._active = None
 
     @contextlib.contextmanager
@@ -206,12 +172,12 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
         pend = self._pending
         self._check_no_mix(KIND_INNER)
         self._check_trainable()
-        corr = self._corrected()
+        corr = self._corrected_buckets()
         loss = None
         #: the parameters held the next sample: a failure puts it back, not the mean
-        self._was_ahead = self._backend.ahead is not None
+        self._was_ahead = self._runner.ahead is not None
         if closure is not None:
-            if self._has_correction and self._refreshes == 0 and not self._warned_lightning \
+            if self.rule.has_correction and self._refreshes == 0 and not self._warned_lightning \
                     and _from_lightning(closure):
                 self._warned_lightning = True
                 warnings.warn(f"{type(self).__name__} under Lightning's automatic optimization "
@@ -234,7 +200,7 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
                 raise
             loss = mean_loss(losses)
         else:
-            if pend.count[KIND_INNER] == 0 and self.noisy:
+            if pend.count[KIND_INNER] == 0 and self.rule.noisy:
                 raise RuntimeError(
                     f"{type(self).__name__}.step() needs gradients at a posterior sample: pass a "
                     "closure, or run the backward pass inside `with optimizer.sampled():` "
@@ -243,7 +209,7 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
                     "poco_kernels.integrations (docs/integrations.md): "
                     "poco_kernels.integrations.hf.PoCoTrainer in place of Trainer")
             if (corr and pend.count[KIND_OUTER] == 0
-                    and not self._backend.skipped_on_host(found_inf)):
+                    and not self._runner.skipped_on_host(found_inf)):
                 raise RuntimeError(
                     "the posterior correction is active but no gradient at the outer sample "
                     "was given: pass a closure to step(), or also run `with "
@@ -252,7 +218,7 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
                 # noiseless optimizer, torch-style use: the gradients in .grad are at the mean
                 self._sync_mean()
                 self._active = (KIND_INNER, 0)
-                self._backend.at_mean()
+                self._runner.at_mean()
                 try:
                     self.accumulate(clear_grads=False)
                 finally:
@@ -261,7 +227,7 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
         saved = self._save_params(skip) if skip else None
         had = [set(b.buffers) for b in self._buckets]
         try:
-            taken = self._backend.step(corr, grad_scale, found_inf)
+            taken = self._runner.step(corr, grad_scale, found_inf)
         except BaseException:
             self._drop_new_buffers(had)
             self._drop_pending((KIND_INNER, KIND_OUTER))
@@ -271,16 +237,16 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
             self._eps_cache.clear()
             if saved:
                 self._put_back(saved)
-            self._backend.after_update()
+            self._runner.after_update()
         if taken:
             self._step += 1
         elif taken is False:
             self._drop_new_buffers(had)
-        if self._backend.ahead_family() and (saved or self._backend.ahead is None):
+        if self._runner.ahead_family() and (saved or self._runner.ahead is None):
             # the torch backend, or parameters put back without a gradient: the next
             # sample by a sample pass (the fused kernels wrote it in the step's pass)
-            self._backend.restore()
-            self._backend.prefetch()
+            self._runner.restore()
+            self._runner.prefetch()
         return loss
 
 
@@ -304,7 +270,7 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
         fused backends read that one flag from the device here (one synchronisation per
         refresh; steps have none).
         """
-        if not self._has_correction:
+        if not self.rule.has_correction:
             raise RuntimeError(f"{type(self).__name__} has no outer loop to refresh")
         if self._active is not None:
             raise RuntimeError("refresh() while a sample is in the parameters: call restore() first")
@@ -340,14 +306,14 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
                              "'refresh'):` first")
         self._without_grad((KIND_REFRESH,))
         try:
-            taken = self._backend.refresh(grad_scale, found_inf)
+            taken = self._runner.refresh(grad_scale, found_inf)
         except BaseException:
             self._drop_pending((KIND_REFRESH,))
             raise
         finally:
             pend.clear((KIND_REFRESH,))
             self._eps_cache.clear()
-            self._backend.after_update()
+            self._runner.after_update()
         if not taken:
             return None
         self._refresh_taken()

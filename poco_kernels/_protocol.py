@@ -20,7 +20,7 @@ from typing import Any, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, S
 import torch
 from torch import Tensor
 
-from .kernels.interface import RefreshHP, StepHP, StepPath
+from .kernels.interface import RefreshHyper, StepFlags, StepHyper
 from .noise import MAX_DRAWS
 from .reference import ivon_sigma
 
@@ -51,17 +51,17 @@ class SampleSpec:
 
 
 class KernelStep(NamedTuple):
-    """An optimizer's step for one bucket on the fused backends: the kernel family, its
-    two state buffers (``s1``, ``s2``; None where the family has none) and the records."""
-    family: int
+    """A rule's step for one bucket on the fused backends: its two state buffers (``s1``,
+    ``s2``; None where the family has none) and the records, the family in ``flags``
+    (the host engine sets the rest of each record)."""
     s1: Optional[Tensor]
     s2: Optional[Tensor]
-    hp: StepHP
-    path: StepPath
+    hp: StepHyper
+    flags: StepFlags
 
 
 class KernelRefresh(NamedTuple):
-    """An optimizer's refresh for one bucket on the fused backends: the family, the buffers
+    """A rule's refresh for one bucket on the fused backends: the family, the buffers
     it reads (``h``) and writes, and the record."""
     family: int
     h: Optional[Tensor]
@@ -69,7 +69,7 @@ class KernelRefresh(NamedTuple):
     h_out: Optional[Tensor]
     m_out: Tensor
     sigma_out: Optional[Tensor]
-    hp: RefreshHP
+    hp: RefreshHyper
 
 
 class Pending:

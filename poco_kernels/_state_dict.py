@@ -47,14 +47,14 @@ class StateDictMixin:
         finally:
             self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = hooks
         backend, check_finite = self._requested
-        if self.check_finite != (self._backend.check_finite_default if check_finite is None
+        if self.check_finite != (self._runner.check_finite_default if check_finite is None
                                  else check_finite):
             check_finite = self.check_finite        # set by hand since
         return {"poco_copy": 1, "param_groups": self.param_groups, "defaults": self.defaults,
                 "seed": self.seed, "backend": backend, "check_finite": check_finite,
                 "grad_views": self.grad_views, "sample_ahead": self.sample_ahead,
                 "state_dtype": self.state_dtype,
-                "ahead": not self._backend.params_hold_mean, "state_dict": sd, "skipped": self._read_counters()[2],
+                "ahead": not self._runner.params_hold_mean, "state_dict": sd, "skipped": self._read_counters()[2],
                 "attributes": {k: v for k, v in self.__dict__.items()
                                if not k.startswith("_") and k not in self._REBUILT}}
 
@@ -76,11 +76,11 @@ class StateDictMixin:
         with torch.no_grad():                   # the parameters as they were (the truth)
             for p, v in zip((p for g in self.param_groups for p in g["params"]), values):
                 p.copy_(v)
-        self._backend.set_skipped(state["skipped"])
+        self._runner.set_skipped(state["skipped"])
         self.__dict__.update(state["attributes"])
         if state.get("ahead"):   # the original's parameters held its next sample: so do these
-            self._backend.restore()
-            self._backend.prefetch()
+            self._runner.restore()
+            self._runner.prefetch()
 
     # ------------------------------------------------------------------ state dict
     @torch._disable_dynamo
@@ -95,7 +95,7 @@ class StateDictMixin:
             pre_hook(self)
         self._check_trainable()           # (the layout of the current requires_grad flags)
         self._sync_mean()                 # the parameters are the truth (fused: re-linked)
-        self._backend.prepare_state_dict()
+        self._runner.prepare_state_dict()
         self._read_counters()
         sd = self._packed_state()
         extra = {}
@@ -154,7 +154,7 @@ class StateDictMixin:
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._backend.check_layout()      # (fused: re-links parameters taken off its buffers)
+        self._runner.check_layout()      # (fused: re-links parameters taken off its buffers)
         self._check_trainable()
         commit = self._plan_load(state_dict)
         commit()
@@ -249,11 +249,11 @@ class StateDictMixin:
                 check(saved is not None, f"state dict has no state for parameter {idx}")
                 check(isinstance(saved, dict), f"parameter {idx}: state is not a dict")
                 for name in saved:
-                    check(name in b.buffers or name in self._lazy_buffers,
+                    check(name in b.buffers or name in self.rule.lazy_buffers,
                           f"parameter {idx}: unexpected state {name!r} in the state dict")
                 saved_of.append((idx, saved))
             # a buffer made at its first use (momentum) is saved for all of a bucket or none
-            for name in self._lazy_buffers:
+            for name in self.rule.lazy_buffers:
                 have = [name in saved for _, saved in saved_of]
                 if any(have) and not all(have):
                     idx = saved_of[have.index(False)][0]
@@ -281,7 +281,7 @@ class StateDictMixin:
                         like = torch.empty(b.local(i).shape, device=b.device, dtype=b.dtype)
                     what = f"parameter {idx}: {name!r}"
                     t = tensor_for(as_local(t, p, what), like, what)
-                    self._check_state_value(name, t, group, what)
+                    self.rule.check_state_value(name, t, group, what)
                     copies.append((b.index, p, name, t))
         extra = poco.get("bucket_buffers", {})
         check(isinstance(extra, dict), "state dict: 'bucket_buffers' is not a dict")
@@ -327,7 +327,7 @@ class StateDictMixin:
             self._eps_cache.clear()
             for b in self._buckets:
                 b.write_params(b.buffers["mean"])
-            self._backend.loaded()
+            self._runner.loaded()
         return commit
 
     def _poco_of_groups(self, groups) -> Dict[str, Any]:
@@ -355,11 +355,6 @@ class StateDictMixin:
                          f"dense buffers ({', '.join(dense)}): save the whole state dict")
         return {**{k: v for k, v in meta.items() if k != "pending_gradients"},
                 "pending": {"count": {}, "draws": {}, "sums": {}}, "bucket_buffers": {}}
-
-    def _check_state_value(self, name: str, t: Tensor, group: Dict[str, Any],
-                           what: str) -> None:
-        """Refuse a loaded state tensor outside its domain (a subclass's rule, e.g. IVON's
-        ``h + weight_decay > 0``); ``group``: the loaded hyperparameters."""
 
     def _check_pending(self, pend: Pending, awaiting: Set[int]) -> None:
         """Refuse loaded pending sums that the next update could not use."""

@@ -50,12 +50,12 @@ class TransactionMixin:
         collecting them noted, and put back what the parameters held before the call: the
         mean, or the next sample a step left there (``sample_ahead``)."""
         self._pending.clear(kinds)
-        self._backend.discard()
+        self._runner.discard()
         was_ahead = self._was_ahead and KIND_INNER in kinds
-        if not self._backend.params_hold_mean or was_ahead:
+        if not self._runner.params_hold_mean or was_ahead:
             self.restore()
             if was_ahead:
-                self._backend.prefetch()
+                self._runner.prefetch()
 
     def _closure_samples(self, group_key: str = "mc_samples") -> int:
         return max(int(g.get(group_key, 1)) for g in self._groups)
@@ -71,7 +71,7 @@ class TransactionMixin:
             self.accumulate()
             ok = True
         finally:
-            if ok and self._backend.lazy_restore:
+            if ok and self._runner.lazy_restore:
                 self._active = None
             else:
                 self.restore()
@@ -91,7 +91,7 @@ class TransactionMixin:
             return
         check(grad_scale.is_floating_point(),
               f"grad_scale must be a float tensor, got {grad_scale.dtype}")
-        if self._backend.host_readable(grad_scale):
+        if self._runner.host_readable(grad_scale):
             v = float(grad_scale.detach().reshape(()))
             check(v > 0 and v != float("inf"), f"grad_scale must be finite and > 0, got {v}")
 

@@ -1,7 +1,7 @@
 """The maths of the optimizer family, stated once.
 
 One function per equation group of the paper ("SVRG and Beyond via Posterior Correction",
-ICML 2026; notation of ``PAPER-NOTES.md``).  Every backend is tested against these
+ICML 2026; the notation of docs/design.md, Glossary).  Every backend is tested against these
 functions; the ``torch`` backend calls them directly.  They are pure: they take tensors
 and return new tensors, never modifying their arguments, so a caller can validate the
 result before committing it (bad input loses nothing).

@@ -45,12 +45,10 @@ from ._groups import as_closures
 from ._optimizer import BucketedOptimizer
 from ._protocol import KIND_INNER, KIND_OUTER, KIND_REFRESH
 from ._validation import check, check_range
+from .rules.von_poco import MAX_DIM, VONPoCoRule  # noqa: F401 (MAX_DIM: re-exported)
 
 __all__ = ["VONPoCo"]
 
-#: the largest bucket (number of scalar parameters) VON-PoCo accepts: S is dense d x d and
-#: every Hessian costs d backward passes.
-MAX_DIM = 8192
 PRECISION_UPDATES = ("paper", "blr")
 
 
@@ -136,14 +134,8 @@ class VONPoCo(BucketedOptimizer):
     {common_arguments}
     """
 
-    _kernel_capable = False     # dense d x d matrices: the torch backend only
+    rule = VONPoCoRule()
 
-    _divergence_hint = ("Huge gradients against a small precision: lower lr, raise min_eig, "
-                        "or refresh more often.")
-
-    noisy = True
-    uses_hessian = True
-    _has_correction = True
     #: try one batched (vmap) backward for all Hessian rows before falling back to a loop
     batched_hessian = True
 
@@ -176,21 +168,6 @@ class VONPoCo(BucketedOptimizer):
         check(group["precision_update"] in PRECISION_UPDATES,
                f"invalid precision_update: {group['precision_update']!r} (expected one of "
                f"{PRECISION_UPDATES})")
-
-    def _init_buffers(self, b: Bucket, group) -> Dict[str, Tensor]:
-        check(b.param_dtype in (torch.float32, torch.float64),
-               f"VONPoCo supports float32 and float64 parameters only, got {b.param_dtype} "
-               "(Hessians in half precision are not meaningful)")
-        check(b.numel <= MAX_DIM,
-               f"VONPoCo keeps a dense {b.numel} x {b.numel} precision per bucket; at most "
-               f"{MAX_DIM} parameters per (group, device, dtype) are supported")
-        d, kw = b.numel, dict(device=b.device, dtype=b.dtype)
-        s0 = float(group["ess"]) * float(group["prior_precision"])
-        return {"precision": s0 * torch.eye(d, **kw),
-                "m_out": torch.zeros(d, **kw),
-                "theta_out": torch.zeros(d, **kw),
-                "g_out": torch.zeros(d, **kw),
-                "H_out": torch.zeros(d, d, **kw)}
 
     # ------------------------------------------------------------------ refused base API
     def _refuse(self, *_, **__):
@@ -306,7 +283,7 @@ class VONPoCo(BucketedOptimizer):
                 loss = closure()
                 gh = self._grad_hess(loss)
         finally:
-            self._backend.restore()
+            self._runner.restore()
             self._active = None
         return loss.detach(), gh
 
@@ -319,12 +296,12 @@ class VONPoCo(BucketedOptimizer):
         self._sync_mean()
 
     def _commit_checked(self, new: Dict[int, Dict[str, Tensor]]) -> None:
-        self._backend.check_new(new)
+        self._runner.check_new(new)
         for bufs in new.values():
             if "precision" in bufs:
                 self._cholesky(bufs["precision"], "the updated precision S (step refused, "
                                "state unchanged)")
-        self._backend.commit(new)
+        self._runner.commit(new)
 
     # ------------------------------------------------------------------ step
     @torch._disable_dynamo           # (torch.compile: see PosteriorOptimizer.sample)
@@ -340,7 +317,7 @@ class VONPoCo(BucketedOptimizer):
         thetas = [self._draw(b, self._groups[b.group_index], KIND_INNER, self._step)
                   for b in self._buckets]
         loss, gh_in = self._evaluate(closure, thetas, KIND_INNER)
-        corr = self._corrected()      # a group added since the last refresh: plain VON
+        corr = self._corrected_buckets()      # a group added since the last refresh: plain VON
         gh_o = (self._evaluate(closure, [b.buffers["theta_out"] if b.index in corr
                                          else b.buffers["mean"] for b in self._buckets],
                                KIND_OUTER)[1] if corr else None)

@@ -53,14 +53,12 @@ def step_launcher(ops, b, corr, ess=1.0, wd=1e-4, noise=None, next_sample=False)
     also writes the next inner sample (``sample_ahead``)."""
     from poco_kernels import noise as N
     from poco_kernels.kernels import interface as K
-    flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=corr, floor=False,
-                                                          clip=False, debias=True),
-                           corr=corr, ge_in=False, ge_o=False, shared_noise=corr,
-                           next_sample=next_sample)
-    hp = K.StepHyper.of(K.StepHP.ivon(lr=1e-3, beta1=0.9, beta2=0.99999, wd=wd, ess=ess,
-                                      alpha=1.0 if corr else 0.0,
-                                      hess_corr=0.01 if corr else 0.0, floor=0.0, clip=0.0),
-                        sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0 if corr else 0.0)
+    flags = K.StepFlags.ivon(hess_corr=corr, floor=False, clip=False, debias=True).routed(
+        corr=corr, ge_in=False, ge_o=False, shared_noise=corr, next_sample=next_sample)
+    hp = K.StepHyper.ivon(lr=1e-3, beta1=0.9, beta2=0.99999, wd=wd, ess=ess,
+                          alpha=1.0 if corr else 0.0, hess_corr=0.01 if corr else 0.0,
+                          floor=0.0, clip=0.0).counted(
+        sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0 if corr else 0.0)
     args = (b["mean"], b["param"], b["s1"], b["s2"], b["g_in"], None,
             b["g_o"] if corr else None, None,
             b["g_out"] if corr else None, b["h_out"] if corr else None,

@@ -149,7 +149,7 @@ def check_graph(dev, smoke, steps=None):
     sync(dev)
     sa, sb = a.state(), b.state()
     diff = [i for i, (x, y) in enumerate(zip(sa, sb)) if not torch.equal(x, y)]
-    ca, cb = a.opt._backend.counters(), b.opt._backend.counters()
+    ca, cb = a.opt._runner.counters(), b.opt._runner.counters()
     res.update(replay_steps=steps, tensors_compared=len(sa), tensors_differing=len(diff),
                counters={"graph": ca, "eager": cb},
                lr_last=float(b.opt.param_groups[0]["lr"]), seconds=time.perf_counter() - t0)

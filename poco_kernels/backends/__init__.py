@@ -21,49 +21,50 @@ from typing import List
 import torch
 
 from ..kernels import cpp_status, ops_for, triton_status
-from .base import HOST, Backend
+from .base import Backend
 from .fused import bucket_reasons
 
-__all__ = ["NAMES", "Backend", "HOST", "resolve", "create", "fused_reasons", "bucket_reasons"]
+__all__ = ["NAMES", "Backend", "resolve", "create", "fused_reasons", "bucket_reasons"]
 
 NAMES = ("auto", "torch", "triton", "cpp")
 _FUSED_LABEL = {"triton": "Triton", "cpp": "C++"}
 
 
-def fused_reasons(opt, backend: str) -> List[str]:
-    """Why the fused ``backend`` ('triton' or 'cpp') cannot run ``opt``'s parameters
-    (empty: it can)."""
+def fused_reasons(view, backend: str) -> List[str]:
+    """Why the fused ``backend`` ('triton' or 'cpp') cannot run the parameters of the
+    optimizer seen through ``view`` (:class:`poco_kernels._view.OptimizerView`; empty: it
+    can)."""
     reasons = []
-    if not opt._kernel_capable:
-        reasons.append(f"{type(opt).__name__} has no {_FUSED_LABEL[backend]} kernels")
-    return list(dict.fromkeys(reasons + bucket_reasons(backend, opt._buckets)))
+    if not view.rule.kernel_capable:
+        reasons.append(f"{view.name} has no {_FUSED_LABEL[backend]} kernels")
+    return list(dict.fromkeys(reasons + bucket_reasons(backend, view.buckets)))
 
 
-def resolve(name: str, opt) -> str:
-    """The backend that runs ``opt``: ``name``, or for 'auto' the best that can; a fused
-    backend that cannot run is a RuntimeError saying why."""
+def resolve(name: str, view) -> str:
+    """The backend that runs the optimizer of ``view``: ``name``, or for 'auto' the best
+    that can; a fused backend that cannot run is a RuntimeError saying why."""
     if name == "torch":
         return "torch"
     if name in _FUSED_LABEL:
-        reasons = fused_reasons(opt, name)
+        reasons = fused_reasons(view, name)
         if reasons:
             raise RuntimeError(f"backend={name!r} cannot run here: " + "; ".join(reasons)
                                + ". Use backend='torch' (the reference maths) or 'auto'.")
         return name
-    devices = {b.device.type for b in opt._buckets}
-    if devices == {"cuda"} and not fused_reasons(opt, "triton"):
+    devices = {b.device.type for b in view.buckets}
+    if devices == {"cuda"} and not fused_reasons(view, "triton"):
         return "triton"
-    if devices == {"cpu"} and not fused_reasons(opt, "cpp"):
+    if devices == {"cpu"} and not fused_reasons(view, "cpp"):
         return "cpp"
     return "torch"
 
 
-def create(name: str, opt) -> Backend:
-    """The backend object of a resolved ``name`` for ``opt``."""
+def create(name: str, view) -> Backend:
+    """The backend object of a resolved ``name`` for the optimizer of ``view``."""
     if name == "torch":
         from .torch_backend import TorchBackend
-        return TorchBackend(opt)
+        return TorchBackend(view)
     if name in _FUSED_LABEL:
         from .fused import FusedBackend
-        return FusedBackend(opt, name, ops_for(name))
+        return FusedBackend(view, name, ops_for(name))
     raise ValueError(f"unknown backend {name!r} (expected one of {NAMES})")

@@ -1,11 +1,11 @@
-"""The protocol every backend implements, and what a backend may use of its optimizer.
+"""The protocol every backend implements.
 
 A backend owns how the optimizer's buckets are sampled, how gradients are collected and
-how the two updates run; the optimizer owns the protocol (which sample, when, what is
-pending, validation, the state dict).  Dependencies point one way: optimizers ->
-backends -> kernels.  A backend reaches its optimizer only through :data:`HOST`, the
-members listed below (``tests/test_architecture.py`` checks the backends' source for any
-other access).
+how the two updates run (the optimizer's rule, :mod:`poco_kernels.rules`); the optimizer
+owns the protocol (which sample, when, what is pending, validation, the state dict).
+Dependencies point one way: optimizers -> backends -> kernels.  A backend never holds its
+optimizer: it is given an :class:`~poco_kernels._view.OptimizerView`, whose members are
+all it can use.
 """
 from __future__ import annotations
 
@@ -13,20 +13,6 @@ from abc import ABC, abstractmethod
 from typing import FrozenSet, List, Optional, Tuple
 
 from torch import Tensor
-
-#: what a backend may read or call on its optimizer (``self.opt``)
-HOST = frozenset({
-    # layout and protocol state
-    "_buckets", "_pending", "param_groups", "seed", "backend", "check_finite", "_step",
-    "_kernel_capable",
-    "_refreshes", "uses_hessian", "_divergence_hint", "grad_views", "sample_ahead",
-    "_correction_settled",
-    # the optimizer's family: its samples, its reference update, its kernel records
-    "_group", "_spec", "_first_refresh", "_inner_update", "_refresh_update", "_kernel_step",
-    "_kernel_refresh",
-    # noise, stochastic rounding and state views
-    "_eps", "noise_version", "_rounding_bits", "_counter", "_expose",
-})
 
 
 class Backend(ABC):
@@ -45,8 +31,9 @@ class Backend(ABC):
     #: flag costs nothing (torch, C++), False where it is a device-to-host read (Triton)
     check_finite_default: bool = True
 
-    def __init__(self, opt):
-        self.opt = opt
+    def __init__(self, view):
+        #: the optimizer as this backend sees it (:class:`poco_kernels._view.OptimizerView`)
+        self.view = view
         #: the parameters hold the posterior mean (no sample in them)
         self.params_hold_mean = True
         #: the parameters hold the next step's inner sample (draw 0), left by the step
@@ -62,16 +49,16 @@ class Backend(ABC):
     def ahead_family(self) -> bool:
         """The step leaves the next inner sample in the parameters: ``sample_ahead``, and
         every bucket's inner sample is IVON's (from ``h``)."""
-        opt = self.opt
-        return (opt.sample_ahead and bool(opt._buckets)
-                and all(opt._spec(b, 0, 0).h is not None for b in opt._buckets))
+        view = self.view
+        return (view.sample_ahead and bool(view.buckets)
+                and all(view.spec(b, 0, 0).h is not None for b in view.buckets))
 
     def _ahead_key(self):
         """What the inner sample of each bucket depends on besides the state and counters
         (a changed ``ess``, ``weight_decay`` or noise version means the sample left by the
         step is stale)."""
-        specs = {b.index: self.opt._spec(b, 0, 0) for b in self.opt._buckets}
-        version = self.opt.noise_version
+        specs = {b.index: self.view.spec(b, 0, 0) for b in self.view.buckets}
+        version = self.view.noise_version
         return {i: (float(s.ess), float(s.wd), version) for i, s in specs.items()}
 
     def takes_ahead(self, kind: int, draw: int) -> bool:
@@ -154,7 +141,7 @@ class Backend(ABC):
 
     def counters(self) -> Tuple[int, int, int]:
         """(steps taken, refreshes taken, updates skipped on the device)."""
-        return self.opt._step, self.opt._refreshes, 0
+        return self.view.steps, self.view.refreshes, 0
 
     def prepare_state_dict(self) -> None:
         """Bring the pending sums into the state dict's layout (the torch backend's)."""

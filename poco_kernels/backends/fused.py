@@ -47,7 +47,7 @@ from .._layout import any_rank, shard_groups
 from .._protocol import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTER,
                          KIND_REFRESH)
 from ..kernels import cpp_status, triton_status
-from ..kernels import interface as K
+from ..kernels import interface as iface
 from .base import Backend
 from .fused_grads import GradBuffer, GradsMixin
 from .fused_layout import LayoutMixin
@@ -85,8 +85,8 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
 
     lazy_restore = True
 
-    def __init__(self, opt, name: str, ops):
-        super().__init__(opt)
+    def __init__(self, view, name: str, ops):
+        super().__init__(view)
         self.name = name
         self.ops = ops
         self.check_finite_default = name != "triton"   # a host read per update on a GPU
@@ -121,7 +121,7 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
             return None
         if found_inf is not None and bool(found_inf.detach().float().sum() != 0):
             return False
-        bad = any(c[K.CTL_BAD].item() != 0 for c in self.ctl.values())  # no allocation
+        bad = any(c[iface.CTL_BAD].item() != 0 for c in self.ctl.values())  # no allocation
         if bad:
             for c in self.ctl.values():
                 self.ops.finish(c, found_inf, slot)
@@ -139,47 +139,47 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
         the update on every rank, as it does unsharded: the bad flag is the maximum over
         the shards' process groups (an all-reduce on the device, before the kernels read
         it)."""
-        groups = shard_groups(self.opt._buckets)
+        groups = shard_groups(self.view.buckets)
         if groups and not torch.compiler.is_compiling():
             for c in self.ctl.values():
-                any_rank(c[K.CTL_BAD:K.CTL_BAD + 1], groups)
+                any_rank(c[iface.CTL_BAD:iface.CTL_BAD + 1], groups)
 
     def step(self, corr, grad_scale, found_inf) -> Optional[bool]:
         self.check_layout()                   # the step writes the new mean into them
         self._agree()
-        opt = self.opt
-        pend = opt._pending
+        view = self.view
+        pend = view.pending
         sums = pend.sums
         n_in = pend.count[KIND_INNER]
         self.ahead = None
         nxt = self.ahead_family()   # the kernel writes the next step's inner sample
         made = {}                   # momentum buffers this step makes: (counter, buffer)
-        for b in opt._buckets:
-            t = self._momentum_first(b, opt._kernel_step(b, opt._group(b, keep_tensors=True)))
-            if t.s1 is not None and t.path.momentum and not isinstance(t.hp.mom_first, Tensor) \
+        for b in view.buckets:
+            group = view.group(b, keep_tensors=True)
+            t = self._momentum_first(b, view.rule.kernel_step(b, group, view))
+            if t.s1 is not None and t.flags.momentum and not isinstance(t.hp.mom_first, Tensor) \
                     and t.hp.mom_first != 0.0:
-                made[b.index] = (self._ctl(b)[K.CTL_STEPS].clone(), t.s1)
+                made[b.index] = (self._ctl(b)[iface.CTL_STEPS].clone(), t.s1)
             c = b.index in corr
             n_o = pend.count[KIND_OUTER] if c else 0
             g_in = self._acc(KIND_INNER, b, "g")
             ge_in = self._acc(KIND_INNER, b, "ge") if (KIND_INNER, b.index, "ge") in sums else None
-            noise_in = self.noise_of(KIND_INNER, b, 0) if opt.uses_hessian else None
+            noise_in = self.noise_of(KIND_INNER, b, 0) if view.rule.uses_hessian else None
             g_o = ge_o = noise_o = None
             if c:
                 g_o = self._acc(KIND_OUTER, b, "g")
                 if (KIND_OUTER, b.index, "ge") in sums:
                     ge_o = self._acc(KIND_OUTER, b, "ge")
-                noise_o = self.noise_of(KIND_OUTER, b, 0) if opt.uses_hessian else None
+                noise_o = self.noise_of(KIND_OUTER, b, 0) if view.rule.uses_hessian else None
             shared = (noise_in is not None and noise_o is not None and noise_in == noise_o
                       and ge_in is None and ge_o is None)
-            flags = K.StepFlags.of(t.family, t.path, corr=c, ge_in=ge_in is not None,
-                                   ge_o=ge_o is not None, shared_noise=shared,
-                                   next_sample=nxt)
-            hyper = self.rows.row(b, "step", K.StepHyper.of(
-                t.hp, sign_o=noise_o[2] if noise_o else 1.0, inv_n_in=1.0 / n_in,
+            flags = t.flags.routed(corr=c, ge_in=ge_in is not None, ge_o=ge_o is not None,
+                                   shared_noise=shared, next_sample=nxt)
+            hyper = self.rows.row(b, "step", t.hp.counted(
+                sign_o=noise_o[2] if noise_o else 1.0, inv_n_in=1.0 / n_in,
                 inv_n_o=1.0 / n_o if n_o else 0.0))
-            streams = K.StepStreams(opt.seed, noise_in[0] if noise_in else 0,
-                                    noise_o[0] if noise_o else 0, opt.noise_version)
+            streams = iface.StepStreams(view.seed, noise_in[0] if noise_in else 0,
+                                        noise_o[0] if noise_o else 0, view.noise_version)
             fi, gs = self._amp(b, found_inf, grad_scale)
             outs = [b.buffers.get(k) if c else None for k in ("g_out", "h_out", "m_out",
                                                                "sigma_out")]
@@ -191,7 +191,7 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
         self.params_hold_mean = not nxt
         if nxt:
             self.ahead = self._ahead_key()
-        taken = self._raise_if_bad(COUNTER_STEPS, found_inf) if opt.check_finite else None
+        taken = self._raise_if_bad(COUNTER_STEPS, found_inf) if view.check_finite else None
         self._finish(COUNTER_STEPS, found_inf)
         if taken:
             self.mom_start.clear()      # every momentum buffer has started
@@ -202,35 +202,35 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
     def refresh(self, grad_scale, found_inf) -> bool:
         self.ahead = None
         self._agree()
-        opt = self.opt
-        pend = opt._pending
+        view = self.view
+        pend = view.pending
         n = pend.count[KIND_REFRESH]
-        for b in opt._buckets:
-            r = opt._kernel_refresh(b, opt._group(b, keep_tensors=True))
+        for b in view.buckets:
+            r = view.rule.kernel_refresh(b, view.group(b, keep_tensors=True), view)
             acc_g = self._acc(KIND_REFRESH, b, "g")
             acc_ge = (self._acc(KIND_REFRESH, b, "ge")
                       if (KIND_REFRESH, b.index, "ge") in pend.sums else None)
             noise = self.noise_of(KIND_REFRESH, b, 0)
             fi, gs = self._amp(b, found_inf, grad_scale)
-            hp = self.rows.row(b, "refresh", K.RefreshHyper.of(r.hp, inv_n=1.0 / n))
-            flags = K.RefreshFlags(r.family, acc_ge is not None, noise is not None)
+            hp = self.rows.row(b, "refresh", r.hp.counted(inv_n=1.0 / n))
+            flags = iface.RefreshFlags(r.family, acc_ge is not None, noise is not None)
             for lo, m, off, _ in self._pieces(b):
                 cut = self._cutter(b, lo, m)
                 self.ops.refresh(cut(b.buffers["mean"]), cut(r.h), cut(acc_g), cut(acc_ge),
                                  cut(r.g_out), cut(r.h_out), cut(r.m_out), cut(r.sigma_out),
-                                 self._ctl(b), fi, gs, opt.seed, opt.noise_version,
+                                 self._ctl(b), fi, gs, view.seed, view.noise_version,
                                  noise[0] if noise else 0, hp, flags, off)
-        if opt.check_finite:
+        if view.check_finite:
             self._raise_if_bad(COUNTER_REFRESHES, found_inf)
         self._finish(COUNTER_REFRESHES, found_inf)
-        if opt._correction_settled():
+        if view.correction_settled():
             # steady state: the correction is active whether or not the device took this
             # refresh (AMP overflow, non-finite gradients), so that is not read: no
             # synchronisation (refresh_count reads the device)
             return True
         # the first refresh (or the first with a new group): whether the device took it
         # decides whether the correction is active, one read
-        return self.counters()[1] > opt._refreshes
+        return self.counters()[1] > view.refreshes
 
     def check_buckets(self, buckets) -> None:
         reasons = bucket_reasons(self.name, buckets)

@@ -76,7 +76,7 @@ class GradsMixin:
     def _lent(self) -> set:
         """ids of the tensors the pending sums are (a gradient buffer adopted as a sum is
         lent until the update that consumes it)."""
-        return {id(t) for t in self.opt._pending.sums.values()}
+        return {id(t) for t in self.view.pending.sums.values()}
 
     def _free_buffer(self, b, lent: set, prefer: Optional[int] = None) -> int:
         """The index of a gradient buffer of ``b`` not lent to a pending sum (``prefer``
@@ -95,10 +95,10 @@ class GradsMixin:
         straight into the buffer the kernels read (before a sample's backward, and after
         an update for the buckets whose ``.grad`` were cleared by ``accumulate``:
         ``cleared_only``)."""
-        if not self.opt.grad_views or torch.compiler.is_compiling():
+        if not self.view.grad_views or torch.compiler.is_compiling():
             return
         lent = self._lent()
-        for b in self.opt._buckets:
+        for b in self.view.buckets:
             if b.segments is not None:        # FSDP2 hands out the sharded gradients
                 continue
             if cleared_only and any(p.grad is not None for p in b.params):
@@ -133,7 +133,7 @@ class GradsMixin:
         if torch.compiler.is_compiling():
             return done
         lent = self._lent()
-        for b in self.opt._buckets:
+        for b in self.view.buckets:
             if b.handed is None:
                 continue
             gb = b.grad_bufs[b.handed]
@@ -158,7 +158,7 @@ class GradsMixin:
         if torch.compiler.is_compiling() or _capturing():
             return out
         cand = []
-        for b in self.opt._buckets:
+        for b in self.view.buckets:
             if b.handed is None:
                 continue
             gb = b.grad_bufs[b.handed]
@@ -179,15 +179,15 @@ class GradsMixin:
         i = self._free_buffer(b, lent, b.handed)
         gb = b.grad_bufs[i]
         srcs, dsts, zero = [], [], []
-        for p, view in zip(b.params, gb.views):
+        for p, gview in zip(b.params, gb.views):
             g = p.grad
             if g is None:
-                zero.append(view)
+                zero.append(gview)
                 continue
             _refuse_sparse(g)
-            if compiling or g is not view:
+            if compiling or g is not gview:
                 srcs.append(g.detach())
-                dsts.append(view)
+                dsts.append(gview)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         if zero:

@@ -27,7 +27,7 @@ class LayoutMixin:
     def flatten(self) -> None:
         """Make every bucket's parameters views of one flat buffer (and give it a flat
         gradient buffer).  Idempotent: buckets already flat keep their storage."""
-        for b in self.opt._buckets:
+        for b in self.view.buckets:
             flat = getattr(b, "flat_param", None)
             if b.segments is not None:        # FSDP2 owns the shards: launched per shard
                 b.flat_param, b.grad_bufs, b.handed = None, [], None
@@ -47,8 +47,8 @@ class LayoutMixin:
             if b.device not in self.ctl:      # a new device starts from the counters
                 src = next(iter(self.ctl.values()), None)
                 self.ctl[b.device] = (src.to(b.device, copy=True) if src is not None else
-                                      self._counters_tensor(self.opt._step,
-                                                            self.opt._refreshes, 0, b.device))
+                                      self._counters_tensor(self.view.steps,
+                                                            self.view.refreshes, 0, b.device))
 
     # ------------------------------------------------------------------ sharded buckets
     @staticmethod
@@ -100,7 +100,7 @@ class LayoutMixin:
             loc = b.local(i)
             if (loc.numel() != n or loc.dtype != b.param_dtype or loc.device != b.device
                     or not loc.is_contiguous()):
-                group = self.opt.param_groups[b.group_index]["params"]
+                group = self.view.param_groups[b.group_index]["params"]
                 j = next(j for j, q in enumerate(group) if q is b.params[i])
                 raise RuntimeError(
                     f"parameter {j} of param group {b.group_index}: its local shard changed "
@@ -134,7 +134,7 @@ class LayoutMixin:
         if torch.compiler.is_compiling():     # storage pointers are not traceable
             return
         loose = []
-        for b in self.opt._buckets:           # all checked before any is re-linked
+        for b in self.view.buckets:           # all checked before any is re-linked
             if b.segments is not None:
                 if strict:
                     self._check_shards(b)
@@ -155,7 +155,7 @@ class LayoutMixin:
             for b in loose:
                 base = b.flat_param.data_ptr()
                 size = b.flat_param.element_size()
-                for p, off, view in zip(b.params, b.offsets, b.grad_views):
+                for p, off, gview in zip(b.params, b.offsets, b.grad_views):
                     if p.data_ptr() == base + off * size and p.is_contiguous():
                         continue
                     flat = b.flat_param[off:off + p.numel()]
@@ -166,7 +166,7 @@ class LayoutMixin:
                         b.buffers["mean"][off:off + p.numel()].copy_(new)
                         self.ahead = None
                     flat.copy_(new)
-                    p.data = flat.view_as(view)
+                    p.data = flat.view_as(gview)
                 if b.param_dtype != b.dtype and self.params_hold_mean:
                     # low precision: the float32 master copy keeps what the parameters
                     # still round to, and takes the values changed elsewhere
@@ -176,12 +176,12 @@ class LayoutMixin:
 
     def _changed(self, b) -> Optional[str]:
         """What keeps a bucket's parameters from being re-linked (None: nothing)."""
-        for p, view in zip(b.params, b.grad_views):
+        for p, gview in zip(b.params, b.grad_views):
             for what, now, was in (("dtype", p.dtype, b.param_dtype),
                                    ("device", p.device, b.device),
-                                   ("shape", tuple(p.shape), tuple(view.shape))):
+                                   ("shape", tuple(p.shape), tuple(gview.shape))):
                 if now != was:
-                    group = self.opt.param_groups[b.group_index]["params"]
+                    group = self.view.param_groups[b.group_index]["params"]
                     i = next(i for i, q in enumerate(group) if q is p)
                     return (f"parameter {i} of param group {b.group_index}: its storage was "
                             f"replaced by one of another {what} ({was} -> {now})")

@@ -17,7 +17,7 @@ from torch import Tensor
 from .. import noise as _noise
 from .._layout import is_padded
 from .._protocol import KIND_INNER, KIND_REFRESH
-from ..kernels import interface as K
+from ..kernels import interface as iface
 
 
 class SamplesMixin:
@@ -31,7 +31,7 @@ class SamplesMixin:
         self.check_layout()
         if not self.params_hold_mean:
             return
-        for b in self.opt._buckets:
+        for b in self.view.buckets:
             if b.param_dtype == b.dtype:
                 self._params_to(b, b.buffers["mean"])
 
@@ -42,21 +42,21 @@ class SamplesMixin:
 
     def discard(self) -> None:
         for c in self.ctl.values():
-            c[K.CTL_BAD].zero_()
+            c[iface.CTL_BAD].zero_()
 
     @torch.no_grad()
     def sample(self, kind: int, draw: int) -> None:
         self.check_layout()
         self.hand_out()
-        opt = self.opt
+        view = self.view
         if self.takes_ahead(kind, draw):      # the step wrote it: nothing moves
-            for b in opt._buckets:
+            for b in view.buckets:
                 self.active_noise[b.index] = self.noise_of(kind, b, draw)
             self.params_hold_mean = False
             return
         self.ahead = None
-        for b in opt._buckets:
-            spec = opt._spec(b, kind, draw)
+        for b in view.buckets:
+            spec = view.spec(b, kind, draw)
             is_mean = spec.centre is b.buffers["mean"]
             sync = self.params_hold_mean and is_mean and b.param_dtype == b.dtype
             if spec.noise is None:
@@ -77,24 +77,24 @@ class SamplesMixin:
             stream = _noise.stream_id(b.index, nk, nd)
             self.active_noise[b.index] = (stream, slot, float(sign))
             if spec.h is not None:
-                mode, h, sig, const = K.SIGMA_IVON, spec.h, None, 0.0
+                mode, h, sig, const = iface.SIGMA_IVON, spec.h, None, 0.0
             elif isinstance(spec.sigma, Tensor):
-                mode, h, sig, const = K.SIGMA_BUFFER, None, spec.sigma, 0.0
+                mode, h, sig, const = iface.SIGMA_BUFFER, None, spec.sigma, 0.0
             else:
-                mode, h, sig, const = K.SIGMA_CONST, None, None, spec.sigma
-            row = self.rows.row(b, f"sample{kind}", K.SampleHyper(
-                *(K.hyper_value(v) for v in (spec.ess, spec.wd, const))))
+                mode, h, sig, const = iface.SIGMA_CONST, None, None, spec.sigma
+            row = self.rows.row(b, f"sample{kind}", iface.SampleHyper(
+                *(iface.hyper_value(v) for v in (spec.ess, spec.wd, const))))
             for lo, n, off, prm in self._pieces(b):
                 cut = self._cutter(b, lo, n)
                 self.ops.sample(prm, prm if sync else cut(spec.centre), cut(b.buffers["mean"]),
-                                cut(h), cut(sig), self._ctl(b), opt.seed, opt.noise_version,
+                                cut(h), cut(sig), self._ctl(b), view.seed, view.noise_version,
                                 stream, slot, row, float(sign), mode, sync, off)
         self.params_hold_mean = False
 
     @torch.no_grad()
     def restore(self) -> None:
         self._relink(strict=False)            # the mean goes where the parameters are
-        for b in self.opt._buckets:
+        for b in self.view.buckets:
             self._params_from(b, b.buffers["mean"])
         self.params_hold_mean = True
         self.ahead = None
@@ -113,7 +113,7 @@ class SamplesMixin:
         is a padded flat buffer of ours (a gradient buffer adopted by :meth:`accumulate`,
         a pool buffer), else a pool buffer, allocated at first use and reused, into which
         the sum (the float vector a loaded state dict put there) is copied once."""
-        sums = self.opt._pending.sums
+        sums = self.view.pending.sums
         cur = sums.get((kind, b.index, name))
         if (cur is not None and cur.dtype == b.dtype and cur.device == b.device
                 and cur.is_contiguous() and cur.numel() == b.numel
@@ -133,12 +133,12 @@ class SamplesMixin:
         """``acc_ge = acc_g * eps`` of the given draw (per shard for a sharded bucket)."""
         for lo, n, off, _ in self._pieces(b):
             cut = self._cutter(b, lo, n)
-            self.ops.fold_ge(cut(acc_g), cut(acc_ge), self._ctl(b), self.opt.seed,
-                             self.opt.noise_version, stream, slot, sign, off)
+            self.ops.fold_ge(cut(acc_g), cut(acc_ge), self._ctl(b), self.view.seed,
+                             self.view.noise_version, stream, slot, sign, off)
 
     def noise_of(self, kind: int, b, draw: int = 0) -> Optional[Tuple[int, int, float]]:
         """(stream, counter slot, sign) of draw ``draw`` of a kind, or None (no noise)."""
-        spec = self.opt._spec(b, kind, draw)
+        spec = self.view.spec(b, kind, draw)
         if spec.noise is None:
             return None
         nk, nd, slot, sign = spec.noise
@@ -146,17 +146,17 @@ class SamplesMixin:
 
     @torch.no_grad()
     def accumulate(self, kind: int, draw: int, lend: bool = True) -> None:
-        opt = self.opt
-        sums = opt._pending.sums
+        view = self.view
+        sums = view.pending.sums
         lent = self._lent()
         # gather every bucket first: a refused gradient (sparse) raises before a sum changes
         bufs = [self._shard_grads(b) if b.segments is not None else self._gather_grads(b, lent)
-                for b in opt._buckets]
+                for b in view.buckets]
         compiling = torch.compiler.is_compiling()
-        for b, gb in zip(opt._buckets, bufs):
+        for b, gb in zip(view.buckets, bufs):
             first = (kind, b.index, "g") not in sums
             noise = self.active_noise.get(b.index)
-            want_ge = opt.uses_hessian and noise is not None
+            want_ge = view.rule.uses_hessian and noise is not None
             ge_live = (kind, b.index, "ge") in sums
             needs_ge = want_ge and (draw >= 1 or ge_live)
             sharded = b.segments is not None
@@ -182,15 +182,15 @@ class SamplesMixin:
                     sums[(kind, b.index, "ge")] = acc_ge
             stream, slot, sign = noise if noise is not None else (0, 0, 1.0)
             if not sharded:
-                self.ops.accumulate(grad, acc_g, acc_ge, self._ctl(b), opt.seed,
-                                    opt.noise_version, stream, slot, sign, first,
+                self.ops.accumulate(grad, acc_g, acc_ge, self._ctl(b), view.seed,
+                                    view.noise_version, stream, slot, sign, first,
                                     acc_ge is not None)
             else:
                 for (lo, n, off, _), g in zip(self._pieces(b), gb):
                     cut = self._cutter(b, lo, n)
                     if g is not None:
-                        self.ops.accumulate(g, cut(acc_g), cut(acc_ge), self._ctl(b), opt.seed,
-                                            opt.noise_version, stream, slot, sign, first,
+                        self.ops.accumulate(g, cut(acc_g), cut(acc_ge), self._ctl(b), view.seed,
+                                            view.noise_version, stream, slot, sign, first,
                                             acc_ge is not None, off)
                     elif first:                # no gradient: a zero one
                         acc_g[lo:lo + n].zero_()

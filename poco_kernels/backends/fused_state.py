@@ -14,7 +14,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ..kernels import interface as K
+from ..kernels import interface as iface
 
 
 class StateMixin:
@@ -25,25 +25,25 @@ class StateMixin:
     # ------------------------------------------------------------------ counters
     @staticmethod
     def _counters_tensor(steps: int, refreshes: int, skipped: int, device) -> Tensor:
-        c = torch.zeros(K.CTL_SIZE, dtype=torch.int64)
-        c[K.CTL_STEPS], c[K.CTL_REFRESHES], c[K.CTL_SKIPPED] = steps, refreshes, skipped
+        c = torch.zeros(iface.CTL_SIZE, dtype=torch.int64)
+        c[iface.CTL_STEPS], c[iface.CTL_REFRESHES], c[iface.CTL_SKIPPED] = steps, refreshes, skipped
         return c.to(device)
 
     def set_counters(self, steps: int, refreshes: int) -> None:
         """Set the steps and refreshes taken (a state dict was loaded); the count of
         skipped updates is kept."""
         for dev, c in self.ctl.items():
-            c.copy_(self._counters_tensor(steps, refreshes, int(c[K.CTL_SKIPPED]), dev))
+            c.copy_(self._counters_tensor(steps, refreshes, int(c[iface.CTL_SKIPPED]), dev))
 
     def counters(self) -> Tuple[int, int, int]:
         """(steps taken, refreshes taken, updates skipped) -- reads the device.  A
         momentum buffer made by a step the device skipped is dropped here, as the host
         drops it after a step it knows was skipped (:meth:`_settle_momentum`)."""
         if not self.ctl:
-            return self.opt._step, self.opt._refreshes, 0
+            return self.view.steps, self.view.refreshes, 0
         c = next(iter(self.ctl.values())).tolist()
-        self._settle_momentum(int(c[K.CTL_STEPS]))
-        return int(c[K.CTL_STEPS]), int(c[K.CTL_REFRESHES]), int(c[K.CTL_SKIPPED])
+        self._settle_momentum(int(c[iface.CTL_STEPS]))
+        return int(c[iface.CTL_STEPS]), int(c[iface.CTL_REFRESHES]), int(c[iface.CTL_SKIPPED])
 
     def _settle_momentum(self, steps: int) -> None:
         """The counters were read (``steps`` taken): a momentum buffer of
@@ -54,10 +54,10 @@ class StateMixin:
             del self.mom_start[bi]
             if steps != int(start):
                 continue
-            b = self.opt._buckets[bi]
+            b = self.view.buckets[bi]
             for name in [n for n, v in b.buffers.items() if v is buf]:
                 del b.buffers[name]
-                self.opt._expose(b)
+                self.view.expose(b)
 
     def _momentum_first(self, b, t):
         """The step record ``t`` of bucket ``b``, with SGD's ``mom_first`` read on the
@@ -68,7 +68,7 @@ class StateMixin:
         if entry is None or t.s1 is not entry[1] or isinstance(t.hp.mom_first, Tensor) \
                 or t.hp.mom_first != 0.0:
             return t
-        first = (self._ctl(b)[K.CTL_STEPS] == entry[0]).to(torch.float64)
+        first = (self._ctl(b)[iface.CTL_STEPS] == entry[0]).to(torch.float64)
         return t._replace(hp=t.hp._replace(mom_first=first))
 
     def _ctl(self, b) -> Tensor:
@@ -79,14 +79,14 @@ class StateMixin:
     def prepare_state_dict(self) -> None:
         """Give every pending noisy sum its ``g * eps`` sum (for the state dict, which
         has the torch backend's layout)."""
-        opt = self.opt
-        if not opt.uses_hessian:
+        view = self.view
+        if not view.rule.uses_hessian:
             return
-        for kind, count in opt._pending.count.items():
+        for kind, count in view.pending.count.items():
             if count == 0:
                 continue
-            for b in opt._buckets:
-                if (kind, b.index, "ge") in opt._pending.sums:
+            for b in view.buckets:
+                if (kind, b.index, "ge") in view.pending.sums:
                     continue
                 noise = self.noise_of(kind, b, 0)
                 if noise is None:
@@ -94,14 +94,14 @@ class StateMixin:
                 acc_g = self._acc(kind, b, "g")
                 acc_ge = self._acc(kind, b, "ge")
                 self._fold_ge(b, acc_g, acc_ge, *noise)
-                opt._pending.sums[(kind, b.index, "ge")] = acc_ge
+                view.pending.sums[(kind, b.index, "ge")] = acc_ge
 
     # ------------------------------------------------------------------ bookkeeping
     def loaded(self) -> None:
         self.params_hold_mean = True
         self.ahead = None
         self.mom_start.clear()          # (the state dict says which buffers exist)
-        self.set_counters(self.opt._step, self.opt._refreshes)
+        self.set_counters(self.view.steps, self.view.refreshes)
 
     def relayout(self) -> None:
         self.ahead = None
@@ -112,11 +112,11 @@ class StateMixin:
 
     def set_skipped(self, skipped: int) -> None:
         for c in self.ctl.values():
-            c[K.CTL_SKIPPED].fill_(skipped)
+            c[iface.CTL_SKIPPED].fill_(skipped)
 
     def rebuilt(self, old_buckets) -> None:
         self.ahead = None
-        for b_new, b_old in zip(self.opt._buckets, old_buckets):
+        for b_new, b_old in zip(self.view.buckets, old_buckets):
             for attr in ("flat_param", "grad_flat", "grad_views", "grad_bufs", "handed"):
                 if hasattr(b_old, attr):
                     setattr(b_new, attr, getattr(b_old, attr))

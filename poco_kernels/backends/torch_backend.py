@@ -23,8 +23,8 @@ class TorchBackend(Backend):
     name = "torch"
     lazy_restore = False
 
-    def __init__(self, opt):
-        super().__init__(opt)
+    def __init__(self, view):
+        super().__init__(view)
         #: the standard normal of the sample in the parameters, per bucket (None: none)
         self.active_eps: Dict[int, Optional[Tensor]] = {}
 
@@ -33,7 +33,7 @@ class TorchBackend(Backend):
         if not self.params_hold_mean:
             return
         with torch.no_grad():
-            for b in self.opt._buckets:
+            for b in self.view.buckets:
                 if b.param_dtype == b.dtype:
                     b.flat_params(out=b.buffers["mean"])
 
@@ -42,17 +42,17 @@ class TorchBackend(Backend):
             self.params_hold_mean = False
             return
         self.ahead = None
-        opt = self.opt
+        view = self.view
         self.sync_mean()
         self.active_eps = {}
         with torch.no_grad():
-            for b in opt._buckets:
-                spec = opt._spec(b, kind, draw)
+            for b in view.buckets:
+                spec = view.spec(b, kind, draw)
                 sigma, eps = None, None
                 if spec.noise is not None:
                     nk, nd, slot, sign = spec.noise
                     sigma = spec.sigma_tensor()
-                    eps = opt._eps(b, nk, nd, opt._counter(slot))
+                    eps = view.eps(b, nk, nd, view.counter(slot))
                     if sign < 0:
                         eps = -eps             # antithetic draw: the mirror image
                 self.active_eps[b.index] = eps
@@ -64,23 +64,23 @@ class TorchBackend(Backend):
         self.ahead = None
 
     def accumulate(self, kind: int, draw: int, lend: bool = True) -> None:
-        opt = self.opt
-        sums = opt._pending.sums
+        view = self.view
+        sums = view.pending.sums
         with torch.no_grad():
             # every bucket first: a refused gradient (sparse) raises before a sum changes
-            flats = [b.flat_grads() for b in opt._buckets]
-            for b, g in zip(opt._buckets, flats):
+            flats = [b.flat_grads() for b in view.buckets]
+            for b, g in zip(view.buckets, flats):
                 key = (kind, b.index, "g")
                 sums[key] = sums[key] + g if key in sums else g
                 eps = self.active_eps.get(b.index)
-                if opt.uses_hessian and eps is not None:
+                if view.rule.uses_hessian and eps is not None:
                     key = (kind, b.index, "ge")
                     ge = g * eps
                     sums[key] = sums[key] + ge if key in sums else ge
 
     def restore(self) -> None:
         with torch.no_grad():
-            for b in self.opt._buckets:
+            for b in self.view.buckets:
                 b.write_params(b.buffers["mean"])
         self.active_eps = {}
         self.params_hold_mean = True
@@ -90,7 +90,7 @@ class TorchBackend(Backend):
     def estimate(self, kind: int, b, grad_scale: Optional[Tensor]
                  ) -> Tuple[Tensor, Optional[Tensor]]:
         """(mean gradient, mean gradient * eps) over the collected samples of ``kind``."""
-        pend = self.opt._pending
+        pend = self.view.pending
         n = pend.count[kind]
         g = pend.sums[(kind, b.index, "g")] / n
         ge = pend.sums.get((kind, b.index, "ge"))
@@ -104,10 +104,10 @@ class TorchBackend(Backend):
     def _on_any_rank(self, bad: bool) -> bool:
         """``bad`` on this rank or on any rank the parameters are sharded over (the
         unsharded run sees every element: every rank must refuse alike)."""
-        groups = shard_groups(self.opt._buckets)
+        groups = shard_groups(self.view.buckets)
         if not groups:
             return bad
-        flag = torch.tensor([int(bad)], device=self.opt._buckets[0].device)
+        flag = torch.tensor([int(bad)], device=self.view.buckets[0].device)
         return bool(any_rank(flag, groups).item())
 
     def check_gradients(self, *ts) -> None:
@@ -120,27 +120,27 @@ class TorchBackend(Backend):
         """Refuse an update that produced non-finite state (nothing committed).  A
         low-precision buffer's new value (``state_dtype``) is rounded here, so what is
         checked is what ``commit`` stores."""
-        opt = self.opt
+        view = self.view
         bad = None
-        for b in opt._buckets:
+        for b in view.buckets:
             bufs = new.get(b.index, {})
             for name, t in list(bufs.items()):
                 have = b.buffers.get(name)
                 if have is not None and have.dtype == torch.bfloat16 != t.dtype:
                     bufs[name] = t = stochastic_round(
-                        t, opt._rounding_bits(b, name, opt._counter(slot)))
+                        t, view.rounding_bits(b, name, view.counter(slot)))
                 if bad is None and not bool(torch.isfinite(t).all()):
                     bad = name
         if self._on_any_rank(bad is not None):
             where = repr(bad) if bad is not None else "another rank's shards"
             raise FloatingPointError(
                 f"the update produced non-finite values in {where}: the step was not taken "
-                f"and the optimizer state is unchanged. {self.opt._divergence_hint}")
+                f"and the optimizer state is unchanged. {self.view.rule.divergence_hint}")
 
     def commit(self, new: Dict[int, Dict[str, Tensor]]) -> None:
         """Copy the new buffers in (creating those made at their first use; low-precision
         ones come rounded from ``check_new``) and write the mean into the parameters."""
-        for b in self.opt._buckets:
+        for b in self.view.buckets:
             added = False
             for name, t in new.get(b.index, {}).items():
                 if name in b.buffers:
@@ -149,7 +149,7 @@ class TorchBackend(Backend):
                     b.buffers[name] = t.clone()
                     added = True
             if added:
-                self.opt._expose(b)
+                self.view.expose(b)
             b.write_params(b.buffers["mean"])
         self.params_hold_mean = True
 
@@ -176,14 +176,15 @@ class TorchBackend(Backend):
         self.ahead = None                 # (the optimizer draws the next sample after it)
         if self.skipped_on_host(found_inf):
             return False               # AMP overflow: skip, state untouched
-        opt = self.opt
+        view = self.view
         new = {}
-        for b in opt._buckets:
-            group = opt._group(b)
+        for b in view.buckets:
+            group = view.group(b)
             g_in, ge_in = self.estimate(KIND_INNER, b, grad_scale)
             outer = self.estimate(KIND_OUTER, b, grad_scale) if b.index in corr else None
             self.check_gradients(g_in, ge_in, *(outer or ()))
-            new[b.index] = opt._inner_update(b, group, g_in, ge_in, outer, opt._step + 1)
+            new[b.index] = view.rule.inner_update(b, group, g_in, ge_in, outer, view.steps + 1,
+                                                  view)
         self.check_new(new, COUNTER_STEPS)
         self.commit(new)
         return True
@@ -192,13 +193,13 @@ class TorchBackend(Backend):
         self.ahead = None
         if self.skipped_on_host(found_inf):
             return False
-        opt = self.opt
+        view = self.view
         new = {}
-        for b in opt._buckets:
-            group = opt._group(b)
+        for b in view.buckets:
+            group = view.group(b)
             gM, geM = self.estimate(KIND_REFRESH, b, grad_scale)
             self.check_gradients(gM, geM)
-            new[b.index] = opt._refresh_update(b, group, gM, geM, first=opt._first_refresh(b))
+            new[b.index] = view.rule.refresh_update(b, group, gM, geM, view.first_refresh(b), view)
         self.check_new(new, COUNTER_REFRESHES)
         self.commit(new)
         return True

@@ -169,7 +169,7 @@ def run_method(method: str, prob: Problem, oracle: Oracle, cfg: Config,
     opt = (optimizer_factory(w, cfg, n) if optimizer_factory is not None
            else make_optimizer(method, w, cfg, n))
     outer = (has_outer_loop(method) if optimizer_factory is None
-             else bool(getattr(opt, "_has_correction", False)))
+             else bool(getattr(getattr(opt, "rule", None), "has_correction", False)))
     make_closure = ((lambda: _BatchLoss(w, prob.l2)) if method == "von-poco"
                     else (lambda: _BatchGrad(w)))
     closure = make_closure()

@@ -119,7 +119,7 @@ class PoCoTrainer(Trainer):
     def _poco_begin(self, model) -> None:
         """Before the step's inner sample: its alpha and, when due, a refresh."""
         opt, t = self.poco_optimizer, self.state.global_step
-        if not getattr(opt, "_has_correction", False):   # IVON: no outer loop
+        if not getattr(getattr(opt, "rule", None), "has_correction", False):   # IVON: no outer loop
             return
         if self.poco_alpha is not None:
             a = self.poco_alpha(t) if callable(self.poco_alpha) else float(self.poco_alpha)

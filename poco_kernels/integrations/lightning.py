@@ -108,7 +108,7 @@ class PoCoLightningModule(pl.LightningModule):
         opt = self.optimizers()
         inner = unwrap(opt)
         t = self.global_step
-        if getattr(inner, "_has_correction", False) and t >= self.poco_start \
+        if getattr(getattr(inner, "rule", None), "has_correction", False) and t >= self.poco_start \
                 and (t - self.poco_start) % self.refresh_every == 0:
             with inner.sampled("refresh", accumulate=False):
                 for chunk in self.poco_mega_batch(inner.refresh_count):

@@ -8,9 +8,12 @@ same names in the same order; the C++ operators read them through the X-macros o
 names, order or count.
 
 Every field is required: a record built without one raises ``TypeError`` (never a silent
-default).  The optimizers fill the hyperparameter part of a step through the per-family
-constructors :meth:`StepHP.ivon`, :meth:`StepHP.sgd` and :meth:`StepHP.adamw`, which
-name exactly the fields that family reads and set the others to zero.
+default).  One record per kernel and kind: the rules fill a step's and a refresh's
+hyperparameters and switches through the per-family constructors
+(:meth:`StepHyper.ivon`, :meth:`StepFlags.sgd`, :meth:`RefreshHyper.ivon`, ...), which
+name exactly the fields that family reads and set the others to zero; the host engine
+sets its own fields on the same record (:meth:`StepHyper.counted`,
+:meth:`StepFlags.routed`, :meth:`RefreshHyper.counted`).
 
 **Hyperparameters reach the kernels as a row** (:func:`hyper_row`): the record's values
 as one float64 tensor on the kernels' device, field ``i`` at index ``i``.  The kernels
@@ -35,8 +38,8 @@ from ..noise import STREAM_VERSION as _STREAM_VERSION
 
 __all__ = ["SIGMA_NONE", "SIGMA_IVON", "SIGMA_BUFFER", "SIGMA_CONST", "FAMILY_IVON",
            "FAMILY_SGD", "FAMILY_ADAMW", "FAMILIES", "CTL_STEPS", "CTL_REFRESHES", "CTL_BAD",
-           "CTL_SKIPPED", "CTL_SIZE", "StepHP", "StepHyper", "StepPath", "StepFlags",
-           "StepStreams", "RefreshHP", "RefreshHyper", "RefreshFlags", "SampleHyper",
+           "CTL_SKIPPED", "CTL_SIZE", "StepHyper", "StepFlags", "StepStreams",
+           "RefreshHyper", "RefreshFlags", "SampleHyper",
            "HYPER_RECORDS", "require", "hyper_row", "hyper_value"]
 
 # ``sigma`` of a sample (``sample``)
@@ -50,8 +53,14 @@ CTL_STEPS, CTL_REFRESHES, CTL_BAD, CTL_SKIPPED = 0, 1, 2, 3
 CTL_SIZE = 4
 
 
-class StepHP(NamedTuple):
-    """The optimizer's hyperparameters of one step (the tail of :class:`StepHyper`)."""
+class StepHyper(NamedTuple):
+    """Every float the step kernel takes.  An optimizer's rule fills the hyperparameters
+    through the per-family constructors (:meth:`ivon`, :meth:`sgd`, :meth:`adamw`), which
+    name exactly the fields that family reads and set the others to zero; the host engine
+    then sets the first three, which depend on what was collected (:meth:`counted`)."""
+    sign_o: float        # host engine: sign of the outer draw (antithetic: -1)
+    inv_n_in: float      # host engine: 1 / number of inner gradients summed
+    inv_n_o: float       # host engine: 1 / number of outer gradients summed (0: no correction)
     lr: float            # IVON: already ivon_lr (rescaled)
     beta1: float         # IVON momentum / AdamW beta1
     beta2: float         # IVON Hessian / AdamW beta2
@@ -67,51 +76,42 @@ class StepHP(NamedTuple):
     mom_first: float     # SGD: 1 when the momentum buffer is created by this step
 
     @classmethod
-    def ivon(cls, *, lr, beta1, beta2, wd, ess, alpha, hess_corr, floor, clip) -> "StepHP":
-        return cls(lr=lr, beta1=beta1, beta2=beta2, wd=wd, ess=ess, alpha=alpha,
-                   hess_corr=hess_corr, floor=floor, clip=clip, momentum=0.0, dampening=0.0,
-                   eps=0.0, mom_first=0.0)
+    def ivon(cls, *, lr, beta1, beta2, wd, ess, alpha, hess_corr, floor, clip) -> "StepHyper":
+        return cls(sign_o=1.0, inv_n_in=1.0, inv_n_o=0.0, lr=lr, beta1=beta1, beta2=beta2,
+                   wd=wd, ess=ess, alpha=alpha, hess_corr=hess_corr, floor=floor, clip=clip,
+                   momentum=0.0, dampening=0.0, eps=0.0, mom_first=0.0)
 
     @classmethod
-    def sgd(cls, *, lr, wd, alpha, momentum, dampening, mom_first) -> "StepHP":
-        return cls(lr=lr, beta1=0.0, beta2=0.0, wd=wd, ess=1.0, alpha=alpha, hess_corr=0.0,
-                   floor=0.0, clip=0.0, momentum=momentum, dampening=dampening, eps=0.0,
-                   mom_first=mom_first)
+    def sgd(cls, *, lr, wd, alpha, momentum, dampening, mom_first) -> "StepHyper":
+        return cls(sign_o=1.0, inv_n_in=1.0, inv_n_o=0.0, lr=lr, beta1=0.0, beta2=0.0, wd=wd,
+                   ess=1.0, alpha=alpha, hess_corr=0.0, floor=0.0, clip=0.0, momentum=momentum,
+                   dampening=dampening, eps=0.0, mom_first=mom_first)
 
     @classmethod
-    def adamw(cls, *, lr, beta1, beta2, wd, eps, alpha) -> "StepHP":
-        return cls(lr=lr, beta1=beta1, beta2=beta2, wd=wd, ess=1.0, alpha=alpha,
-                   hess_corr=0.0, floor=0.0, clip=0.0, momentum=0.0, dampening=0.0, eps=eps,
-                   mom_first=0.0)
+    def adamw(cls, *, lr, beta1, beta2, wd, eps, alpha) -> "StepHyper":
+        return cls(sign_o=1.0, inv_n_in=1.0, inv_n_o=0.0, lr=lr, beta1=beta1, beta2=beta2,
+                   wd=wd, ess=1.0, alpha=alpha, hess_corr=0.0, floor=0.0, clip=0.0,
+                   momentum=0.0, dampening=0.0, eps=eps, mom_first=0.0)
+
+    def counted(self, *, sign_o: float, inv_n_in: float, inv_n_o: float) -> "StepHyper":
+        """This record with the host engine's three fields set (and every value a float or
+        a one-element tensor, :func:`hyper_value`)."""
+        return type(self)(float(sign_o), float(inv_n_in), float(inv_n_o),
+                          *(_value(v) for v in self[3:]))
 
 
-class StepHyper(NamedTuple):
-    """Every float the step kernel takes: three set by the host engine per call, then
-    :class:`StepHP`."""
-    sign_o: float        # sign of the outer draw (antithetic: -1)
-    inv_n_in: float      # 1 / number of inner gradients summed
-    inv_n_o: float       # 1 / number of outer gradients summed (0 without correction)
-    lr: float
-    beta1: float
-    beta2: float
-    wd: float
-    ess: float
-    alpha: float
-    hess_corr: float
-    floor: float
-    clip: float
-    momentum: float
-    dampening: float
-    eps: float
-    mom_first: float
-
-    @classmethod
-    def of(cls, hp: StepHP, *, sign_o: float, inv_n_in: float, inv_n_o: float) -> "StepHyper":
-        return cls(float(sign_o), float(inv_n_in), float(inv_n_o), *(_value(v) for v in hp))
-
-
-class StepPath(NamedTuple):
-    """The optimizer's code-path switches of a step (the tail of :class:`StepFlags`)."""
+class StepFlags(NamedTuple):
+    """The step kernel's code path: the family, five switches the host engine sets per call
+    (:meth:`routed`), then the optimizer's switches, set by the per-family constructors
+    (:meth:`ivon`, :meth:`sgd`, :meth:`adamw`).  Triton takes each as a ``constexpr`` of
+    the upper-case name; the C++ operator takes ``family`` and the rest packed by
+    :meth:`bits`."""
+    family: int
+    corr: bool           # host engine: the correction is applied (outer gradient collected)
+    ge_in: bool          # host engine: the inner gradient * eps was summed (several draws)
+    ge_o: bool           # host engine: the outer gradient * eps was summed
+    shared_noise: bool   # host engine: the outer draw reuses the inner draw's eps
+    next_sample: bool    # host engine, IVON: write the next step's inner sample, not the mean
     hess_corr: bool      # IVON-PoCo: the Hessian-correction term of the mean update
     floor: bool          # IVON-PoCo: hess_floor
     clip: bool           # IVON: finite clip radius
@@ -120,40 +120,23 @@ class StepPath(NamedTuple):
     nesterov: bool       # SGD: Nesterov
 
     @classmethod
-    def ivon(cls, *, hess_corr, floor, clip, debias) -> "StepPath":
-        return cls(bool(hess_corr), bool(floor), bool(clip), bool(debias), False, False)
+    def ivon(cls, *, hess_corr, floor, clip, debias) -> "StepFlags":
+        return cls(FAMILY_IVON, False, False, False, False, False, bool(hess_corr),
+                   bool(floor), bool(clip), bool(debias), False, False)
 
     @classmethod
-    def sgd(cls, *, momentum, nesterov) -> "StepPath":
-        return cls(False, False, False, False, bool(momentum), bool(nesterov))
+    def sgd(cls, *, momentum, nesterov) -> "StepFlags":
+        return cls(FAMILY_SGD, False, False, False, False, False, False, False, False, False,
+                   bool(momentum), bool(nesterov))
 
     @classmethod
-    def adamw(cls) -> "StepPath":
-        return cls(False, False, False, False, False, False)
+    def adamw(cls) -> "StepFlags":
+        return cls(FAMILY_ADAMW, *([False] * 11))
 
-
-class StepFlags(NamedTuple):
-    """The step kernel's code path: the family, five switches set by the host engine per
-    call, then :class:`StepPath`.  Triton takes each as a ``constexpr`` of the upper-case
-    name; the C++ operator takes ``family`` and the rest packed by :meth:`bits`."""
-    family: int
-    corr: bool           # the correction is applied (the outer gradient was collected)
-    ge_in: bool          # the inner gradient * eps was summed (several draws)
-    ge_o: bool           # the outer gradient * eps was summed
-    shared_noise: bool   # the outer draw reuses the inner draw's eps
-    next_sample: bool    # IVON: write the next step's inner sample, not the mean
-    hess_corr: bool
-    floor: bool
-    clip: bool
-    debias: bool
-    momentum: bool
-    nesterov: bool
-
-    @classmethod
-    def of(cls, family: int, path: StepPath, *, corr, ge_in, ge_o, shared_noise,
-           next_sample) -> "StepFlags":
-        return cls(int(family), bool(corr), bool(ge_in), bool(ge_o), bool(shared_noise),
-                   bool(next_sample), *path)
+    def routed(self, *, corr, ge_in, ge_o, shared_noise, next_sample) -> "StepFlags":
+        """This record with the host engine's five switches set."""
+        return self._replace(corr=bool(corr), ge_in=bool(ge_in), ge_o=bool(ge_o),
+                             shared_noise=bool(shared_noise), next_sample=bool(next_sample))
 
     def bits(self) -> int:
         """The switches (all fields but ``family``) as bits 0, 1, ... in field order."""
@@ -173,8 +156,11 @@ class StepStreams(NamedTuple):
     noise: int = _STREAM_VERSION
 
 
-class RefreshHP(NamedTuple):
-    """The optimizer's hyperparameters of one refresh (the tail of :class:`RefreshHyper`)."""
+class RefreshHyper(NamedTuple):
+    """Every float the refresh kernel takes: the host engine's ``inv_n`` (:meth:`counted`),
+    then the optimizer's hyperparameters, set by the per-family constructors
+    (:meth:`ivon`, :meth:`sgd`)."""
+    inv_n: float         # host engine: 1 / number of mega-batch chunks (and draws) summed
     ess: float
     wd: float
     rho1: float          # outer momentum of g_out (weights the OLD estimate)
@@ -182,27 +168,16 @@ class RefreshHP(NamedTuple):
     sigma: float         # VSGD-PoCo: the constant sigma of the refresh sample
 
     @classmethod
-    def ivon(cls, *, ess, wd, rho1, rho2) -> "RefreshHP":
-        return cls(ess=ess, wd=wd, rho1=rho1, rho2=rho2, sigma=0.0)
+    def ivon(cls, *, ess, wd, rho1, rho2) -> "RefreshHyper":
+        return cls(inv_n=1.0, ess=ess, wd=wd, rho1=rho1, rho2=rho2, sigma=0.0)
 
     @classmethod
-    def sgd(cls, *, sigma) -> "RefreshHP":
-        return cls(ess=1.0, wd=0.0, rho1=0.0, rho2=0.0, sigma=sigma)
+    def sgd(cls, *, sigma) -> "RefreshHyper":
+        return cls(inv_n=1.0, ess=1.0, wd=0.0, rho1=0.0, rho2=0.0, sigma=sigma)
 
-
-class RefreshHyper(NamedTuple):
-    """Every float the refresh kernel takes: one set by the host engine, then
-    :class:`RefreshHP`."""
-    inv_n: float         # 1 / number of mega-batch chunks (and draws) summed
-    ess: float
-    wd: float
-    rho1: float
-    rho2: float
-    sigma: float
-
-    @classmethod
-    def of(cls, hp: RefreshHP, *, inv_n: float) -> "RefreshHyper":
-        return cls(float(inv_n), *(_value(v) for v in hp))
+    def counted(self, *, inv_n: float) -> "RefreshHyper":
+        """This record with the host engine's ``inv_n`` set (values as :func:`hyper_value`)."""
+        return type(self)(float(inv_n), *(_value(v) for v in self[1:]))
 
 
 class SampleHyper(NamedTuple):

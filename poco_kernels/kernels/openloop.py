@@ -136,29 +136,30 @@ def _step_records(case: str, x: dict):
     mc = x["mc"]
     if fam == iface.FAMILY_IVON:
         lr = hp["lr"] * (hp["hess_init"] + hp["wd"])
-        shp = iface.StepHP.ivon(lr=lr, beta1=hp["beta1"], beta2=hp["beta2"], wd=hp["wd"],
-                            ess=hp["ess"], alpha=hp["alpha"] if corr else 0.0,
-                            hess_corr=hp["hess_corr"] if corr else 0.0,
-                            floor=hp["floor"] if corr else 0.0,
-                            clip=hp["clip"] if c.get("clip", True) else 0.0)
-        path = iface.StepPath.ivon(hess_corr=corr, floor=corr, clip=c.get("clip", True),
-                               debias=c.get("debias", True))
+        shp = iface.StepHyper.ivon(lr=lr, beta1=hp["beta1"], beta2=hp["beta2"], wd=hp["wd"],
+                                   ess=hp["ess"], alpha=hp["alpha"] if corr else 0.0,
+                                   hess_corr=hp["hess_corr"] if corr else 0.0,
+                                   floor=hp["floor"] if corr else 0.0,
+                                   clip=hp["clip"] if c.get("clip", True) else 0.0)
+        path = iface.StepFlags.ivon(hess_corr=corr, floor=corr, clip=c.get("clip", True),
+                                    debias=c.get("debias", True))
     elif fam == iface.FAMILY_SGD:
-        shp = iface.StepHP.sgd(lr=hp["lr"], wd=hp["wd"], alpha=hp["alpha"] if corr else 0.0,
-                           momentum=hp["momentum"], dampening=hp["dampening"],
-                           mom_first=1.0 if c.get("mom_first") else 0.0)
-        path = iface.StepPath.sgd(momentum=c.get("momentum", False), nesterov=c.get("nesterov"))
+        shp = iface.StepHyper.sgd(lr=hp["lr"], wd=hp["wd"], alpha=hp["alpha"] if corr else 0.0,
+                                  momentum=hp["momentum"], dampening=hp["dampening"],
+                                  mom_first=1.0 if c.get("mom_first") else 0.0)
+        path = iface.StepFlags.sgd(momentum=c.get("momentum", False),
+                                   nesterov=c.get("nesterov"))
     else:
-        shp = iface.StepHP.adamw(lr=hp["lr"], beta1=hp["beta1"], beta2=0.999, wd=hp["wd"],
-                             eps=hp["eps"], alpha=hp["alpha"] if corr else 0.0)
-        path = iface.StepPath.adamw()
-    flags = iface.StepFlags.of(fam, path, corr=corr, ge_in=x["ge_in"] is not None,
-                           ge_o=corr and x["ge_o"] is not None,
-                           shared_noise=(fam == iface.FAMILY_IVON and corr and mc == 1
-                                         and not c.get("independent")),
-                           next_sample=c.get("next", False))
-    hyper = iface.StepHyper.of(shp, sign_o=-1.0 if c.get("independent") else 1.0,
-                           inv_n_in=1.0 / mc, inv_n_o=1.0 / mc if corr else 0.0)
+        shp = iface.StepHyper.adamw(lr=hp["lr"], beta1=hp["beta1"], beta2=0.999, wd=hp["wd"],
+                                    eps=hp["eps"], alpha=hp["alpha"] if corr else 0.0)
+        path = iface.StepFlags.adamw()
+    flags = path.routed(corr=corr, ge_in=x["ge_in"] is not None,
+                        ge_o=corr and x["ge_o"] is not None,
+                        shared_noise=(fam == iface.FAMILY_IVON and corr and mc == 1
+                                      and not c.get("independent")),
+                        next_sample=c.get("next", False))
+    hyper = shp.counted(sign_o=-1.0 if c.get("independent") else 1.0,
+                        inv_n_in=1.0 / mc, inv_n_o=1.0 / mc if corr else 0.0)
     return hyper, flags
 
 
@@ -187,7 +188,8 @@ def run(ops, case: str, x: dict) -> Dict[str, Tensor]:
     elif op == "step":
         hyper, flags = _step_records(case, x)
         fam = c["family"]
-        s1 = {iface.FAMILY_IVON: "momentum", iface.FAMILY_SGD: "buf", iface.FAMILY_ADAMW: "exp_avg"}[fam]
+        s1 = {iface.FAMILY_IVON: "momentum", iface.FAMILY_SGD: "buf",
+              iface.FAMILY_ADAMW: "exp_avg"}[fam]
         s2 = {iface.FAMILY_IVON: "h", iface.FAMILY_SGD: None, iface.FAMILY_ADAMW: "exp_avg_sq"}[fam]
         out = dict(mean=cp["mean"], param=cp["param"], s1=cp[s1])
         if s2:
@@ -207,16 +209,17 @@ def run(ops, case: str, x: dict) -> Dict[str, Tensor]:
         k = 3
         if fam == iface.FAMILY_IVON:
             out = {n: cp[n] for n in ("g_out", "h_out", "m_out", "sigma_out")}
-            rhp = iface.RefreshHP.ivon(ess=hp["ess"], wd=hp["wd"], rho1=hp["rho1"], rho2=hp["rho2"])
+            rhp = iface.RefreshHyper.ivon(ess=hp["ess"], wd=hp["wd"], rho1=hp["rho1"],
+                                          rho2=hp["rho2"])
             ops.refresh(cp["mean"], cp["h"], cp["acc_g"], cp["acc_ge"] if c.get("ge") else None,
                         cp["g_out"], cp["h_out"], cp["m_out"], cp["sigma_out"], ctl, None,
-                        None, SEED, 2, x["stream"], iface.RefreshHyper.of(rhp, inv_n=1.0 / k),
+                        None, SEED, 2, x["stream"], rhp.counted(inv_n=1.0 / k),
                         iface.RefreshFlags(fam, ge=c.get("ge", False), noisy=True))
         else:
             out = dict(g_out=cp["g_out"], m_out=cp["m_out"])
             ops.refresh(cp["mean"], None, cp["acc_g"], None, cp["g_out"], None, cp["m_out"],
                         None, ctl, None, None, SEED, 2, x["stream"],
-                        iface.RefreshHyper.of(iface.RefreshHP.sgd(sigma=hp["sigma"]), inv_n=1.0 / k),
+                        iface.RefreshHyper.sgd(sigma=hp["sigma"]).counted(inv_n=1.0 / k),
                         iface.RefreshFlags(fam, ge=False, noisy=True))
     return {k: v.cpu() for k, v in out.items()}
 

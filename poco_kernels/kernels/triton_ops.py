@@ -12,6 +12,8 @@ come as rows (the optimizers' case; a record is turned into a new row per call).
 """
 from __future__ import annotations
 
+import inspect
+
 from typing import List, Optional
 
 import torch
@@ -226,10 +228,15 @@ def _dispatch(direct, op):
 
 def _record_args(direct, op, records, rows):
     """Like :func:`_dispatch`, for a launch that takes typed records (checked here): under
-    torch.compile they travel through the custom op as lists of numbers.  ``rows``: the
-    arguments that are hyperparameter rows (a record, or its float64 row: made here,
+    torch.compile they travel through the custom op as lists of numbers.  ``records``:
+    parameter name -> record class; ``rows``: the parameters that are hyperparameter rows
+    (name -> record class: a record, or its float64 row: made here,
     :func:`~poco_kernels.kernels.interface.hyper_row`, on the device of the first
-    argument)."""
+    argument).  Names are looked up in ``direct``'s signature, never by position."""
+    names = list(inspect.signature(direct).parameters)
+    records = {names.index(k): (cls, k) for k, cls in records.items()}
+    rows = {names.index(k): cls for k, cls in rows.items()}
+
     def call(*args):
         args = list(args)
         for i, (cls, what) in records.items():
@@ -249,12 +256,11 @@ def _record_args(direct, op, records, rows):
     return call
 
 
-sample = _record_args(_sample, _sample_op, {}, {10: SampleHyper})
+sample = _record_args(_sample, _sample_op, {}, {"hp": SampleHyper})
 accumulate = _dispatch(_accumulate, _accumulate_op)
 check = _dispatch(_check, _check_op)
 fold_ge = _dispatch(_fold_ge, _fold_ge_op)
-step = _record_args(_step, _step_op, {15: (StepStreams, "streams"), 17: (StepFlags, "flags")},
-                    {16: StepHyper})
-refresh = _record_args(_refresh, _refresh_op, {15: (RefreshFlags, "flags")},
-                       {14: RefreshHyper})
+step = _record_args(_step, _step_op, {"streams": StepStreams, "flags": StepFlags},
+                    {"hp": StepHyper})
+refresh = _record_args(_refresh, _refresh_op, {"flags": RefreshFlags}, {"hp": RefreshHyper})
 finish = _dispatch(_finish, _finish_op)
