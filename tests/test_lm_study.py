@@ -9,6 +9,7 @@ import pytest
 
 from poco_kernels.experiments import lm_study as S
 from poco_kernels.experiments import lm_study_claims as C
+from poco_kernels.experiments import lm_study_runner as R
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_a_rerun_reuses_the_saved_runs(quick, monkeypatch):
 
     def boom(*a, **k):
         raise AssertionError("a saved run was run again")
-    monkeypatch.setattr(S, "run_job", boom)
+    monkeypatch.setattr(R, "run_job", boom)
     again = S.run_study("quick", str(out), n_jobs=1, quiet=True, log=lambda *_: None)
     assert again["table_md"] == summary["table_md"]
     # a changed setting is not reused
@@ -90,7 +91,7 @@ def test_a_rerun_reuses_the_saved_runs(quick, monkeypatch):
     assert S.cached_result(out, job) is not None and S.cached_result(out, changed) is None
     # so is one whose recipe changed underneath (a setting the arms do not override)
     from poco_kernels.experiments import pretrain_config
-    monkeypatch.setattr(S, "_KEYS", {})
+    monkeypatch.setattr(R, "_KEYS", {})
     monkeypatch.setitem(pretrain_config.RECIPES["cpu"], "rho1", 0.5)
     pocomo = [j for j in S.plan(S.SCALES["quick"], 1e-2, 1.0) if j.arm.startswith("pocomo")]
     assert S.cached_result(out, pocomo[0]) is None
@@ -102,7 +103,7 @@ def test_a_failed_run_stops_the_study_and_names_the_run(tmp_path):
                 tuple((k, 1000 if k == "seq_len" else v) for k, v in job.settings),
                 job.final_eval_batches, job.base_batch)      # longer than the model's context
     with pytest.raises(RuntimeError, match="run broken/seed0 failed.*seq_len 1000"):
-        S.run_jobs([bad, job], tmp_path, n_jobs=2, quiet=True)
+        R.run_jobs([bad, job], tmp_path, n_jobs=2, quiet=True)
 
 
 def test_progress_in_a_log_is_a_few_plain_lines():
@@ -110,7 +111,7 @@ def test_progress_in_a_log_is_a_few_plain_lines():
     work, however many updates; no carriage returns, no run names."""
     import io
     log = io.StringIO()
-    bar = S._bar(1000, "arms (3 to run)", quiet=False, file=log)
+    bar = R._bar(1000, "arms (3 to run)", quiet=False, file=log)
     for i in range(400):
         bar.update(2.5)
         bar.set_postfix_str(f"ivon/seed{i}")
@@ -120,7 +121,7 @@ def test_progress_in_a_log_is_a_few_plain_lines():
     assert lines[0] == "arms (3 to run): 1000 gradient evaluations"
     assert lines[-1].startswith("arms (3 to run): 100% after ")
     quiet = io.StringIO()
-    S._bar(10, "x", quiet=True, file=quiet).update(10)
+    R._bar(10, "x", quiet=True, file=quiet).update(10)
     assert quiet.getvalue() == ""
 
 
@@ -131,14 +132,14 @@ def test_the_stage_line_tells_shared_runs_from_saved_ones(tmp_path, monkeypatch)
     jobs = S.plan(sc, 1e-2, 1.0)
     copied = {"adamw/seed0", "ivon/seed0"}
     descs = []
-    monkeypatch.setattr(S, "_bar", lambda total, desc, quiet: descs.append(desc) or
-                        S._Null())
+    monkeypatch.setattr(R, "_bar", lambda total, desc, quiet: descs.append(desc) or
+                        R._Null())
     saved = set(copied)
-    monkeypatch.setattr(S, "cached_result", lambda out, j: (
+    monkeypatch.setattr(R, "cached_result", lambda out, j: (
         {"copied_from": "sweep"} if j.run_id in copied else {}) if j.run_id in saved else None)
-    monkeypatch.setattr(S, "run_job", lambda j, out, report=None: saved.add(j.run_id) or {})
-    S.run_jobs(jobs, tmp_path, n_jobs=1, desc="arms")
-    S.run_jobs(jobs, tmp_path, n_jobs=1, desc="arms")
+    monkeypatch.setattr(R, "run_job", lambda j, out, report=None: saved.add(j.run_id) or {})
+    R.run_jobs(jobs, tmp_path, n_jobs=1, desc="arms")
+    R.run_jobs(jobs, tmp_path, n_jobs=1, desc="arms")
     n = len(jobs)
     assert descs == [f"arms ({n - 2} to run, 2 shared with the lr sweeps)",
                      f"arms (0 to run, {n - 2} saved by an earlier run, 2 shared with the "
