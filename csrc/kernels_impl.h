@@ -3,7 +3,7 @@
 //
 // Each kernel is the CPU twin of a Triton kernel of poco_kernels/kernels/triton_kernels.py
 // and fuses the same reference functions (poco_kernels/reference.py), named in its
-// comment; tests/test_kernels.py checks both against them.  Per tile of kTile elements:
+// comment; tests/kernels/test_kernels.py checks both against them.  Per tile of kTile elements:
 // first the noise the tile needs, generated into an L1-resident buffer (Philox with
 // intrinsics, the transform by the vectoriser), then ONE vectorised pass over the
 // buffers.  The arithmetic follows the reference maths op for op (ops.cpp builds the float32

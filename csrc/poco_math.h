@@ -377,7 +377,7 @@ POCO_INLINE float to_f32(f16 v) {
 }
 
 // float32 -> parameter dtype, rounding to nearest even; NaN stays NaN (quiet), overflow
-// goes to inf.  Bit-identical to torch's casts (tests/test_cpp_backend.py).
+// goes to inf.  Bit-identical to torch's casts (tests/kernels/test_cpp_backend.py).
 template <typename T> POCO_INLINE T from_f32(float v);
 template <> POCO_INLINE float from_f32<float>(float v) { return v; }
 template <> POCO_INLINE bf16 from_f32<bf16>(float v) {

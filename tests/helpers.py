@@ -4,7 +4,7 @@ import torch
 
 def available_backends():
     """The backends that run here: the torch backend always; the C++ kernels when the
-    extension is built (CI builds it: tests/test_cpp_backend.py fails if it is not); the
+    extension is built (CI builds it: tests/kernels/test_cpp_backend.py fails if it is not); the
     Triton kernels through the interpreter (TRITON_INTERPRET=1, set by conftest)."""
     from poco_kernels.kernels import cpp_status, triton_status
     out = ["torch"]

@@ -5,8 +5,8 @@ once (per dtype).
   torch, on the same inputs.  The only differences are float32 rounding in another order
   (``g eps sqrt(ess (h + wd))`` for ``g eps / sigma``, ``g * (1 / (1 - beta^t))``) and the
   standard normals, which differ by ~1 ulp between the kernels' transform and torch's
-  (``tests/test_noise.py``).  The kernels' own rounding is bounded element by element,
-  rigorously, in ``tests/test_openloop.py``; these tolerances are for comparisons with
+  (``tests/kernels/test_noise.py``).  The kernels' own rounding is bounded element by element,
+  rigorously, in ``tests/kernels/test_openloop.py``; these tolerances are for comparisons with
   the torch backend.
   For bfloat16 state (``state_dtype``) see ``STATE[torch.bfloat16]``.
 * ``PARAM``: parameters written in their dtype: the rounding of nearly equal float32

@@ -8,7 +8,7 @@ import torch
 #: the sensitivity runs: the torch backend's state moved by up to this many float32 ulps
 #: (relative, uniform at random) after every update, with other seeds: every element of
 #: the state rounded once more per update, the level of one rounding (a kernel's output is
-#: within a few roundings of the exact value, tests/test_openloop.py)
+#: within a few roundings of the exact value, tests/kernels/test_openloop.py)
 SENSITIVITY_ULPS = 1
 SENSITIVITY_RUNS = 3
 #: the gate: the candidate's 90th and 99th percentile distances from the reference at

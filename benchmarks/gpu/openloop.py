@@ -3,7 +3,7 @@ section), from :mod:`poco_kernels.kernels.openloop`:
 
 * **bounds**: every case (each operation in each code path, float32 and bfloat16
   parameters) on fresh inputs of an odd size, on the device, against the reference maths
-  in float64 within the kernel's running error bound (what ``tests/test_openloop.py``
+  in float64 within the kernel's running error bound (what ``tests/kernels/test_openloop.py``
   checks on the C++ kernels and under the interpreter);
 * **bits**: the same cases and the noise stream (both versions, at offsets where the
   index words wrap), compiled on the device against the Triton interpreter on the host
@@ -32,7 +32,7 @@ NOISE_OFFSETS = (0, 2 ** 31 - 5, 4 * 2 ** 32 - 1502, 3 * 2 ** 32 + 11)
 
 
 #: the cases of ``--smoke`` (one per operation and family: the code runs in CI, the
-#: interpreter's parity is tests/test_openloop.py's)
+#: interpreter's parity is tests/kernels/test_openloop.py's)
 SMOKE_CASES = ("sample[ivon]", "accumulate[ge]", "fold_ge", "step[poco,next]", "step[sgd]",
                "step[adamw]", "refresh[ivon]")
 #: the cases run with bfloat16 parameters too on a GPU (every case runs with float32; each
@@ -166,7 +166,7 @@ def run(dev, smoke, log, budget_s=90.0):
             res["bounds"] = f"RAISED: {type(exc).__name__}: {exc}"[:1000]
             failures.append("bounds: " + res["bounds"])
         if proc is None:
-            res["bits"] = ("the CPU runs the interpreter itself: tests/test_openloop.py "
+            res["bits"] = ("the CPU runs the interpreter itself: tests/kernels/test_openloop.py "
                            "compares it with the C++ kernels, bit for bit")
         else:
             try:

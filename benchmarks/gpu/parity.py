@@ -3,7 +3,7 @@ reference maths): the same trajectory of a quadratic loss with ``backend="torch"
 ``backend="triton"`` on the device, compared buffer by buffer, against how far the
 trajectory carries rounding at the level of the kernels' open-loop bounds (the torch
 backend with its state moved by a few ulps after every update, several times):
-``bench_gpu.py``'s trajectory section, and ``tests/test_bench_run.py`` on the CPU.
+``bench_gpu.py``'s trajectory section, and ``tests/repo/test_bench_run.py`` on the CPU.
 
 A trajectory of IVON-PoCo amplifies the differences of a step (the normals' last bit,
 the order of a sum) as its dynamics do; a fixed tolerance would measure that, not the
@@ -107,7 +107,7 @@ def trajectory(opt, params, prob, steps=30, warmup=5, every=10, after_update=Non
 SCHEDULE = (30, 5, 10)
 SMOKE_SCHEDULE = (8, 2, 4)
 #: the configurations of --smoke (the code runs in CI; the parity of short runs on every
-#: backend is tests/test_backends.py's)
+#: backend is tests/protocol/test_backends.py's)
 SMOKE_CONFIGS = ("ivon_poco",)
 
 

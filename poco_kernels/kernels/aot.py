@@ -9,19 +9,19 @@ all for a target, shows here instead of on the first GPU run.
 
 What a launch from :mod:`~poco_kernels.kernels.triton_ops` gets is mirrored exactly
 (:func:`launch_signature` derives it from a launch's arguments by Triton's own rule, and
-``tests/test_triton_aot.py`` checks it against recorded launches of the optimizers):
+``tests/kernels/test_triton_aot.py`` checks it against recorded launches of the optimizers):
 ``num_warps``, ``BLOCK``, 16-byte-aligned pointers and a length ``n`` divisible by 16
 (``tt.divisibility=16``: torch allocations are aligned, bucket buffers padded,
 :mod:`poco_kernels._layout`), ``n`` and ``seed`` i64 (annotated in the kernels), the other
 ints i32, default options otherwise.  ``step[ivon,full,fp32,unpadded]`` is the heaviest
 step over an exact, odd length (a direct call on unpadded buffers: scalar loads).
-Besides these hand-picked code paths, ``tests/test_triton_aot.py`` compiles every
+Besides these hand-picked code paths, ``tests/kernels/test_triton_aot.py`` compiles every
 distinct variant that recorded launches of the optimizers get (:func:`launch_variant`,
 passed as :func:`to_spec` data: ``--specs FILE``) and fails on any spill there too.
 
 Run ``python -m poco_kernels.kernels.aot`` for the table (made by
 :mod:`~poco_kernels.kernels.aot_report`; ``--json`` for machine-readable rows, ``--cc 80
---cc 90`` to choose targets); ``tests/test_triton_aot.py`` fails on any compile error or
+--cc 90`` to choose targets); ``tests/kernels/test_triton_aot.py`` fails on any compile error or
 spill.
 
 Under ``TRITON_INTERPRET=1`` (the test suite) ``triton.jit`` makes interpreter wrappers

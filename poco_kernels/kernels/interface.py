@@ -4,7 +4,7 @@ Each record below names, in order, the scalars or switches that one kernel famil
 The Triton kernels (:mod:`~poco_kernels.kernels.triton_kernels`) have parameters of the
 same names in the same order; the C++ operators read them through the X-macros of
 ``csrc/poco_kernels.h`` (``POCO_STEP_HYPER``, ``POCO_STEP_FLAGS``, ``POCO_REFRESH_HYPER``,
-``POCO_REFRESH_FLAGS``); ``tests/test_architecture.py`` fails if the three disagree in
+``POCO_REFRESH_FLAGS``); ``tests/repo/test_architecture.py`` fails if the three disagree in
 names, order or count.
 
 Every field is required: a record built without one raises ``TypeError`` (never a silent

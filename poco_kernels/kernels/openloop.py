@@ -14,7 +14,7 @@ largest error in units of its bound (at most 1: parity) and in ulps of the resul
 
 The noise is the kernel set's own (``ops.randn``, the stream the kernels regenerate):
 the normals are checked separately, bit for bit (``docs/design.md``, Noise).
-``tests/test_openloop.py`` runs this on the C++ kernels and under the Triton interpreter;
+``tests/kernels/test_openloop.py`` runs this on the C++ kernels and under the Triton interpreter;
 ``benchmarks/bench_gpu.py`` on a GPU.
 """
 from __future__ import annotations

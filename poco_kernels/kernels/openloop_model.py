@@ -3,7 +3,7 @@ with :class:`~poco_kernels.kernels.bounds.Tracked` values, operation for operati
 ``csrc/kernels_impl.h`` (and its Triton twin) computes it, with its float32 constants
 made in double from the same hyperparameters as ``csrc/ops.cpp`` makes them.
 
-Every model's values are the reference maths (``tests/test_openloop.py`` checks them
+Every model's values are the reference maths (``tests/kernels/test_openloop.py`` checks them
 against :mod:`poco_kernels.reference` in float64); its bounds are those of the kernel's
 float32 operations.  The normals are inputs (the kernel set's own, exact).
 """

@@ -24,7 +24,7 @@ BLOCK = 1024
 NUM_WARPS = 4
 
 # Where each field of the hyperparameter rows is (the records' field order, which
-# tests/test_architecture.py checks against interface.py and csrc/poco_kernels.h).
+# tests/repo/test_architecture.py checks against interface.py and csrc/poco_kernels.h).
 STEP_HP = ("sign_o", "inv_n_in", "inv_n_o", "lr", "beta1", "beta2", "wd", "ess", "alpha",
            "hess_corr", "floor", "clip", "momentum", "dampening", "eps", "mom_first")
 (S_SIGN_O, S_INV_N_IN, S_INV_N_O, S_LR, S_BETA1, S_BETA2, S_WD, S_ESS, S_ALPHA, S_HESS_CORR,
@@ -41,7 +41,7 @@ P_ESS, P_WD, P_SIGMA = (tl.constexpr(i) for i in range(len(SAMPLE_HP)))
 # bucket's length never changes.  ``n`` and ``seed`` are annotated ``tl.int64``: a launch
 # would otherwise type them by value (i32 below 2**31), so a small explicit seed and the
 # default 63-bit one would compile different kernels; annotated, every launch gets the
-# types that poco_kernels.kernels.aot compiles (tests/test_triton_aot.py checks).
+# types that poco_kernels.kernels.aot compiles (tests/kernels/test_triton_aot.py checks).
 # ``stream`` (noise.stream_id: bucket << 16 | kind << 12 | draw) stays typed by value: i32
 # for every bucket index below 32768, the variant compiled; a bucket index from 32768 on
 # (65536 are allowed) gets an i64 ``stream`` with the same bits (``.to(tl.uint32)``) and

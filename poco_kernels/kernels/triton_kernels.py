@@ -13,7 +13,7 @@ compute in double from the float64 hyperparameters as ``csrc/ops.cpp`` does
 contraction and with correctly rounded division and square root (``triton_ops``
 launches with ``enable_fp_fusion=False``; ``tl.div_rn``, ``tl.sqrt_rn`` here), a kernel on
 a GPU, the same kernel under Triton's interpreter and the C++ kernel give the same bits
-(``tests/test_kernels.py`` compares the interpreter with C++ bit for bit;
+(``tests/kernels/test_kernels.py`` compares the interpreter with C++ bit for bit;
 ``benchmarks/bench_gpu.py`` the GPU with the interpreter).
 
 Conventions shared by all kernels:

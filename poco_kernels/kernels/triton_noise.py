@@ -23,7 +23,7 @@ import triton.language as tl
 #: word pair made the test suite 2 minutes slower than numpy's own log, cos and sin (three
 #: calls, within an ulp of the polynomials); so the interpreter takes those, unless
 #: ``POCO_BRANCH_FREE=1`` asks for the compiled transform (the bit-for-bit checks:
-#: ``tests/test_kernels.py``, the GPU check's interpreter twin) or a test sets this to True.
+#: ``tests/kernels/test_kernels.py``, the GPU check's interpreter twin) or a test sets this to True.
 BRANCH_FREE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
                            or os.environ.get("POCO_BRANCH_FREE", "0") == "1")
 

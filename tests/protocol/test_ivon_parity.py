@@ -25,7 +25,7 @@ def _groups(model, **g1):
 def test_ivon_matches_ivon_opt_step_for_step(backend):
     # Triton runs through its interpreter here (~0.2 s a step): 40 steps cover the
     # debiasing transient and the clip; its agreement with the torch backend over whole
-    # trajectories is tests/test_backends.py's, the compiled kernels' bench_gpu.py's
+    # trajectories is tests/protocol/test_backends.py's, the compiled kernels' bench_gpu.py's
     steps, mc = (40 if backend == "triton" else 120), 2
     kw = dict(lr=0.05, ess=500.0, hess_init=0.7, beta1=0.9, beta2=0.999, weight_decay=1e-3,
               mc_samples=mc, clip_radius=0.05)

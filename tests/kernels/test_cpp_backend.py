@@ -2,8 +2,8 @@
 without it; its results do not depend on the number of threads or on the instruction set;
 its operators check their inputs.
 
-(Parity of every operation with the reference is in tests/test_kernels.py, whole
-trajectories in tests/test_backends.py, both shared with the Triton kernels.)"""
+(Parity of every operation with the reference is in tests/kernels/test_kernels.py, whole
+trajectories in tests/protocol/test_backends.py, both shared with the Triton kernels.)"""
 import contextlib
 import os
 import subprocess
@@ -21,7 +21,7 @@ from poco_kernels.kernels import cpp_status
 DISABLED = os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1"
 needs_cpp = pytest.mark.skipif(cpp_status() is not None,
                                reason=f"C++ extension unavailable: {cpp_status()}")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.skipif(DISABLED, reason="POCO_KERNELS_NO_EXTENSION=1 asks for a run without it")
@@ -93,20 +93,18 @@ def _kernel_run(n, ops, steps=5):
               h_out=r(), m_out=r(), sig=r().abs() + 0.1)
     p = torch.empty(n, dtype=torch.bfloat16)
     ctl = torch.tensor([steps, 2, 0, 0])
-    flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=True, floor=True, clip=True,
-                                                          debias=True),
-                           corr=True, ge_in=False, ge_o=False, shared_noise=False, next_sample=False)
-    hp = K.StepHyper.of(K.StepHP.ivon(lr=0.01, beta1=0.9, beta2=0.999, wd=1e-4, ess=50.0,
-                                      alpha=0.7, hess_corr=0.01, floor=0.5, clip=0.4),
-                        sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0)
+    flags = K.StepFlags.ivon(hess_corr=True, floor=True, clip=True,
+            debias=True).routed(corr=True, ge_in=False, ge_o=False, shared_noise=False,
+            next_sample=False)
+    hp = K.StepHyper.ivon(lr=0.01, beta1=0.9, beta2=0.999, wd=1e-4, ess=50.0, alpha=0.7,
+            hess_corr=0.01, floor=0.5, clip=0.4).counted(sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0)
     for _ in range(3):
         ops.step(st["mean"], p, st["mom"], st["h"], st["g_in"], None, st["g_o"], None,
                  st["g_out"], st["h_out"], st["m_out"], st["sig"], ctl, None, None,
                  K.StepStreams(7, 5, 9), hp, flags)
     ops.refresh(st["mean"], st["h"], st["g_in"], None, st["g_out"], st["h_out"], st["m_out"],
                 st["sig"], ctl, None, None, 7, 2, 13,
-                K.RefreshHyper.of(K.RefreshHP.ivon(ess=50.0, wd=1e-4, rho1=0.3, rho2=0.1),
-                                  inv_n=0.5),
+                K.RefreshHyper.ivon(ess=50.0, wd=1e-4, rho1=0.3, rho2=0.1).counted(inv_n=0.5),
                 K.RefreshFlags(K.FAMILY_IVON, ge=False, noisy=True))
     ops.sample(p, st["mean"], st["mean"], st["h"], None, ctl, 7, 2, 21, 0,
                K.SampleHyper(50.0, 1e-4, 0.0), -1.0, K.SIGMA_IVON, False)

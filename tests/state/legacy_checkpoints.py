@@ -2,7 +2,7 @@
 load and resume bit for bit.
 
 ``tests/data/checkpoints_720fa9a.pt`` was written by ``python tests/legacy_checkpoints.py
-write`` at 720fa9a.  For every case it holds the problem data, the optimizer's state dict
+write`` at 720fa9a (this file, then at the top of tests/).  For every case it holds the problem data, the optimizer's state dict
 and the parameters saved mid inner loop (after a refresh, with gradients collected by
 ``sampled()`` but not yet stepped), and what the optimizer held after continuing for
 ``CONTINUE`` more steps.  ``check`` rebuilds each optimizer with today's code from the
@@ -25,27 +25,17 @@ import torch
 
 ENV = {"ATEN_CPU_CAPABILITY": "avx2", "POCO_KERNELS_CPU_ISA": "avx2", "OMP_NUM_THREADS": "1",
        "MKL_CBWR": "COMPATIBLE", "TRITON_INTERPRET": "0"}
-FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                     "checkpoints_720fa9a.pt")
 SAVE_AT, CONTINUE, REFRESH_EVERY = 6, 6, 4
 
-# (name, class, constructor keywords, backends); VON-PoCo has no fused kernels
-CASES = [
-    ("IVONPoCoMo", "IVONPoCo", dict(lr=0.05, ess=300.0, beta2=0.999, alpha=0.6, rho1=0.3,
-                                    rho2=0.1, seed=11), ("torch", "cpp")),
-    ("IVONPoCo-pair", "IVONPoCo", dict(lr=0.05, ess=300.0, alpha=0.5, refresh_samples=2,
-                                       refresh_antithetic=True, hess_floor=0.0,
-                                       outer_noise="independent", mc_samples=2, seed=12),
-     ("torch", "cpp")),
-    ("IVON", "IVON", dict(lr=0.05, ess=300.0, mc_samples=2, clip_radius=0.5, seed=13),
-     ("torch", "cpp")),
-    ("SVRG", "SVRG", dict(lr=0.05, momentum=0.9, alpha=0.7, weight_decay=1e-3, seed=14),
-     ("torch", "cpp")),
-    ("SVRGAdamW", "SVRGAdamW", dict(lr=1e-2, alpha=0.5, seed=15), ("torch", "cpp")),
-    ("VSGDPoCo", "VSGDPoCo", dict(lr=0.05, sigma=0.01, momentum=0.5, seed=16),
-     ("torch", "cpp")),
-    ("VONPoCo", "VONPoCo", dict(ess=50.0, lr=0.2, beta=0.2, alpha=0.8, seed=17), ("torch",)),
-]
+# (name, class, constructor keywords, backends); VON-PoCo has no fused kernels.  From the
+# tests' optimizer database (tests/optim_db.py, its "legacy" configurations): the keywords
+# are what wrote the file, and ``check`` compares them with the file's records
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from optim_db import legacy_cases  # noqa: E402
+
+CASES = legacy_cases()
 
 
 def _data(seed):
@@ -163,6 +153,11 @@ def cpu_vendor() -> str:
 def check():
     cases = torch.load(FILE, weights_only=False)
     bad = []
+    recorded = [(c["name"], c["cls"], c["kw"], c["backend"]) for c in cases]
+    declared = [(n, cls, kw, b) for n, cls, kw, backends in CASES for b in backends]
+    if recorded != declared:
+        bad.append(f"the cases declared (CASES, from tests/optim_db.py) are not those the file "
+                   f"was written from: {declared} != {recorded}")
     exact_torch = cpu_vendor() == RECORDED_VENDOR
     for c in cases:
         d = c["data"]

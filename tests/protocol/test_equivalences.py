@@ -3,7 +3,7 @@
 Within the family (IVON-PoCo -> IVON, VSGD-PoCo -> SVRG) the reductions are exact on every
 backend.  The reductions to ``torch.optim`` are exact on the torch backend, which
 follows torch's ops one by one; the fused backends agree with the torch backend to the
-tolerances of ``tests/test_backends.py``."""
+tolerances of ``tests/protocol/test_backends.py``."""
 import pytest
 import torch
 

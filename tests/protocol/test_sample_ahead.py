@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 BACKENDS = ["torch"] + FUSED_BACKENDS
 #: CI time (the Triton interpreter): Triton runs the bit-identity test; the engine code
-#: the others exercise is shared with C++ (tests/test_kernels.py checks both kernels)
+#: the others exercise is shared with C++ (tests/kernels/test_kernels.py checks both kernels)
 CPU = ["torch"] + [b for b in FUSED_BACKENDS if b == "cpp"]
 STATE = ("mean", "momentum", "h", "g_out", "h_out", "m_out", "sigma_out")
 

@@ -67,7 +67,7 @@ def test_mixed_dtypes_and_none_gradients():
 
 def test_groups_differ_in_every_hyperparameter():
     """On the torch backend, against the functional form (the fused backends are
-    compared with the torch backend on the same two groups in tests/test_backends.py)."""
+    compared with the torch backend on the same two groups in tests/protocol/test_backends.py)."""
     prob = Problem()
     m = mlp()
     ps = list(m.parameters())
@@ -85,7 +85,7 @@ def test_groups_differ_in_every_hyperparameter():
     for kind in ("inner", "outer"):
         with o.sampled(kind):
             prob.loss(m, b).backward()
-    est = {bk.index: (o._backend.estimate(0, bk, None), o._backend.estimate(1, bk, None)) for bk in o._buckets}
+    est = {bk.index: (o._runner.estimate(0, bk, None), o._runner.estimate(1, bk, None)) for bk in o._buckets}
     old = {bk.index: {k: v.clone() for k, v in bk.buffers.items()} for bk in o._buckets}
     o.step()
     for bk in o._buckets:
@@ -218,8 +218,8 @@ def test_double_loop_reads_no_device_counter_in_steady_state(backend, monkeypatc
     o = pk.IVONPoCo(m.parameters(), lr=0.05, ess=300.0, seed=3, backend=backend)
     loop = DoubleLoop(o, refresh_every=4, warmup_steps=3, alpha=Linear(0.2, 0.8, 12))
     reads = []
-    real = o._backend.counters
-    monkeypatch.setattr(o._backend, "counters", lambda: reads.append(1) or real())
+    real = o._runner.counters
+    monkeypatch.setattr(o._runner, "counters", lambda: reads.append(1) or real())
     refresh_reads = []
     for t in range(12):
         if loop.refresh_due():

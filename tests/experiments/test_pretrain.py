@@ -55,7 +55,7 @@ def _max_rel(a, b):
 
 def _torchrun(args, tmp_path, nproc=2):
     # the ranks import the package of the tree under test, whatever is installed
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get(
                    "PYTHONPATH", "").split(os.pathsep) if p]))

@@ -1,8 +1,8 @@
-"""Ranks for tests/test_integrations.py: a small IVON-PoCoMo run under ``accelerate``
+"""Ranks for tests/integrations/test_integrations.py: a small IVON-PoCoMo run under ``accelerate``
 (``Accelerator(cpu=True)``: DDP on gloo when WORLD_SIZE > 1), each rank training on its
 rows of the same global batches; writes the final parameters and optimizer state.
 
-    python tests/accelerate_ranks.py WORLD OUT_DIR"""
+    python tests/integrations/accelerate_ranks.py WORLD OUT_DIR"""
 from __future__ import annotations
 
 import os

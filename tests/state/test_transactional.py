@@ -28,16 +28,18 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import poco_kernels as pk
 from helpers import available_backends
+from optim_db import configs, names as optimizers
 from tolerances import PARAM, TRAJECTORY, assert_close
 
 BACKENDS = available_backends()
 FUSED = [b for b in BACKENDS if b != "torch"]
 
-GRAD = ["IVON", "IVONPoCo", "SVRG", "SVRGAdamW", "VSGDPoCo"]    # the .grad protocol
-GRAD_CORR = ["IVONPoCo", "SVRG", "SVRGAdamW", "VSGDPoCo"]       # ... with a correction
-NOISY_GRAD = ["IVON", "IVONPoCo", "VSGDPoCo"]                   # need a sample per step
-ALL = GRAD + ["VONPoCo"]                                          # VONPoCo: torch backend only
-CORR = GRAD_CORR + ["VONPoCo"]
+# the optimizers by property (tests/optim_db.py)
+GRAD = optimizers(grad_closure=True)                         # the .grad protocol
+GRAD_CORR = optimizers(grad_closure=True, has_refresh=True)  # ... with a correction
+NOISY_GRAD = optimizers(grad_closure=True, noisy=True)       # need a sample per step
+ALL = optimizers()                                           # VONPoCo: torch backend only
+CORR = optimizers(has_refresh=True)
 NAN, INF = float("nan"), float("inf")
 SEED = 7
 
@@ -81,15 +83,8 @@ def make_model():
 #: group 1 (the second Linear's weight) differs from group 0 in some hyperparameter
 GROUP1 = {"IVON": dict(lr=0.03), "IVONPoCo": dict(lr=0.03, alpha=0.8), "SVRG": dict(lr=0.02),
           "SVRGAdamW": dict(lr=5e-3), "VSGDPoCo": dict(lr=0.02), "VONPoCo": dict(lr=0.05)}
-DEFAULTS = {
-    "IVON": dict(lr=0.05, ess=300.0, beta2=0.999),
-    "IVONPoCo": dict(lr=0.05, ess=300.0, beta2=0.999, alpha=0.5, rho1=0.3),
-    "SVRG": dict(lr=0.05, momentum=0.9, alpha=0.7),
-    "SVRGAdamW": dict(lr=1e-2, alpha=0.5),
-    "VSGDPoCo": dict(lr=0.05, sigma=0.01, momentum=0.5, alpha=0.8),
-    "VONPoCo": dict(ess=24.0, lr=0.1, beta=0.1, prior_precision=1.0, min_eig=1e-2,
-                    noise_scale=0.5),
-}
+#: the optimizer database's transactional configuration of each optimizer
+DEFAULTS = {c.optimizer: c.kwargs for c in configs("transactional")}
 
 
 def build(name, groups, backend, check_finite=True, **kw):
@@ -244,11 +239,11 @@ class Rig:
     def warm(self):
         """The shared history: two steps, with a refresh between them where there is one
         (the correction is then active)."""
-        return "s0 r0 s1" if self.opt._has_correction else "s0 s1"
+        return "s0 r0 s1" if self.opt.rule.has_correction else "s0 s1"
 
     def tail(self):
         """Three more steps, with a refresh after the first where there is one."""
-        return "s5 r1 s6 s7" if self.opt._has_correction else "s5 s6 s7"
+        return "s5 r1 s6 s7" if self.opt.rule.has_correction else "s5 s6 s7"
 
     def finish_pending(self):
         c = self.opt._pending.count

@@ -1,7 +1,9 @@
-"""torch.optim habits that took a decision here (docs/design.md,
-'torch.optim conventions'): frozen parameters, ``None`` gradients, a step without gradients, the
-default seed, IVON -> IVON-PoCo(Mo), ``refresh(closure)``, the ``betas`` alias, torch's
-flags.  The generic torch-style checks are in tests/test_torch_conventions.py."""
+"""torch.optim habits that took a decision here (docs/design.md, 'torch.optim conventions'),
+beyond the generic checks of tests/conventions/test_torch_conventions.py (missing gradients,
+frozen parameters, the seed, ``betas``, ``refresh(closure)``, torch's flags: there, for
+every optimizer): a gradient missing at some samples only, unfreezing and freezing
+parameters mid-run, IVON -> IVON-PoCo(Mo), parameters shared with another optimizer, the
+first momentum step, VON-PoCo's checks."""
 import pytest
 import torch
 
@@ -14,53 +16,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CPU_BACKENDS = ["torch"] + [b for b in FUSED_BACKENDS if b == "cpp"]
 
 
-def _closure(opt, model, prob, idx, skip_params=()):
-    """A closure whose gradients of ``skip_params`` are None (as for unused parameters)."""
+def _closure(opt, model, prob, idx):
     def c():
         opt.zero_grad()
         loss = prob.loss(model, idx)
         loss.backward()
-        for p in skip_params:
-            p.grad = None
         return loss
     return c
 
 
-def _snapshot(opt, p):
-    return p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
-
-
-# ---------------------------------------------------------------- None gradients: skipped
-@pytest.mark.parametrize("cls,kw", [
-    (pk.IVONPoCo, dict(lr=0.05, ess=200.0, weight_decay=0.1, mc_samples=2)),
-    (pk.SVRG, dict(lr=0.05, momentum=0.9, weight_decay=0.1)),
-    (pk.SVRGAdamW, dict(lr=0.01)),
-])
-def test_a_parameter_without_gradient_is_skipped_the_same_on_every_backend(backend, cls, kw):
-    """A parameter whose .grad is None at every sample of a step keeps its value and its
-    state exactly (as torch.optim skips it: no weight decay, momentum or h change); the
-    others follow the reference maths on every backend."""
-    prob = Problem()
-    runs = {}
-    for be in ("torch", backend):
-        model = mlp()
-        skip = model[2].bias
-        opt = cls(model.parameters(), backend=be, seed=4, **kw)
-        before = _snapshot(opt, skip)
-        for t, idx in enumerate(prob.batches(5)):
-            if t == 2:
-                opt.refresh(_closure(opt, model, prob, idx))       # (None counts as zero)
-                before = _snapshot(opt, skip)
-            opt.step(_closure(opt, model, prob, idx, skip_params=[skip]))
-        after = _snapshot(opt, skip)
-        assert torch.equal(after[0], before[0])
-        for k, v in before[1].items():
-            assert torch.equal(after[1][k], v), k
-        runs[be] = params_of(model)
-    for a, b in zip(runs["torch"], runs[backend]):
-        assert_close(b, a, TRAJECTORY[torch.float32], "trajectory")
-
-
+# ---------------------------------------------------------------- None gradients
+# (a parameter without a gradient at every sample: tests/conventions/test_torch_conventions.py)
 def test_none_at_some_samples_counts_as_zero_there():
     """With two samples, a gradient missing at one of them counts as zero for that one:
     the step equals one whose closure gives a zero gradient there."""
@@ -88,42 +54,6 @@ def test_none_at_some_samples_counts_as_zero_there():
         out.append(params_of(model))
     for a, b in zip(*out):
         assert torch.equal(a, b)
-
-
-# ---------------------------------------------------------------- no gradient at all
-@pytest.mark.parametrize("cls,kw", [(pk.IVONPoCo, dict(lr=0.05, ess=200.0)),
-                                    (pk.SVRG, dict(lr=0.05, momentum=0.9))])
-def test_a_step_without_any_gradient_is_an_error_that_changes_nothing(backend, cls, kw):
-    prob = Problem()
-    models = [mlp(), mlp()]
-    opts = [cls(m.parameters(), backend=backend, seed=9, **kw) for m in models]
-    batches = prob.batches(4)
-    for k, (m, o) in enumerate(zip(models, opts)):
-        if k == 1 and not o.noisy:                    # torch-style, no backward() either
-            with pytest.raises(RuntimeError, match="backward"):
-                o.step()
-        o.step(_closure(o, m, prob, batches[0]))
-        o.refresh(_closure(o, m, prob, batches[1]))
-        if k == 1:                                    # the closure forgot backward()
-            with pytest.raises(RuntimeError, match="backward"):
-                o.step(lambda m=m: prob.loss(m, batches[2]))
-            with pytest.raises(RuntimeError, match="backward"):
-                o.refresh(lambda m=m: prob.loss(m, batches[2]))
-        o.step(_closure(o, m, prob, batches[2]))
-        o.step(_closure(o, m, prob, batches[3]))
-    for a, b in zip(params_of(models[0]), params_of(models[1])):
-        assert torch.equal(a, b)
-    assert opts[0].step_count == opts[1].step_count == 3
-
-
-def test_with_no_trainable_parameter_a_step_is_a_no_op():
-    ps = [torch.randn(2, 3), torch.randn(5)]           # requires_grad=False
-    old = [p.clone() for p in ps]
-    for cls, kw in [(pk.IVON, dict(lr=0.1, ess=10.0)), (pk.SVRG, dict(lr=0.1))]:
-        opt = cls(ps, **kw)
-        opt.step(lambda: torch.tensor(1.0))
-        assert all(torch.equal(a, b) for a, b in zip(ps, old))
-        assert len(opt.state) == 0
 
 
 # ---------------------------------------------------------------- frozen parameters
@@ -214,24 +144,15 @@ def test_von_poco_refuses_a_changed_trainable_set():
         opt.step(lambda: model(torch.randn(4, 3)).pow(2).mean())
 
 
-# ---------------------------------------------------------------- seed
-def test_the_default_seed_follows_torch_manual_seed():
-    p = [torch.nn.Parameter(torch.randn(3))]
-    seeds = []
-    for s in (1, 1, 2):
-        torch.manual_seed(s)
-        seeds.append(pk.IVON(p, lr=0.1, ess=10.0).seed)
-    assert seeds[0] == seeds[1] != seeds[2]
-    torch.manual_seed(2)
-    assert pk.IVON(p, lr=0.1, ess=10.0, seed=7).seed == 7
-    for bad in (-1, 2 ** 63, True, 1.0):
-        with pytest.raises(ValueError, match="seed"):
-            pk.IVON(p, lr=0.1, ess=10.0, seed=bad)
-
-
 # ---------------------------------------------------------------- IVON -> IVON-PoCo(Mo)
 @pytest.mark.parametrize("be", CPU_BACKENDS)
-def test_from_ivon_continues_the_ivon_run(be):
+@pytest.mark.parametrize("how", ["from_ivon", "from_ivon-mo", "load_state_dict"])
+def test_ivon_poco_continues_an_ivon_run(be, how):
+    """``IVONPoCo.from_ivon(ivon, **poco_kwargs)``, ``IVONPoCoMo.from_ivon(ivon)`` and
+    ``poco.load_state_dict(ivon.state_dict())`` continue an IVON run (IVON-PoCo is IVON
+    until its first refresh: the same steps bit for bit), with IVON's seed, backend, step
+    count, lr and ess, and the PoCo hyperparameters given (IVONPoCoMo's defaults
+    otherwise); then refresh and the corrected step work."""
     prob = Problem()
     batches = prob.batches(8)
     ma, mb = mlp(), mlp()
@@ -240,24 +161,46 @@ def test_from_ivon_continues_the_ivon_run(be):
     for t in range(3):
         a.step(_closure(a, ma, prob, batches[t]))
         b.step(_closure(b, mb, prob, batches[t]))
-    mb_groups = b.param_groups[0]
-    mb_groups["name"] = "all"
-    c = pk.IVONPoCoMo.from_ivon(b, alpha=0.5)
+    b.param_groups[0]["name"] = "all"
+    poco_kw = dict(alpha=0.25, rho1=0.5, rho2=0.125)
+    if how == "from_ivon":
+        c = pk.IVONPoCo.from_ivon(b, **poco_kw)
+    elif how == "from_ivon-mo":
+        c = pk.IVONPoCoMo.from_ivon(b, alpha=0.5)
+        poco_kw = dict(alpha=0.5, rho1=0.6, rho2=0.1)
+    else:
+        c = pk.IVONPoCo(mb.parameters(), lr=1.0, ess=1.0, seed=0, backend=be, **poco_kw)
+        c.load_state_dict(b.state_dict())
+    assert isinstance(c, pk.IVONPoCoMo if how == "from_ivon-mo" else pk.IVONPoCo)
     assert (c.seed, c.backend, c.step_count) == (5, b.backend, 3)
     g = c.param_groups[0]
-    assert (g["rho1"], g["rho2"], g["alpha"], g["name"], g["lr"]) == (0.6, 0.1, 0.5, "all", 0.05)
+    assert {k: g[k] for k in poco_kw} == poco_kw
+    assert (g["lr"], g["ess"]) == (0.05, 100.0)
+    if how != "load_state_dict":
+        assert g["name"] == "all"
     for t in range(3, 6):                              # before a refresh: IVON's steps
-        a.step(_closure(a, ma, prob, batches[t]))
-        c.step(_closure(c, mb, prob, batches[t]))
+        la = a.step(_closure(a, ma, prob, batches[t]))
+        lc = c.step(_closure(c, mb, prob, batches[t]))
+        assert torch.equal(la, lc), t
     for x, y in zip(params_of(ma), params_of(mb)):
         assert torch.equal(x, y)
     c.refresh(_closure(c, mb, prob, batches[0]))
     c.step(_closure(c, mb, prob, batches[6]))
     assert c.correction_active() and c.refresh_count == 1
+    assert all(torch.isfinite(x).all() for x in mb.parameters())
     with pytest.raises(TypeError, match="IVON's hyperparameters"):
         pk.IVONPoCo.from_ivon(a, lr=0.1)
     with pytest.raises(TypeError, match="IVON optimizer"):
         pk.IVONPoCo.from_ivon(pk.SVRG(ma.parameters()))
+
+
+def test_ivon_poco_mo_is_ivon_poco_with_outer_momentum():
+    assert "IVONPoCoMo" in pk.__all__ and issubclass(pk.IVONPoCoMo, pk.IVONPoCo)
+    g = pk.IVONPoCoMo(mlp().parameters(), lr=0.125, ess=100.0, backend="torch").param_groups[0]
+    assert (g["rho1"], g["rho2"]) == (0.6, 0.1)        # the paper's GPT-2 settings
+    g = pk.IVONPoCoMo(mlp().parameters(), lr=0.125, ess=100.0, rho1=0.3,
+                      backend="torch").param_groups[0]
+    assert g["rho1"] == 0.3
 
 
 def test_an_ivon_state_dict_loads_into_ivon_poco_and_pocomo_interload():
@@ -284,55 +227,7 @@ def test_an_ivon_state_dict_loads_into_ivon_poco_and_pocomo_interload():
         ivon.load_state_dict(poco.state_dict())
 
 
-# ---------------------------------------------------------------- small habits
-def test_refresh_takes_one_closure_or_an_iterable():
-    prob = Problem()
-    out = []
-    for form in ("one", "list", "generator"):
-        model = mlp()
-        opt = pk.IVONPoCo(model.parameters(), lr=0.05, ess=100.0, seed=1, backend="torch")
-        c = _closure(opt, model, prob, torch.arange(16))
-        opt.refresh({"one": c, "list": [c], "generator": (x for x in [c])}[form])
-        opt.step(_closure(opt, model, prob, torch.arange(8)))
-        out.append(params_of(model))
-    for other in out[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(out[0], other))
-    with pytest.raises(TypeError, match="closure"):
-        opt.refresh(3)
-    with pytest.raises(TypeError, match="callable"):
-        opt.refresh([c, 3])
-
-
-def test_ivon_groups_answer_to_betas():
-    model = mlp()
-    opt = pk.IVON(model.parameters(), lr=0.1, ess=10.0, beta1=0.8, beta2=0.999)
-    g = opt.param_groups[0]
-    assert g["betas"] == (0.8, 0.999) and "betas" in g and "betas" in opt.defaults
-    assert "betas" not in g.keys() and "betas" not in opt.state_dict()["param_groups"][0]
-    g["betas"] = (0.7, 0.99)
-    assert (g["beta1"], g["beta2"]) == (0.7, 0.99)
-    with pytest.raises(ValueError, match="beta1, beta2"):
-        g["betas"] = 0.5
-    opt2 = pk.IVON([{"params": [torch.nn.Parameter(torch.randn(3))], "betas": (0.5, 0.9)}],
-                   lr=0.1, ess=10.0)
-    assert (opt2.param_groups[0]["beta1"], opt2.param_groups[0]["beta2"]) == (0.5, 0.9)
-
-
-@pytest.mark.parametrize("flag", ["maximize", "foreach", "fused", "capturable",
-                                  "differentiable"])
-def test_torch_flags_are_refused(flag):
-    p = [torch.nn.Parameter(torch.randn(3))]
-    for make in (lambda **k: pk.IVON(p, lr=0.1, ess=1.0, **k),
-                 lambda **k: pk.SVRGAdamW(p, **k), lambda **k: pk.VONPoCo(p, ess=1.0, **k)):
-        with pytest.raises(TypeError, match=f"'{flag}'"):
-            make(**{flag: True})
-    opt = pk.SVRG(p)
-    with pytest.raises(TypeError, match=f"'{flag}'"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], flag: False})
-    assert len(opt.param_groups) == 1
-
-
-# ---------------------------------------------------------------- review findings
+# ---------------------------------------------------------------- requires_grad, sharing, momentum
 @pytest.mark.parametrize("be", CPU_BACKENDS)
 def test_state_dicts_and_copies_follow_requires_grad_changes(be):
     """A state dict (or copy) taken after a requires_grad change has the new layout, and
@@ -384,15 +279,6 @@ def test_a_first_momentum_step_not_taken_leaves_no_buffer(be):
             w.grad = torch.ones(3)
             o.step()
     assert torch.equal(ws[0], ws[1])
-
-
-def test_param_group_update_and_setdefault_go_through_the_alias():
-    g = pk.IVON([torch.nn.Parameter(torch.randn(2))], lr=0.1, ess=1.0).param_groups[0]
-    g.update({"betas": (0.5, 0.6)})
-    assert (g["beta1"], g["beta2"]) == (0.5, 0.6) and "betas" not in g.keys()
-    assert g.setdefault("betas", (0.1, 0.2)) == (0.5, 0.6)
-    g |= {"betas": (0.7, 0.8)}
-    assert g["beta1"] == 0.7
 
 
 def test_von_poco_checks_a_precision_a_load_pre_hook_returns():

@@ -1,6 +1,6 @@
 """``state_dtype=torch.bfloat16`` (IVON family): the momentum and the outer buffers in
 bfloat16 with stochastic rounding (docs/design.md, 'Low-precision state').  The kernels
-against the reference are in tests/test_kernels.py; here the optimizer: backends agree,
+against the reference are in tests/kernels/test_kernels.py; here the optimizer: backends agree,
 the rounding is unbiased, checkpoints resume bit for bit and convert, and a refused step
 changes nothing."""
 import copy

@@ -181,21 +181,21 @@ def _run_ivon_step(ops, a, found_inf=None, bad=0, next_sample=False):
     st, grp, outer = a["st"], a["group"], a["outer"]
     wd = grp["weight_decay"]
     corr = outer is not None
-    path = K.StepPath.ivon(hess_corr=grp["hess_corr_scale"] != 0,
+    path = K.StepFlags.ivon(hess_corr=grp["hess_corr_scale"] != 0,
                            floor=grp["hess_floor"] is not None,
                            clip=math.isfinite(grp["clip_radius"]), debias=grp["debias"])
-    flags = K.StepFlags.of(K.FAMILY_IVON, path, corr=corr, ge_in=a["ge_in"] is not None,
+    flags = path.routed(corr=corr, ge_in=a["ge_in"] is not None,
                            ge_o=corr and outer["ge_o"] is not None,
                            shared_noise=corr and not a["independent"] and a["mc"] == 1,
                            next_sample=next_sample)
     ctl = _ctl(steps=a["steps"], refreshes=a["refreshes"], bad=bad)
     o = outer or {}
-    hp = K.StepHP.ivon(lr=R.ivon_lr(grp["lr"], grp["hess_init"], wd, grp["rescale_lr"]),
+    hp = K.StepHyper.ivon(lr=R.ivon_lr(grp["lr"], grp["hess_init"], wd, grp["rescale_lr"]),
                        beta1=grp["beta1"], beta2=grp["beta2"], wd=wd, ess=grp["ess"],
                        alpha=grp["alpha"], hess_corr=grp["hess_corr_scale"],
                        floor=grp["hess_floor"] or 0.0,
                        clip=grp["clip_radius"] if math.isfinite(grp["clip_radius"]) else 0.0)
-    hyper = K.StepHyper.of(hp, sign_o=1.0, inv_n_in=1.0 / a["mc"], inv_n_o=1.0 / a["mc"])
+    hyper = hp.counted(sign_o=1.0, inv_n_in=1.0 / a["mc"], inv_n_o=1.0 / a["mc"])
     ops.step(st["mean"], st["param"], st["momentum"], st["h"], a["g_in"], a["ge_in"],
              o.get("g_o"), o.get("ge_o"), o.get("g_out"), o.get("h_out"), o.get("m_out"),
              o.get("sigma_out"), ctl, found_inf, None, K.StepStreams(SEED, a["s_in"], a["s_o"]),
@@ -310,10 +310,10 @@ def test_step_kernel_grad_scale_divides_the_gradients(ops):
     st = {k: v.clone() for k, v in before.items()}
     o = scaled["outer"]
     grp = a["group"]
-    flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=True, floor=False, clip=True,
-                                                          debias=True),
-                           corr=True, ge_in=False, ge_o=False, shared_noise=True, next_sample=False)
-    hp = K.StepHP.ivon(lr=R.ivon_lr(grp["lr"], grp["hess_init"], grp["weight_decay"], True),
+    flags = K.StepFlags.ivon(hess_corr=True, floor=False, clip=True,
+            debias=True).routed(corr=True, ge_in=False, ge_o=False, shared_noise=True,
+            next_sample=False)
+    hp = K.StepHyper.ivon(lr=R.ivon_lr(grp["lr"], grp["hess_init"], grp["weight_decay"], True),
                        beta1=grp["beta1"], beta2=grp["beta2"], wd=grp["weight_decay"],
                        ess=grp["ess"], alpha=grp["alpha"], hess_corr=grp["hess_corr_scale"],
                        floor=0.0, clip=grp["clip_radius"])
@@ -321,7 +321,7 @@ def test_step_kernel_grad_scale_divides_the_gradients(ops):
              None, o["g_out"], o["h_out"], o["m_out"], o["sigma_out"],
              _ctl(a["steps"], 3), None, torch.tensor([scale]),
              K.StepStreams(SEED, a["s_in"], a["s_o"]),
-             K.StepHyper.of(hp, sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0), flags)
+             hp.counted(sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0), flags)
     for k in ("mean", "h", "momentum"):
         assert_close(st[k], exp[k], STATE[torch.float32], k)
 
@@ -349,14 +349,14 @@ def test_step_kernel_sgd_family(n, pdtype, case, corr, ops):
     mean, buf, g_in, g_o, g_out = r(), r(), r(), r(), r()
     param = r().to(pdtype)
     m0, b0 = mean.clone(), buf.clone()
-    flags = K.StepFlags.of(K.FAMILY_SGD, K.StepPath.sgd(momentum=c["momentum"] != 0,
-                                                        nesterov=c["nesterov"]),
-                           corr=corr, ge_in=False, ge_o=False, shared_noise=False, next_sample=False)
-    hp = K.StepHP.sgd(lr=lr, wd=c["weight_decay"], alpha=alpha, momentum=c["momentum"],
+    flags = K.StepFlags.sgd(momentum=c["momentum"] != 0,
+            nesterov=c["nesterov"]).routed(corr=corr, ge_in=False, ge_o=False,
+            shared_noise=False, next_sample=False)
+    hp = K.StepHyper.sgd(lr=lr, wd=c["weight_decay"], alpha=alpha, momentum=c["momentum"],
                       dampening=c["dampening"], mom_first=float(c["first"]))
     ops.step(mean, param, buf, None, g_in, None, g_o if corr else None, None,
              g_out if corr else None, None, None, None, _ctl(4, 1), None, None,
-             K.StepStreams(SEED, 0, 0), K.StepHyper.of(hp, sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0),
+             K.StepStreams(SEED, 0, 0), hp.counted(sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0),
              flags)
     ghat = R.control_variate(g_in, g_o, g_out, alpha) if corr else g_in
     exp_m, exp_b = R.sgd_step(m0, ghat, None if c["first"] else b0, lr=lr,
@@ -378,12 +378,12 @@ def test_step_kernel_adamw_family(n, pdtype, corr, ops):
     ea, eas = r(0.1), r(0.01).square()
     param = r().to(pdtype)
     m0, ea0, eas0 = mean.clone(), ea.clone(), eas.clone()
-    hp = K.StepHP.adamw(lr=lr, beta1=b1, beta2=b2, wd=wd, eps=eps, alpha=alpha)
-    flags = K.StepFlags.of(K.FAMILY_ADAMW, K.StepPath.adamw(), corr=corr, ge_in=False,
+    hp = K.StepHyper.adamw(lr=lr, beta1=b1, beta2=b2, wd=wd, eps=eps, alpha=alpha)
+    flags = K.StepFlags.adamw().routed(corr=corr, ge_in=False,
                            ge_o=False, shared_noise=False, next_sample=False)
     ops.step(mean, param, ea, eas, g_in, None, g_o if corr else None, None,
              g_out if corr else None, None, None, None, _ctl(steps, 2), None, None,
-             K.StepStreams(SEED, 0, 0), K.StepHyper.of(hp, sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0),
+             K.StepStreams(SEED, 0, 0), hp.counted(sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0),
              flags)
     ghat = R.control_variate(g_in, g_o, g_out, alpha) if corr else g_in
     exp = R.adamw_step(m0, ghat, ea0, eas0, step=steps + 1, lr=lr, beta1=b1, beta2=b2,
@@ -407,12 +407,10 @@ def test_refresh_kernel_ivon_family(n, refreshes, ge, ops):
     acc_g, acc_ge = r() * k, r() * k
     stream = noise.stream_id(4, 2, 0)
     before = dict(g_out=g_out.clone(), h_out=h_out.clone())
-    ops.refresh(mean, h, acc_g, acc_ge if ge else None, g_out, h_out, m_out, sigma_out,
-                _ctl(9, refreshes), None, None, SEED, NV, stream,
-                K.RefreshHyper.of(K.RefreshHP.ivon(ess=grp["ess"], wd=grp["weight_decay"],
-                                                   rho1=grp["rho1"], rho2=grp["rho2"]),
-                                  inv_n=1.0 / k),
-                K.RefreshFlags(K.FAMILY_IVON, ge=ge, noisy=True))
+    ops.refresh(mean, h, acc_g, acc_ge if ge else None, g_out, h_out, m_out, sigma_out, _ctl(9,
+            refreshes), None, None, SEED, NV, stream, K.RefreshHyper.ivon(ess=grp["ess"],
+            wd=grp["weight_decay"], rho1=grp["rho1"], rho2=grp["rho2"]).counted(inv_n=1.0 / k),
+            K.RefreshFlags(K.FAMILY_IVON, ge=ge, noisy=True))
     gM = acc_g / k
     geM = acc_ge / k if ge else gM * _eps(n, refreshes, stream)
     exp = ivon_refresh_update(mean=mean, h=h, gM=gM, geM=geM, g_out=before["g_out"],
@@ -477,9 +475,9 @@ def test_refresh_and_outer_sample_kernels_low_precision_state(ops):
     before = {k: v.float() for k, v in outs.items()}
     ops.refresh(mean, h, acc_g, None, outs["g_out"], outs["h_out"], outs["m_out"],
                 outs["sigma_out"], _ctl(9, refreshes), None, None, SEED, NV, stream,
-                K.RefreshHyper.of(K.RefreshHP.ivon(ess=grp["ess"], wd=grp["weight_decay"],
-                                                   rho1=grp["rho1"], rho2=grp["rho2"]),
-                                  inv_n=1.0),
+                K.RefreshHyper.ivon(ess=grp["ess"], wd=grp["weight_decay"],
+                                                   rho1=grp["rho1"],
+                                                           rho2=grp["rho2"]).counted(inv_n=1.0),
                 K.RefreshFlags(K.FAMILY_IVON, ge=False, noisy=True))
     exp = ivon_refresh_update(mean=mean, h=h, gM=acc_g, geM=acc_g * _eps(n, refreshes, stream),
                               g_out=before["g_out"], h_out=before["h_out"], group=grp,
@@ -502,7 +500,7 @@ def test_refresh_kernel_sgd_family(noisy, ops):
     g_out, theta_out = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
     stream = noise.stream_id(0, 2, 0)
     ops.refresh(mean, None, acc_g, None, g_out, None, theta_out, None, _ctl(5, 2), None,
-                None, SEED, NV, stream, K.RefreshHyper.of(K.RefreshHP.sgd(sigma=sigma), inv_n=1.0 / k),
+                None, SEED, NV, stream, K.RefreshHyper.sgd(sigma=sigma).counted(inv_n=1.0 / k),
                 K.RefreshFlags(K.FAMILY_SGD, ge=False, noisy=noisy))
     assert_close(g_out, acc_g / k, STATE[torch.float32], "g_out")
     exp = R.perturb(mean, sigma, _eps(n, 2, stream)) if noisy else mean
@@ -674,12 +672,16 @@ def test_operators_pass_opcheck(ops):
     g = torch.Generator().manual_seed(1)
     r = lambda: torch.randn(n, generator=g)  # noqa: E731
     ctl = _ctl(3, 1)
-    flags = K.StepFlags.of(K.FAMILY_IVON, K.StepPath.ivon(hess_corr=True, floor=False,
-                                                          clip=False, debias=True),
-                           corr=True, ge_in=False, ge_o=False, shared_noise=True, next_sample=False)
-    hp = K.StepHyper.of(K.StepHP.ivon(lr=0.01, beta1=0.9, beta2=0.999, wd=1e-4, ess=50.0,
-                                      alpha=0.7, hess_corr=0.01, floor=0.0, clip=0.0),
-                        sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0)
+    flags = K.StepFlags.ivon(hess_corr=True, floor=False,
+                                                          clip=False,
+                                                                  debias=True).routed(corr=True,
+                                                                  ge_in=False, ge_o=False,
+                                                                  shared_noise=True,
+                                                                  next_sample=False)
+    hp = K.StepHyper.ivon(lr=0.01, beta1=0.9, beta2=0.999, wd=1e-4, ess=50.0,
+                                      alpha=0.7, hess_corr=0.01, floor=0.0,
+                                              clip=0.0).counted(sign_o=1.0, inv_n_in=1.0,
+                                              inv_n_o=1.0)
     rflags = K.RefreshFlags(K.FAMILY_IVON, ge=False, noisy=True)
     # the operators' own schemas: the C++ ones take the streams and flags as numbers, the
     # Triton custom ops as lists; both take the hyperparameters as their float64 row

@@ -6,7 +6,7 @@ scheduled ``lr``, a scheduled ``alpha``) reach the kernels on the device and giv
 float run's bits; a refresh reads the device only until the correction is active.  The
 capture itself, replayed against eager execution, and torch.compile of a training step
 without recompilation are ``benchmarks/gpu/capture.py``'s checks, run on a GPU by
-``bench_gpu.py --quick`` and on the CPU by its smoke run (``tests/test_bench_run.py``)."""
+``bench_gpu.py --quick`` and on the CPU by its smoke run (``tests/repo/test_bench_run.py``)."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -206,7 +206,7 @@ def test_while_capturing_an_unwritten_gradient_counts_as_written(backend, monkey
     opt = pk.IVON(model.parameters(), lr=0.05, ess=200.0, backend=backend)
     _iteration(opt, model, prob, prob.batches(1)[0])
     w = next(model.parameters())
-    eng = opt._backend
+    eng = opt._runner
     with opt.sampled("inner"):
         prob.loss(model, prob.batches(1)[0]).backward()
         eng.reached.discard(id(w))            # as if autograd had not reached it...

@@ -8,16 +8,15 @@ import torch
 
 import poco_kernels as pk
 from helpers import Problem, mlp, params_of, run
+from optim_db import configs
 
-OPTIMIZERS = {
-    "SVRG": lambda p, be: pk.SVRG(p, lr=0.05, momentum=0.9, alpha=0.7, seed=5, backend=be),
-    "SVRGAdamW": lambda p, be: pk.SVRGAdamW(p, lr=1e-2, alpha=0.5, seed=5, backend=be),
-    "VSGDPoCo": lambda p, be: pk.VSGDPoCo(p, lr=0.05, sigma=0.01, momentum=0.5, seed=5,
-                                          backend=be),
-    "IVON": lambda p, be: pk.IVON(p, lr=0.05, ess=300.0, mc_samples=2, seed=5, backend=be),
-    "IVONPoCo": lambda p, be: pk.IVONPoCo(p, lr=0.05, ess=300.0, beta2=0.999, alpha=0.5,
-                                          rho1=0.3, rho2=0.1, seed=5, backend=be),
-}
+#: the optimizer database's resume configurations (tests/optim_db.py), by class name
+OPTIMIZERS = {c.optimizer: c for c in configs("resume")}
+
+
+def _make(name):
+    c = OPTIMIZERS[name]
+    return lambda p, be: c.make(p, be, seed=5)
 
 
 def _roundtrip(sd):
@@ -27,15 +26,23 @@ def _roundtrip(sd):
     return torch.load(buf, weights_only=False)
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("cut", [7, 13])     # 13: mid inner loop, after 2 refreshes
+def _resume_cases():
+    """Every resume configuration x backend x cut; the Triton interpreter (slow) takes cut
+    13 only."""
+    skip = pytest.mark.skip(reason="CI time (the Triton interpreter): cut 13, mid inner "
+                            "loop after two refreshes, covers the fused resume on Triton; "
+                            "cut 7 runs on C++")
+    return [pytest.param(c.optimizer, cut, b, id=f"{c.id}-{b}-{cut}",
+                         marks=skip if b == "triton" and cut == 7 else ())
+            for c in OPTIMIZERS.values() for b in c.runs_on()
+            for cut in (7, 13)]                 # 13: mid inner loop, after 2 refreshes
+
+
+@pytest.mark.parametrize("name,cut,backend", _resume_cases())
 def test_resume_is_bit_identical(name, cut, backend):
-    if backend == "triton" and cut == 7:
-        pytest.skip("CI time (the Triton interpreter): cut 13, mid inner loop after two "
-                    "refreshes, covers the fused resume on Triton; cut 7 runs on C++")
     prob = Problem()
-    make = OPTIMIZERS[name]
-    refresh = None if name == "IVON" else 5
+    make = _make(name)
+    refresh = 5 if OPTIMIZERS[name].info.has_refresh else None
     steps, batches = 24, prob.batches(24)
 
     m_ref = mlp()
@@ -67,7 +74,7 @@ def test_noise_version_is_kept_across_resume_and_switched_by_a_newer_dict(backen
     optimizer then loading a version-2 dict continues that run bit for bit; an unknown
     version is refused and changes nothing."""
     prob = Problem()
-    make = OPTIMIZERS["IVONPoCo"]
+    make = _make("IVONPoCo")
     steps, cut, batches = 12, 6, prob.batches(12)
     kw = dict(refresh_every=5, warmup=2, batches=batches)
 

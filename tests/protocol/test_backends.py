@@ -10,42 +10,25 @@ import torch
 
 import poco_kernels as pk
 from helpers import FUSED_BACKENDS, Problem, mlp, run
+from optim_db import configs
 from tolerances import PARAM, TRAJECTORY, assert_close
 
 pytestmark = pytest.mark.skipif(not FUSED_BACKENDS, reason="no fused backend here")
 fused = pytest.mark.parametrize("fused", FUSED_BACKENDS)
 
-# name -> (class, kwargs, refresh_every, warmup)
-CONFIGS = {
-    "IVON": (pk.IVON, dict(lr=0.05, ess=300.0, hess_init=0.5, beta2=0.999, clip_radius=0.5), None, 0),
-    "IVON-mc2-nodebias": (pk.IVON, dict(lr=0.05, ess=300.0, mc_samples=2, debias=False,
-                                        rescale_lr=False), None, 0),
-    "IVONPoCo": (pk.IVONPoCo, dict(lr=0.05, ess=200.0, hess_init=0.5, beta2=0.999, alpha=0.8,
-                                   clip_radius=0.5), 8, 4),
-    "IVONPoCoMo-independent": (pk.IVONPoCo, dict(lr=0.05, ess=200.0, beta2=0.9995, alpha=0.6,
-                                                 rho1=0.5, rho2=0.2, outer_noise="independent"),
-                               8, 3),
-    "IVONPoCo-antithetic-floor-mc2": (pk.IVONPoCo, dict(
-        lr=0.05, ess=200.0, beta2=0.999, alpha=0.7, refresh_samples=2,
-        refresh_antithetic=True, hess_floor=0.5, mc_samples=2, hess_corr_scale=1.0), 8, 2),
-    "SVRG": (pk.SVRG, dict(lr=0.1), 8, 2),
-    "SVRG-nesterov-wd": (pk.SVRG, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3,
-                                       alpha=0.5), 8, 2),
-    "SVRG-dampening": (pk.SVRG, dict(lr=0.05, momentum=0.8, dampening=0.3), 8, 2),
-    "VSGDPoCo": (pk.VSGDPoCo, dict(lr=0.1, sigma=0.01, momentum=0.5), 8, 2),
-    "SVRGAdamW": (pk.SVRGAdamW, dict(lr=3e-3, weight_decay=1e-2, alpha=0.7), 8, 2),
-}
+#: the optimizer database's trajectory configurations (tests/optim_db.py), by id
+CONFIGS = {c.id: c for c in configs("trajectory")}
 #: two refreshes in every configuration (warm-up <= 4, every 8) and corrected steps after
 #: the second: the outer momentum's fold is compared too
 STEPS = 16
 
 
 def _build(name, backend, dtype, model=None):
-    cls, kw, every, warm = CONFIGS[name]
+    c = CONFIGS[name]
     m = model if model is not None else mlp(dtype=dtype)
     ps = list(m.parameters())
-    groups = [{"params": ps[:2]}, {"params": ps[2:], "lr": kw["lr"] * 0.5}]
-    return m, cls(groups, seed=11, backend=backend, **kw), every, warm
+    groups = [{"params": ps[:2]}, {"params": ps[2:], "lr": c.kwargs["lr"] * 0.5}]
+    return m, c.make(groups, backend, seed=11), c.refresh_every, c.warmup
 
 
 def _trajectory(name, backend, dtype, steps=STEPS):
@@ -55,25 +38,27 @@ def _trajectory(name, backend, dtype, steps=STEPS):
     return m, opt, losses
 
 
-#: the slowest configurations under the Triton interpreter: float32 only there
-_TRITON_FLOAT32_ONLY = {"IVONPoCo-antithetic-floor-mc2", "IVON-mc2-nodebias"}
+def _trajectory_cases():
+    """Every trajectory configuration x fused backend x dtype; the dtypes a configuration
+    leaves out on the Triton interpreter (``triton_dtypes``, CI time) are skipped."""
+    skip = pytest.mark.skip(reason="CI time (the Triton interpreter): bf16 on Triton runs "
+                            "the other configurations; this one runs bf16 on C++")
+    return [pytest.param(c.id, dtype, fused, id=f"{c.id}-{str(dtype)[6:]}-{fused}",
+                         marks=() if dtype in c.dtypes_on(fused) else skip)
+            for c in CONFIGS.values() for fused in FUSED_BACKENDS if fused in c.runs_on()
+            for dtype in c.dtypes]
 
 
-@fused
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name,dtype,fused", _trajectory_cases())
 def test_backends_agree_on_whole_trajectories(name, dtype, fused):
     """Tens of steps, refreshes included, two parameter groups: a fused backend against
-    the torch backend, state buffer by buffer."""
-    if fused == "triton" and dtype == torch.bfloat16 and name in _TRITON_FLOAT32_ONLY:
-        pytest.skip("CI time (the Triton interpreter): bf16 on Triton runs the other "
-                    "configurations; this one runs bf16 on C++")
+    the torch backend, state buffer by buffer, within the configuration's tolerances."""
     m_ref, ref, l_ref = _trajectory(name, "torch", dtype)
     m_tri, tri, l_tri = _trajectory(name, fused, dtype)
     assert tri.backend == fused and ref.backend == "torch"
     assert tri.step_count == ref.step_count == STEPS
     assert tri.refresh_count == ref.refresh_count
-    tol = TRAJECTORY[dtype]
+    tol = CONFIGS[name].tol(dtype)
     for bname in ref._buckets[0].buffers:
         for a, b in zip(ref.flat_state(bname), tri.flat_state(bname)):
             assert_close(b, a, tol, f"{name}/{bname}")
@@ -87,18 +72,18 @@ def test_backends_agree_on_whole_trajectories(name, dtype, fused):
 def test_trajectory_comparison_can_fail(dtype, fused):
     """Guard: the tolerances of the runner above tell apart trajectories that differ only
     in the noise seed."""
-    m_ref, ref, _ = _trajectory("IVONPoCo", "torch", dtype, steps=10)
-    m_o, other, _, _ = _build("IVONPoCo", fused, dtype)
+    c = CONFIGS["IVONPoCo-clip"]
+    m_ref, ref, _ = _trajectory(c.id, "torch", dtype, steps=10)
+    m_o, other, _, _ = _build(c.id, fused, dtype)
     other.seed = 12
-    run(other, m_o, Problem(), 10, refresh_every=CONFIGS["IVONPoCo"][2],
-        warmup=CONFIGS["IVONPoCo"][3])
+    run(other, m_o, Problem(), 10, refresh_every=c.refresh_every, warmup=c.warmup)
     with pytest.raises(AssertionError):
-        assert_close(other.flat_state("mean")[0], ref.flat_state("mean")[0], TRAJECTORY[dtype])
+        assert_close(other.flat_state("mean")[0], ref.flat_state("mean")[0], c.tol(dtype))
 
 
 @fused
 def test_groups_differ_in_every_hyperparameter(fused):
-    """Two groups that differ in every hyperparameter (tests/test_api.py checks the
+    """Two groups that differ in every hyperparameter (tests/protocol/test_api.py checks the
     reference against the functional form on the same groups)."""
     g0 = dict(lr=0.05, ess=300.0, hess_init=0.5, beta1=0.9, beta2=0.999, weight_decay=1e-4,
               clip_radius=1.0, alpha=0.5, rho1=0.2, rho2=0.1, hess_corr_scale=1.0)
@@ -303,7 +288,7 @@ def test_torch_compile_of_a_training_step_keeps_the_kernels(fused):
     for compiled in (False, True):
         m, opt = _ivonpoco(fused, mc_samples=1)
         run(opt, m, prob, 3)
-        eng = opt._backend
+        eng = opt._runner
         ops = eng.ops
         b = opt._buckets[0]
         grads = torch.randn(b.numel)
@@ -359,7 +344,7 @@ def test_add_param_group_on_a_fused_backend(fused):
 #: paths (two draws, antithetic refresh), the outer sample with bfloat16 parameters, the
 #: AdamW family
 _PAD_CASES = [("IVONPoCo-antithetic-floor-mc2", torch.float32),
-              ("IVONPoCoMo-independent", torch.bfloat16), ("SVRGAdamW", torch.float32)]
+              ("IVONPoCoMo-independent", torch.bfloat16), ("SVRGAdamW-wd", torch.float32)]
 
 
 @pytest.mark.skipif("triton" not in FUSED_BACKENDS, reason="triton not available")

@@ -1,4 +1,4 @@
-"""Ranks of the FSDP2 tests (tests/test_fsdp.py): ``python tests/fsdp_ranks.py SPEC.json``.
+"""Ranks of the FSDP2 tests (tests/distributed/test_fsdp.py): ``python tests/distributed/fsdp_ranks.py SPEC.json``.
 
 SPEC: ``world`` (processes, spawned here over gloo on the CPU; 1 with ``"fsdp": false`` is
 the plain single-process run), ``fsdp``, ``mixed`` (FSDP2's MixedPrecisionPolicy with
@@ -25,7 +25,7 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 
 class Net(torch.nn.Module):

@@ -33,7 +33,7 @@ def assert_unchanged(before, opt, model, pending=0):
 
 def _ivon_poco(model, backend="torch", **kw):
     """(check_finite: the Triton backend's default is to skip bad gradients on the device,
-    tests/test_backends.py; here every backend raises.)"""
+    tests/protocol/test_backends.py; here every backend raises.)"""
     kw.setdefault("seed", 0)
     return pk.IVONPoCo(model.parameters(), lr=0.05, ess=300.0, beta2=0.999, alpha=0.5,
                        backend=backend, check_finite=True, **kw)

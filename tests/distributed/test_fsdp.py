@@ -1,5 +1,5 @@
 """FSDP2 (``fully_shard``) on the fused C++ backend: 2 gloo ranks on the CPU against one
-process (tests/fsdp_ranks.py runs the ranks).
+process (tests/distributed/fsdp_ranks.py runs the ranks).
 
 Every rank trains on the same batches, so FSDP2's gradient average over the ranks is exact
 and the reductions are those of the single process: the sharded run must equal it bit for
@@ -20,7 +20,7 @@ import torch
 from helpers import available_backends
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 COMMON = dict(steps=10, refresh_at=[2, 7])       # (the correction active from step 3)

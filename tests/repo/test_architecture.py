@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import poco_kernels as pk
-from poco_kernels.backends import HOST
 from poco_kernels.kernels import interface as I
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = os.path.join(ROOT, "poco_kernels")
 
 
@@ -73,16 +72,30 @@ def test_triton_kernels_take_the_records_by_name_in_order():
             assert getattr(T, prefix + f.upper()).value == i, (rec.__name__, f)
 
 
-def test_optimizer_records_are_the_tails_of_the_kernel_records():
-    assert I.StepHyper._fields[3:] == I.StepHP._fields
-    assert I.StepFlags._fields[6:] == I.StepPath._fields
-    assert I.RefreshHyper._fields[1:] == I.RefreshHP._fields
+def test_one_record_per_kernel_filled_by_family_then_by_the_engine():
+    """The per-family constructors fill the optimizer's fields (the others zero) and leave
+    the host engine's at neutral values, which the engine then sets on the same record."""
+    hp = I.StepHyper.ivon(lr=0.1, beta1=0.9, beta2=0.99, wd=0.0, ess=1.0, alpha=0.5,
+                          hess_corr=0.0, floor=0.0, clip=0.0)
+    assert (hp.sign_o, hp.inv_n_in, hp.inv_n_o) == (1.0, 1.0, 0.0) and hp.momentum == 0.0
+    c = hp.counted(sign_o=-1, inv_n_in=0.5, inv_n_o=0.25)
+    assert type(c) is I.StepHyper and c[:3] == (-1.0, 0.5, 0.25) and c[3:] == hp[3:]
+    f = I.StepFlags.sgd(momentum=True, nesterov=False)
+    assert f.family == I.FAMILY_SGD and not any(f[1:6])
+    r = f.routed(corr=True, ge_in=False, ge_o=False, shared_noise=False, next_sample=True)
+    assert r.corr and r.next_sample and r[6:] == f[6:]
+    assert I.StepFlags.ivon(hess_corr=1, floor=0, clip=0, debias=1).family == I.FAMILY_IVON
+    assert I.StepFlags.adamw().family == I.FAMILY_ADAMW
+    rh = I.RefreshHyper.ivon(ess=2.0, wd=0.1, rho1=0.5, rho2=0.0).counted(inv_n=0.5)
+    assert rh.inv_n == 0.5 and rh.sigma == 0.0
+    for name in ("StepHP", "StepPath", "RefreshHP"):
+        assert not hasattr(I, name), f"{name}: one record per kernel"
 
 
 def test_a_missing_hyperparameter_is_an_error_not_a_default():
     with pytest.raises(TypeError, match="clip"):
-        I.StepHP.ivon(lr=0.1, beta1=0.9, beta2=0.99, wd=0.0, ess=1.0, alpha=0.0,
-                      hess_corr=0.0, floor=0.0)
+        I.StepHyper.ivon(lr=0.1, beta1=0.9, beta2=0.99, wd=0.0, ess=1.0, alpha=0.0,
+                         hess_corr=0.0, floor=0.0)
     with pytest.raises(TypeError):
         I.StepHyper(*([1.0] * 15))
     from poco_kernels.kernels import cpp_status
@@ -92,14 +105,12 @@ def test_a_missing_hyperparameter_is_an_error_not_a_default():
         with pytest.raises(TypeError, match="StepHyper"):
             cpp_ops.step(z, z, z, z, z, None, None, None, None, None, None, None,
                          torch.zeros(4, dtype=torch.int64), None, None,
-                         I.StepStreams(0, 0, 0), [1.0] * 16,
-                         I.StepFlags.of(0, I.StepPath.adamw(), corr=False, ge_in=False,
-                                        ge_o=False, shared_noise=False, next_sample=False))
+                         I.StepStreams(0, 0, 0), [1.0] * 16, I.StepFlags.adamw())
 
 
 def test_flag_bits_follow_field_order():
-    f = I.StepFlags.of(I.FAMILY_SGD, I.StepPath.sgd(momentum=True, nesterov=True), corr=True,
-                       ge_in=False, ge_o=False, shared_noise=False, next_sample=False)
+    f = I.StepFlags.sgd(momentum=True, nesterov=True).routed(
+        corr=True, ge_in=False, ge_o=False, shared_noise=False, next_sample=False)
     assert f.bits() == (1 << 0) | (1 << 9) | (1 << 10)
     assert f.constexprs()["FAMILY"] == I.FAMILY_SGD and f.constexprs()["NESTEROV"] is True
 
@@ -184,34 +195,50 @@ def test_a_cycle_would_be_found():
     assert "poco_kernels.backends.torch_backend" in graph["poco_kernels.backends"]
 
 
+OPTIMIZER_MODULES = {"poco_kernels." + m for m in (
+    "_optimizer", "_groups", "_state_dict", "_posterior", "_transaction", "_view", "ivon",
+    "svrg", "von_poco")} | {"poco_kernels"}
+
+
 def test_dependencies_point_one_way():
+    """optimizers -> rules -> kernels and optimizers -> backends -> kernels: a backend
+    imports no optimizer module and no rule (it runs the rule it is handed), a rule no
+    optimizer module and no backend, the kernels neither."""
     graph = _graph()
-    optimizers = {"poco_kernels._optimizer", "poco_kernels.ivon", "poco_kernels.svrg",
-                  "poco_kernels.von_poco", "poco_kernels"}
     for m, deps in graph.items():
-        if m.startswith("poco_kernels.backends") or m.startswith("poco_kernels.kernels"):
-            assert not deps & optimizers, (m, deps & optimizers)
+        if m.startswith(("poco_kernels.backends", "poco_kernels.kernels")):
+            assert not deps & OPTIMIZER_MODULES, (m, deps & OPTIMIZER_MODULES)
+            assert not any(d.startswith("poco_kernels.rules") for d in deps), (m, deps)
+        if m.startswith("poco_kernels.rules"):
+            assert not deps & OPTIMIZER_MODULES, (m, deps & OPTIMIZER_MODULES)
+            assert not any(d.startswith("poco_kernels.backends") for d in deps), (m, deps)
         if m.startswith("poco_kernels.kernels"):
             assert not any(d.startswith("poco_kernels.backends") for d in deps), (m, deps)
 
 
-def test_backends_use_only_the_declared_members_of_their_optimizer():
+def test_a_backend_sees_its_optimizer_only_through_the_view():
+    """Backends hold an :class:`OptimizerView` (``self.view``), never the optimizer, and use
+    only what the view declares (its public members; ``view._opt`` is not one)."""
+    from poco_kernels._view import OptimizerView
+    declared = {k for k in vars(OptimizerView) if not k.startswith("_")}
     used = set()
     for f in os.listdir(os.path.join(PKG, "backends")):
         if f.endswith(".py"):
             tree = ast.parse(open(os.path.join(PKG, "backends", f)).read())
             for node in ast.walk(tree):
                 if isinstance(node, ast.Attribute):
+                    assert node.attr != "opt", f"backends/{f}:{node.lineno} holds an optimizer"
                     v = node.value
-                    if (isinstance(v, ast.Attribute) and v.attr == "opt"
+                    if (isinstance(v, ast.Attribute) and v.attr == "view"
                             and isinstance(v.value, ast.Name) and v.value.id == "self") or \
-                            (isinstance(v, ast.Name) and v.id == "opt"):
+                            (isinstance(v, ast.Name) and v.id == "view"):
                         used.add(node.attr)
-    assert used, "no optimizer access found: the scan is broken"
-    assert used <= HOST, sorted(used - HOST)
+    assert used, "no view access found: the scan is broken"
+    assert used <= declared, sorted(used - declared)
 
 
-@pytest.mark.parametrize("module", ["_optimizer", "ivon", "svrg", "von_poco"])
+@pytest.mark.parametrize("module", ["_optimizer", "_posterior", "_groups", "_state_dict",
+                                    "_transaction", "ivon", "svrg", "von_poco"])
 def test_optimizer_modules_hold_no_backend_branches(module):
     src = open(os.path.join(PKG, module + ".py")).read()
     tree = ast.parse(src)

@@ -11,29 +11,32 @@ import torch.nn.functional as F
 
 import poco_kernels as pk
 from helpers import FUSED_BACKENDS, available_backends
+from optim_db import configs
 
 BACKENDS = available_backends()
 
-#: name -> (class, kwargs, refresh every k steps (None: no outer loop))
-CONFIGS = {
-    "IVON": (pk.IVON, dict(lr=0.05, ess=100.0, mc_samples=2), None),
-    "IVONPoCo": (pk.IVONPoCo, dict(lr=0.05, ess=100.0, alpha=0.8, rho1=0.5,
-                                   refresh_samples=2, refresh_antithetic=True), 3),
-    "SVRG": (pk.SVRG, dict(lr=0.1, momentum=0.9), 3),
-    "VSGDPoCo": (pk.VSGDPoCo, dict(lr=0.1, sigma=0.01), 3),
-    "SVRGAdamW": (pk.SVRGAdamW, dict(lr=1e-2, weight_decay=1e-2), 3),
-    "VONPoCo": (pk.VONPoCo, dict(ess=50.0, lr=0.5), 3),
-}
-#: every optimizer on the torch and C++ backends (VON-PoCo: torch only)
-CASES = [(n, b) for n in CONFIGS for b in BACKENDS
-         if b == "torch" or (b == "cpp" and n != "VONPoCo")]
+#: the optimizer database's copy configurations (tests/optim_db.py), by class name; a
+#: configuration with an outer loop refreshes every 3 steps
+CONFIGS = {c.optimizer: c for c in configs("copy")}
+EVERY = 3
 MODES = ["deepcopy", "deepcopy-pair", "pickle-pair"]
-#: Triton (the interpreter: slow) on a subset
-#: every mode for IVON-PoCo and SVRG, the pair deepcopy for the others (CI time)
-COPY_CASES = [(n, b, m) for n, b in CASES for m in MODES
-              if n in ("IVONPoCo", "SVRG") or m == "deepcopy-pair"] + [
-    (n, "triton", m) for n, m in (("IVONPoCo", "deepcopy-pair"), ("SVRG", "pickle-pair"))
-    if "triton" in BACKENDS]
+#: the torch backend and the C++ kernels: every mode for the representative configurations
+#: (IVON-PoCo, SVRG), the pair deepcopy for the others (CI time); the Triton interpreter
+#: (slow): one mode each for the representatives
+TRITON_MODE = {"IVONPoCo": "deepcopy-pair", "SVRG": "pickle-pair"}
+
+
+def _copy_cases():
+    out = []
+    for c in CONFIGS.values():
+        for b in c.runs_on():
+            modes = ([TRITON_MODE[c.optimizer]] if b == "triton" else
+                     MODES if c.representative else ["deepcopy-pair"])
+            out += [pytest.param(c.optimizer, b, m, id=f"{c.id}-{b}-{m}") for m in modes]
+    return out
+
+
+COPY_CASES = _copy_cases()
 
 
 class Prob:
@@ -71,12 +74,12 @@ class Prob:
 
 
 def build(name, backend, **kw):
-    cls, kwargs, every = CONFIGS[name]
+    c = CONFIGS[name]
     torch.manual_seed(3)
     model = torch.nn.Linear(4, 3)
     ps = list(model.parameters())
-    groups = [{"params": ps[:1]}, {"params": ps[1:], "lr": kwargs["lr"] * 0.5}]
-    return model, cls(groups, seed=5, backend=backend, **{**kwargs, **kw}), every
+    groups = [{"params": ps[:1]}, {"params": ps[1:], "lr": c.kwargs["lr"] * 0.5}]
+    return model, c.make(groups, backend, seed=5, **kw), EVERY if c.info.has_refresh else None
 
 
 def params_of(opt):
@@ -153,8 +156,15 @@ def test_a_copy_continues_bit_identically(name, backend, mode, one_thread):
     assert_same(opt, o2)
 
 
-PENDING = [(n, b, k) for n, b in CASES if n in ("IVON", "IVONPoCo", "SVRG")
-           for k in (("inner", "refresh") if n == "IVONPoCo" else ("inner",))]
+#: pending gradients: the representatives and the configuration without an outer loop,
+#: on the torch backend and the C++ kernels; both kinds of pending sums where the
+#: optimizer is noisy and refreshes
+PENDING = [pytest.param(c.optimizer, b, k, id=f"{c.id}-{b}-{k}")
+           for c in configs("copy", grad_closure=True)
+           if c.representative or not c.info.has_refresh
+           for b in c.runs_on() if b != "triton"
+           for k in (("inner", "refresh") if c.info.has_refresh and c.info.noisy
+                     else ("inner",))]
 
 
 @pytest.mark.parametrize("name,backend,kind", PENDING)
@@ -223,9 +233,9 @@ def test_ivon_warmup_then_ivonpoco_over_the_same_parameters(backend):
     model, ivon, _ = build("IVON", backend)
     prob.drive(ivon, params_of(ivon), 0, 3, None)
     ref_model, ref_ivon = copy.deepcopy((model, ivon))    # the same, unshared
-    cls, kw, every = CONFIGS["IVONPoCo"]
-    poco = pk.IVONPoCo(model.parameters(), seed=9, backend=backend, **kw)
-    ref_poco = pk.IVONPoCo(ref_model.parameters(), seed=9, backend=backend, **kw)
+    c, every = CONFIGS["IVONPoCo"], EVERY
+    poco = c.make(model.parameters(), backend, seed=9)
+    ref_poco = c.make(ref_model.parameters(), backend, seed=9)
     prob.drive(poco, params_of(poco), 3, 8, every)
     prob.drive(ref_poco, params_of(ref_poco), 3, 8, every)
     assert_same(poco, ref_poco)

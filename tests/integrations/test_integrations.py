@@ -25,7 +25,7 @@ import poco_kernels
 from poco_kernels.integrations import keep_state_dicts_separate, own_storage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 # --------------------------------------------------------------------------- storage
