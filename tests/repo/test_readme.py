@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(ROOT, "README.md")
 MAX_LINES = 150
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", flags=re.S | re.M)
