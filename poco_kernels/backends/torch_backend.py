@@ -1,8 +1,8 @@
 """The torch backend: the reference maths of :mod:`poco_kernels.reference`, op for op, on
 any device and float dtype.
 
-A step or a refresh computes every new buffer out of place through the optimizer's
-functional form (``_inner_update`` / ``_refresh_update``), checks the gradients and the
+A step or a refresh computes every new buffer out of place through the optimizer's rule
+(``rule.inner_update`` / ``rule.refresh_update``), checks the gradients and the
 results for non-finite values, and only then commits: bad input raises and leaves the
 optimizer as it was.
 """
