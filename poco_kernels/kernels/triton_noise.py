@@ -83,15 +83,22 @@ def _normal_pair(wa, wb):
 
 
 @triton.jit
+def _counter_words(call, counter, stream):
+    """The four Philox counter words of the calls ``call`` (int64): the call index's low
+    and high words, the step or refresh ``counter`` and the ``stream`` id (the stream
+    definition of :mod:`poco_kernels.noise`)."""
+    c0 = (call & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (call >> 32).to(tl.uint32)
+    zero = c0 * 0
+    return c0, c1, zero + counter.to(tl.uint32), zero + stream.to(tl.uint32)
+
+
+@triton.jit
 def _randn_v1(seed, idx, counter, stream):
     """Version 1: the normal of element ``idx`` (int64) of stream ``(seed, counter,
     stream)``, one Philox call per element, the cosine branch (``normal_of`` of
     csrc/poco_math.h: ``tl.randn``'s formula with the branch-free transform)."""
-    c0 = (idx & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (idx >> 32).to(tl.uint32)
-    zero = c0 * 0
-    c2 = zero + counter.to(tl.uint32)
-    c3 = zero + stream.to(tl.uint32)
+    c0, c1, c2, c3 = _counter_words(idx, counter, stream)
     o0, o1, _, _ = tl.philox(seed, c0, c1, c2, c3)
     n1, _ = _normal_pair(o0, o1)
     return n1
@@ -106,11 +113,7 @@ def _randn_v2(seed, pid, offset, counter, stream, BLOCK: tl.constexpr):
     reshape."""
     # (the sum first: the interpreter hands an int offset in [2^31, 2^32) over as a uint32)
     q = ((pid * BLOCK + offset) >> 2) + tl.arange(0, BLOCK // 4)
-    c0 = (q & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (q >> 32).to(tl.uint32)
-    zero = c0 * 0
-    c2 = zero + counter.to(tl.uint32)
-    c3 = zero + stream.to(tl.uint32)
+    c0, c1, c2, c3 = _counter_words(q, counter, stream)
     w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
     n0, n1 = _normal_pair(w0, w1)
     n2, n3 = _normal_pair(w2, w3)

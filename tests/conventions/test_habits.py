@@ -16,15 +16,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CPU_BACKENDS = ["torch"] + [b for b in FUSED_BACKENDS if b == "cpp"]
 
 
-def _closure(opt, model, prob, idx):
-    def c():
-        opt.zero_grad()
-        loss = prob.loss(model, idx)
-        loss.backward()
-        return loss
-    return c
-
-
 # ---------------------------------------------------------------- None gradients
 # (a parameter without a gradient at every sample: tests/conventions/test_torch_conventions.py)
 def test_none_at_some_samples_counts_as_zero_there():
@@ -115,7 +106,7 @@ def _frozen_scenario(be):
     twin = pk.IVONPoCo(twin_model.parameters(), lr=0.05, ess=50.0, backend=be)
     twin.load_state_dict(sd)
     for o, m, idx in ((opt, model, batches[6]), (twin, twin_model, batches[6])):
-        o.step(_closure(o, m, prob, idx))
+        o.step(prob.closure(o, m, idx))
     for x, y in zip(params_of(model), params_of(twin_model)):
         assert torch.equal(x, y)
     return params_of(model)
@@ -159,8 +150,8 @@ def test_ivon_poco_continues_an_ivon_run(be, how):
     a = pk.IVON(ma.parameters(), lr=0.05, ess=100.0, seed=5, backend=be)
     b = pk.IVON(mb.parameters(), lr=0.05, ess=100.0, seed=5, backend=be)
     for t in range(3):
-        a.step(_closure(a, ma, prob, batches[t]))
-        b.step(_closure(b, mb, prob, batches[t]))
+        a.step(prob.closure(a, ma, batches[t]))
+        b.step(prob.closure(b, mb, batches[t]))
     b.param_groups[0]["name"] = "all"
     poco_kw = dict(alpha=0.25, rho1=0.5, rho2=0.125)
     if how == "from_ivon":
@@ -179,13 +170,13 @@ def test_ivon_poco_continues_an_ivon_run(be, how):
     if how != "load_state_dict":
         assert g["name"] == "all"
     for t in range(3, 6):                              # before a refresh: IVON's steps
-        la = a.step(_closure(a, ma, prob, batches[t]))
-        lc = c.step(_closure(c, mb, prob, batches[t]))
+        la = a.step(prob.closure(a, ma, batches[t]))
+        lc = c.step(prob.closure(c, mb, batches[t]))
         assert torch.equal(la, lc), t
     for x, y in zip(params_of(ma), params_of(mb)):
         assert torch.equal(x, y)
-    c.refresh(_closure(c, mb, prob, batches[0]))
-    c.step(_closure(c, mb, prob, batches[6]))
+    c.refresh(prob.closure(c, mb, batches[0]))
+    c.step(prob.closure(c, mb, batches[6]))
     assert c.correction_active() and c.refresh_count == 1
     assert all(torch.isfinite(x).all() for x in mb.parameters())
     with pytest.raises(TypeError, match="IVON's hyperparameters"):
@@ -207,11 +198,11 @@ def test_an_ivon_state_dict_loads_into_ivon_poco_and_pocomo_interload():
     prob = Problem()
     model = mlp()
     ivon = pk.IVON(model.parameters(), lr=0.05, ess=100.0, seed=3, backend="torch")
-    ivon.step(_closure(ivon, model, prob, torch.arange(8)))
+    ivon.step(prob.closure(ivon, model, torch.arange(8)))
     poco = pk.IVONPoCo(model.parameters(), lr=1.0, ess=1.0, alpha=0.3, rho1=0.5,
                        backend="torch")
-    poco.step(_closure(poco, model, prob, torch.arange(8)))
-    poco.refresh(_closure(poco, model, prob, torch.arange(8)))     # g_out nonzero
+    poco.step(prob.closure(poco, model, torch.arange(8)))
+    poco.refresh(prob.closure(poco, model, torch.arange(8)))     # g_out nonzero
     poco.load_state_dict(ivon.state_dict())
     g = poco.param_groups[0]
     assert (g["lr"], g["ess"], g["alpha"], g["rho1"]) == (0.05, 100.0, 0.3, 0.5)
@@ -236,8 +227,8 @@ def test_state_dicts_and_copies_follow_requires_grad_changes(be):
     prob = Problem()
     model = mlp()
     opt = pk.IVONPoCo(model.parameters(), lr=0.05, ess=50.0, seed=2, backend=be)
-    opt.step(_closure(opt, model, prob, torch.arange(8)))
-    opt.refresh(_closure(opt, model, prob, torch.arange(16)))
+    opt.step(prob.closure(opt, model, torch.arange(8)))
+    opt.refresh(prob.closure(opt, model, torch.arange(16)))
     model[2].bias.requires_grad_(False)
     sd = opt.state_dict()
     assert opt.correction_active()
@@ -245,7 +236,7 @@ def test_state_dicts_and_copies_follow_requires_grad_changes(be):
     model[2].bias.requires_grad_(True)
     m2, o2 = copy.deepcopy((model, opt))
     for o, m in ((opt, model), (o2, m2)):
-        o.step(_closure(o, m, prob, torch.arange(8)))
+        o.step(prob.closure(o, m, torch.arange(8)))
     for a, b in zip(params_of(model), params_of(m2)):
         assert torch.equal(a, b)
 
