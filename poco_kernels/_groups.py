@@ -1,7 +1,7 @@
 """Parameter groups: torch.optim's names for some hyperparameters (:class:`ParamGroup`),
-the arguments every optimizer documents, and the groups' life in an optimizer
-(:class:`ParamGroupsMixin`): validation, the flat buckets laid out over them, groups added
-later, and the trainable set following ``requires_grad``."""
+and the groups' life in an optimizer (:class:`ParamGroupsMixin`): validation, the flat
+buckets laid out over them, groups added later, and the trainable set following
+``requires_grad``."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Tuple
@@ -12,43 +12,6 @@ from torch import Tensor
 from . import noise as _noise
 from ._layout import Bucket, build_buckets, expose, padded_copy
 from ._validation import check, check_group_keys
-
-
-#: the arguments every optimizer takes, documented once (``{common_arguments}`` in a class
-#: docstring is replaced by this)
-COMMON_ARGUMENTS = """\
-    * ``seed``: key of the counter-based noise stream, an int in ``[0, 2**63)``.  Default
-      None: drawn from torch's global generator at construction, so ``torch.manual_seed``
-      before building the optimizer fixes the noise and a seed sweep done the usual way
-      varies it; an explicit ``seed`` wins.  The seed is in the state dict (a resumed run
-      continues the same stream).  Ranks that share the seed draw the same posterior
-      sample without communicating: under data parallelism give every rank the same
-      global seed, or pass ``seed`` explicitly.  The stream's definition is
-      ``opt.noise_version`` (2, four normals per Philox call); a state dict records it and
-      loading one sets it, so a run resumed from a checkpoint written before version 2
-      keeps drawing version 1 bit for bit (set ``opt.noise_version = 2`` after loading to
-      move it to the cheaper stream).
-    * ``backend``: ``"auto"`` (default: Triton for CUDA parameters, C++ for CPU ones, the
-      torch backend otherwise), ``"torch"`` (the reference maths op for op, any device and
-      dtype), ``"triton"`` or ``"cpp"`` (fused kernels; a clear error where they cannot
-      run).  See docs/design.md, 'Backends'.
-    * ``check_finite``: raise ``ValueError`` on a non-finite gradient, state unchanged
-      (``True``), or skip such an update on the device and count it in
-      ``skipped_updates`` (``False``).  Default ``None``: True on the torch and C++
-      backends, False on Triton, where the check costs a device-to-host read per update.
-    * ``grad_views``: on the fused backends, each sample hands the trainable parameters a
-      ``.grad`` that is a view of a zeroed flat gradient buffer, so the backward pass
-      accumulates straight into what the kernels read (no copy), and ``zero_grad()``
-      zeroes those buffers in place, keeping the views (default True).  A ``.grad``
-      replaced since (``p.grad = t``, ``zero_grad(set_to_none=True)``, a hook) still works:
-      it is copied in once.  False: ``.grad`` is left to autograd and always copied in.
-    * ``state_dtype``: ``None`` (default: float32 state; float64 for float64 parameters)
-      or ``torch.bfloat16``: the optimizer's low-precision buffers (IVON: the momentum;
-      IVON-PoCo(Mo): also ``g_out``, ``h_out``, ``m_out``, ``sigma_out``) are kept in
-      bfloat16 and written with stochastic rounding (unbiased; bits from a counter-based
-      hash, the same on every backend); the mean and ``h`` stay float32.  See
-      docs/design.md, 'Low-precision state'.
-"""
 
 
 def as_closures(closures) -> List[Callable]:

@@ -13,47 +13,81 @@ ranks that share the seed draw the same sample.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from . import backends as _backends
 from . import noise as _noise
 from .kernels import device_randn
 from ._layout import Bucket
 from ._protocol import COUNTER_STEPS, KIND_OUTER, Pending, SampleSpec
-from ._groups import COMMON_ARGUMENTS, ParamGroupsMixin, _maybe_nonzero, draw_seed
+from ._arguments import DeclaredArguments, argument, option
+from ._groups import ParamGroupsMixin, _maybe_nonzero, draw_seed
 from ._state_dict import StateDictMixin
 from ._validation import check, hyperparameters, strict_keywords
 from ._view import OptimizerView
 from .rules import Rule
 
 
-class BucketedOptimizer(ParamGroupsMixin, StateDictMixin, torch.optim.Optimizer):
+class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
+                        torch.optim.Optimizer):
     """Buckets, backend, noise, counters and state dict.
 
     Subclasses set their algorithm's :class:`~poco_kernels.rules.Rule` (``rule``: buffers,
-    samples, updates, kernel records, flags) and define the hyperparameters
-    (``_validate_group``); every constructor refuses unknown keywords, naming the closest
-    valid one.
+    samples, updates, kernel records, flags), declare their arguments
+    (:mod:`poco_kernels._arguments`: the constructor follows) and validate their
+    hyperparameters (``_validate_group``); every constructor refuses unknown keywords,
+    naming the closest valid one.
     """
 
+    params: ParamsT = argument(doc=(
+        "the parameters to optimise: an iterable of tensors, of ``(name, tensor)`` pairs, "
+        "or of dicts (parameter groups, each with its own hyperparameters)"))
+    seed: Optional[int] = option(default=None, doc="""\
+        key of the counter-based noise stream, an int in ``[0, 2**63)``.  None: drawn from
+        torch's global generator at construction, so ``torch.manual_seed`` before building the
+        optimizer fixes the noise and a seed sweep done the usual way varies it; an explicit
+        ``seed`` wins.  The seed is in the state dict (a resumed run continues the same stream).
+        Ranks that share the seed draw the same posterior sample without communicating: under
+        data parallelism give every rank the same global seed, or pass ``seed`` explicitly.  The
+        stream's definition is ``opt.noise_version`` (2, four normals per Philox call); a state
+        dict records it and loading one sets it, so a run resumed from a checkpoint written
+        before version 2 keeps drawing version 1 bit for bit (set ``opt.noise_version = 2`` after
+        loading to move it to the cheaper stream).""")
+    backend: str = option(default="auto", doc="""\
+        ``"auto"``: Triton for CUDA parameters, C++ for CPU ones, the torch backend otherwise;
+        ``"torch"``: the reference maths op for op, any device and dtype; ``"triton"`` or
+        ``"cpp"``: fused kernels, a clear error where they cannot run.  See docs/design.md,
+        'Backends'.""")
+    check_finite: Optional[bool] = option(default=None, doc="""\
+        raise ``ValueError`` on a non-finite gradient, state unchanged (``True``), or skip such
+        an update on the device and count it in ``skipped_updates`` (``False``).  ``None``: True
+        on the torch and C++ backends, False on Triton, where the check costs a device-to-host
+        read per update.""")
+    grad_views: bool = option(default=True, doc="""\
+        on the fused backends, each sample hands the trainable parameters a ``.grad`` that is a
+        view of a zeroed flat gradient buffer, so the backward pass accumulates straight into
+        what the kernels read (no copy), and ``zero_grad()`` zeroes those buffers in place,
+        keeping the views.  A ``.grad`` replaced since (``p.grad = t``,
+        ``zero_grad(set_to_none=True)``, a hook) still works: it is copied in once.  False:
+        ``.grad`` is left to autograd and always copied in.""")
+
     #: the algorithm, stated once (:mod:`poco_kernels.rules`)
-    rule: Rule
-    _warned_lightning: bool = False   # the one warning of _from_lightning (class default)
+    rule: ClassVar[Rule]
+    _warned_lightning: ClassVar[bool] = False   # the one warning of _from_lightning
     #: other classes whose state dicts this one loads as they are (the same state)
-    _loads_from: Tuple[str, ...] = ()
+    _loads_from: ClassVar[Tuple[str, ...]] = ()
     #: classes whose state dicts this one continues: their state is a subset of this
     #: one's; missing hyperparameters keep this optimizer's values, missing buffers start
     #: at their initial values (IVON -> IVON-PoCo)
-    _continues_from: Tuple[str, ...] = ()
+    _continues_from: ClassVar[Tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         strict_keywords(cls)
-        if cls.__doc__ and "{common_arguments}" in cls.__doc__:
-            cls.__doc__ = cls.__doc__.replace("{common_arguments}", COMMON_ARGUMENTS.strip())
 
     #: the type of the parameter groups (a :class:`ParamGroup` where torch.optim names
     #: some hyperparameters differently)
@@ -70,10 +104,12 @@ class BucketedOptimizer(ParamGroupsMixin, StateDictMixin, torch.optim.Optimizer)
     def param_groups(self, groups: List[Dict[str, Any]]) -> None:
         self._groups = groups
 
-    def __init__(self, params, defaults: Dict[str, Any], *, seed: Optional[int] = None,
-                 backend: str = "auto", check_finite: Optional[bool] = None,
-                 grad_views: bool = True, sample_ahead: bool = False,
-                 state_dtype: Optional[torch.dtype] = None):
+    def _initialise(self, params, defaults: Dict[str, Any], *, seed: Optional[int] = None,
+                    backend: str = "auto", check_finite: Optional[bool] = None,
+                    grad_views: bool = True, sample_ahead: bool = False,
+                    state_dtype: Optional[torch.dtype] = None):
+        """The constructor every generated ``__init__`` calls: ``defaults`` are the
+        per-group hyperparameters, the keywords the options."""
         check(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)
                                and 0 <= seed < 2 ** 63),
               f"seed must be None or an int in [0, 2**63), got {seed!r}")
@@ -135,11 +171,6 @@ class BucketedOptimizer(ParamGroupsMixin, StateDictMixin, torch.optim.Optimizer)
         #: flag is free), False for 'triton'.
         self.check_finite = (self._runner.check_finite_default if check_finite is None
                              else check_finite)
-
-    def _construct(self, *args, **kwargs) -> None:
-        """This class's constructor whatever a subclass's is (``__setstate__`` builds a
-        copy with it)."""
-        BucketedOptimizer.__init__(self, *args, **kwargs)
 
     @property
     def uses_hessian(self) -> bool:

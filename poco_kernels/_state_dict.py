@@ -67,11 +67,11 @@ class StateDictMixin:
         # the hyperparameters only: the state dict brings back every key of the groups
         bare = [{"params": g["params"], **{k: g[k] for k in state["defaults"] if k in g}}
                 for g in groups]
-        self._construct(bare, state["defaults"], seed=state["seed"],
-                        backend=state["backend"], check_finite=state["check_finite"],
-                        grad_views=state.get("grad_views", True),
-                        sample_ahead=state.get("sample_ahead", False),
-                        state_dtype=state.get("state_dtype"))
+        self._initialise(bare, state["defaults"], seed=state["seed"],
+                         backend=state["backend"], check_finite=state["check_finite"],
+                         grad_views=state.get("grad_views", True),
+                         sample_ahead=state.get("sample_ahead", False),
+                         state_dtype=state.get("state_dtype"))
         self._plan_load(state["state_dict"])()
         with torch.no_grad():                   # the parameters as they were (the truth)
             for p, v in zip((p for g in self.param_groups for p in g["params"]), values):

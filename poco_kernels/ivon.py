@@ -9,25 +9,18 @@ With ``alpha = 0``, or before the first :meth:`~IVONPoCo.refresh`, IVON-PoCo is 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from ._arguments import hyperparameter, option
 from ._groups import ParamGroup
 from ._posterior import PosteriorOptimizer
 from ._validation import check, check_range
 from .rules.ivon import IVONPoCoRule, IVONRule, ivon_inner_update, ivon_refresh_update
 
 __all__ = ["IVON", "IVONPoCo", "IVONPoCoMo", "ivon_inner_update", "ivon_refresh_update"]
-
-
-def _ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples, clip_radius,
-                debias, rescale_lr) -> Dict[str, Any]:
-    """IVON's per-group hyperparameters (the defaults of a parameter group)."""
-    return dict(lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
-                weight_decay=weight_decay, mc_samples=mc_samples, clip_radius=clip_radius,
-                debias=debias, rescale_lr=rescale_lr)
 
 
 class IVONGroup(ParamGroup):
@@ -50,48 +43,53 @@ class IVON(PosteriorOptimizer):
     dtypes and devices (state is float32, with a float32 master mean for bf16/fp16
     parameters), and ``debias``/``rescale_lr`` are per group.
 
-    Arguments (all but the last three per parameter group):
-
-    * ``lr``: learning rate (``>= 0``).  Not AdamW's scale: with ``rescale_lr`` the step
-      is ``lr (hess_init + wd) clip(u)``, so IVON's usual lr is 0.1-1 (the paper's GPT-2:
-      0.3); without it, ``lr * clip_radius`` bounds a step.
-    * ``ess``: effective sample size ``lambda`` (``> 0``), about the number of training
-      examples; ``sigma = 1/sqrt(ess (h + wd))``, so a larger ``ess`` is less noise (the
-      paper's GPT-2: 1e10).
-    * ``hess_init``: initial Hessian estimate ``h`` (``> 0``, default 1.0; the paper's
-      GPT-2: 1e-3).  It sets the initial noise and, with ``rescale_lr``, the lr scale.
-    * ``beta1``: momentum of the gradient ``g``, in ``[0, 1)`` (default 0.9).
-    * ``beta2``: momentum of the Hessian ``h``, in ``[0, 1)`` (default 0.99999; below it
-      the Price estimator's noise shows, see docs/logreg-study.md).
-    * ``weight_decay``: ``wd``, the prior precision per example (``>= 0``, default 1e-4).
-    * ``mc_samples``: posterior samples per step, 1-4096 (default 1); ``step(closure)``
-      evaluates the closure at each and averages.
-    * ``clip_radius``: clip of the update direction ``u`` per coordinate (``> 0``, default
-      ``inf``: none; the paper's GPT-2: 1e-3).
-    * ``debias``: divide ``g`` by ``1 - beta1^t`` (default True).
-    * ``rescale_lr``: multiply lr by ``hess_init + wd``, as ivon-opt (default True).
-    * ``sample_ahead``: the step leaves the NEXT step's inner posterior sample in the
-      parameters (computed in the same pass as the update, so no separate sample pass
-      and no restore between iterations; default False).  Between steps the parameters
-      then hold that sample, not the mean: call :meth:`restore` before evaluating at the
-      mean or saving ``model.state_dict()`` (the optimizer's state dict always has the
-      mean).  False: the step writes the mean into the parameters.
-    {common_arguments}
+    {arguments}
     """
 
     rule = IVONRule()
     _group_type = IVONGroup
 
-    def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
-                 beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
-                 clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True,
-                 *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None, grad_views: bool = True,
-                 sample_ahead: bool = False, state_dtype: Optional[torch.dtype] = None):
-        super().__init__(params, _ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay,
-                                             mc_samples, clip_radius, debias, rescale_lr),
-                         seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views,
-                         sample_ahead=sample_ahead, state_dtype=state_dtype)
+    lr: float = hyperparameter(doc="""\
+        learning rate (``>= 0``).  Not AdamW's scale: with ``rescale_lr`` the step is
+        ``lr (hess_init + wd) clip(u)``, so IVON's usual lr is 0.1-1 (the paper's GPT-2:
+        0.3); without it, ``lr * clip_radius`` bounds a step.""")
+    ess: float = hyperparameter(doc="""\
+        effective sample size ``lambda`` (``> 0``), about the number of training examples;
+        ``sigma = 1/sqrt(ess (h + wd))``, so a larger ``ess`` is less noise (the paper's
+        GPT-2: 1e10).""")
+    hess_init: float = hyperparameter(default=1.0, doc="""\
+        initial Hessian estimate ``h`` (``> 0``; the paper's GPT-2: 1e-3).  It sets the
+        initial noise and, with ``rescale_lr``, the lr scale.""")
+    beta1: float = hyperparameter(default=0.9, doc="""\
+        momentum of the gradient ``g``, in ``[0, 1)``.""")
+    beta2: float = hyperparameter(default=0.99999, doc="""\
+        momentum of the Hessian ``h``, in ``[0, 1)`` (below the default the Price
+        estimator's noise shows, see docs/logreg-study.md).""")
+    weight_decay: float = hyperparameter(default=1e-4, doc="""\
+        ``wd``, the prior precision per example (``>= 0``).""")
+    mc_samples: int = hyperparameter(default=1, doc="""\
+        posterior samples per step, 1-4096; ``step(closure)`` evaluates the closure at
+        each and averages.""")
+    clip_radius: float = hyperparameter(default=float("inf"), doc="""\
+        clip of the update direction ``u`` per coordinate (``> 0``; ``inf``: none; the
+        paper's GPT-2: 1e-3).""")
+    debias: bool = hyperparameter(default=True, doc="divide ``g`` by ``1 - beta1^t``.")
+    rescale_lr: bool = hyperparameter(default=True, doc="""\
+        multiply lr by ``hess_init + wd``, as ivon-opt.""")
+    sample_ahead: bool = option(default=False, doc="""\
+        the step leaves the NEXT step's inner posterior sample in the parameters (computed
+        in the same pass as the update, so no separate sample pass and no restore between
+        iterations).  Between steps the parameters then hold that sample, not the mean:
+        call :meth:`restore` before evaluating at the mean or saving
+        ``model.state_dict()`` (the optimizer's state dict always has the mean).  False:
+        the step writes the mean into the parameters.""")
+    state_dtype: Optional[torch.dtype] = option(default=None, doc="""\
+        ``None`` (float32 state; float64 for float64 parameters) or ``torch.bfloat16``:
+        the optimizer's low-precision buffers (IVON: the momentum; IVON-PoCo(Mo): also
+        ``g_out``, ``h_out``, ``m_out``, ``sigma_out``) are kept in bfloat16 and written
+        with stochastic rounding (unbiased; bits from a counter-based hash, the same on
+        every backend); the mean and ``h`` stay float32.  See docs/design.md,
+        'Low-precision state'.""")
 
     def _validate_group(self, group):
         check_range(group, "lr", lo=0.0, tensor=True)
@@ -138,52 +136,40 @@ class IVONPoCo(IVON):
     of ``g_out`` from O(sigma) to O(sigma^2); ``hess_floor=c`` clamps the corrected Hessian
     estimate at ``-c (h + wd)`` (c = 0 for beta2 below 0.99999).
 
-    Arguments: IVON's (``lr``, ``ess``, ``hess_init``, ``beta1``, ``beta2``,
-    ``weight_decay``, ``mc_samples``, ``clip_radius``, ``debias``, ``rescale_lr``: see
-    :class:`IVON`), and per group:
-
-    * ``alpha``: correction weight in ``[0, 1]`` (default 1.0; 0 is IVON; the paper's
-      continual runs: 0.7, and its ablation favours a schedule rising from 0.2 to 0.8).
-    * ``rho1``, ``rho2``: outer momentum of ``g_out`` and ``h_out`` in ``[0, 1)``
-      (default 0: IVON-PoCo; nonzero: IVON-PoCoMo, the paper's GPT-2: 0.6 and 0.1).
-    * ``hess_corr_scale``: ``c``, scale of the Hessian-correction term (``>= 0``, default
-      0.01, the paper's Sec. 5.1 down-weighting).
-    * ``outer_noise``: ``"shared"`` (default) or ``"independent"``, above.
-    * ``refresh_samples``: posterior samples per refresh, 1-4096 (default 1).
-    * ``refresh_antithetic``: draw the refresh samples as mirrored pairs (default False;
-      needs an even ``refresh_samples``).
-    * ``hess_floor``: ``None`` (default, no floor) or ``c >= 0``.
-    * ``sample_ahead``: as :class:`IVON` (default False).
-    {common_arguments}
+    {arguments}
     """
 
     rule = IVONPoCoRule()
     _loads_from = ("IVONPoCoMo",)
     _continues_from = ("IVON",)
 
-    def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
-                 beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
-                 clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True,
-                 alpha: float = 1.0, rho1: float = 0.0, rho2: float = 0.0,
-                 hess_corr_scale: float = 0.01, outer_noise: str = "shared",
-                 refresh_samples: int = 1, refresh_antithetic: bool = False,
-                 hess_floor: Optional[float] = None,
-                 *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None, grad_views: bool = True,
-                 sample_ahead: bool = False, state_dtype: Optional[torch.dtype] = None):
-        defaults = dict(_ivon_group(lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
-                                    clip_radius, debias, rescale_lr),
-                        alpha=alpha, rho1=rho1, rho2=rho2, hess_corr_scale=hess_corr_scale,
-                        outer_noise=outer_noise, refresh_samples=refresh_samples,
-                        refresh_antithetic=refresh_antithetic, hess_floor=hess_floor)
-        PosteriorOptimizer.__init__(self, params, defaults, seed=seed, backend=backend,
-                                    check_finite=check_finite, grad_views=grad_views,
-                                    sample_ahead=sample_ahead, state_dtype=state_dtype)
+    alpha: float = hyperparameter(default=1.0, doc="""\
+        correction weight in ``[0, 1]`` (0 is IVON; the paper's continual runs: 0.7, and
+        its ablation favours a schedule rising from 0.2 to 0.8).""")
+    rho1: float = hyperparameter(default=0.0, doc="""\
+        outer momentum of ``g_out``, in ``[0, 1)``, weighting the old estimate (0: no
+        outer momentum, IVON-PoCo; nonzero: IVON-PoCoMo, the paper's GPT-2: 0.6).""")
+    rho2: float = hyperparameter(default=0.0, doc="""\
+        outer momentum of ``h_out``, in ``[0, 1)``, as ``rho1`` (the paper's GPT-2:
+        0.1).""")
+    hess_corr_scale: float = hyperparameter(default=0.01, doc="""\
+        ``c``, scale of the Hessian-correction term (``>= 0``; the default is the paper's
+        Sec. 5.1 down-weighting).""")
+    outer_noise: str = hyperparameter(default="shared", doc="""\
+        ``"shared"`` or ``"independent"``, above.""")
+    refresh_samples: int = hyperparameter(default=1, doc="""\
+        posterior samples per refresh, 1-4096.""")
+    refresh_antithetic: bool = hyperparameter(default=False, doc="""\
+        draw the refresh samples as mirrored pairs (needs an even ``refresh_samples``).""")
+    hess_floor: Optional[float] = hyperparameter(default=None, doc="""\
+        ``None`` (no floor) or ``c >= 0``, above.""")
 
-    #: the keywords :meth:`from_ivon` takes (IVON's hyperparameters come from the IVON run)
-    _POCO_KEYS = ("alpha", "rho1", "rho2", "hess_corr_scale", "outer_noise", "refresh_samples",
-                  "refresh_antithetic", "hess_floor", "seed", "backend", "check_finite",
-                  "grad_views", "sample_ahead", "state_dtype")
+    @classmethod
+    def _continuation_keywords(cls) -> Tuple[str, ...]:
+        """The keywords :meth:`from_ivon` takes (IVON's hyperparameters come from the IVON
+        run): this class's own hyperparameters and the options."""
+        return tuple(k for k, a in cls._arguments.items()
+                     if a.kind == "option" or k not in IVON._arguments)
 
     @classmethod
     def from_ivon(cls, ivon: IVON, **kwargs) -> "IVONPoCo":
@@ -202,12 +188,12 @@ class IVONPoCo(IVON):
         optimizer (its correction hyperparameters are kept)."""
         if not isinstance(ivon, IVON):
             raise TypeError(f"from_ivon() takes an IVON optimizer, got {type(ivon).__name__}")
-        bad = [k for k in kwargs if k not in cls._POCO_KEYS]
+        valid = cls._continuation_keywords()
+        bad = [k for k in kwargs if k not in valid]
         if bad:
             raise TypeError(f"from_ivon() got {', '.join(map(repr, bad))}: IVON's "
                             "hyperparameters come from the IVON optimizer (change "
-                            "param_groups afterwards); it takes "
-                            f"{', '.join(cls._POCO_KEYS)}")
+                            f"param_groups afterwards); it takes {', '.join(valid)}")
         kwargs.setdefault("seed", ivon.seed)
         kwargs.setdefault("backend", ivon._requested[0])
         kwargs.setdefault("check_finite", ivon.check_finite)
@@ -221,9 +207,8 @@ class IVONPoCo(IVON):
         groups = [{k: (v.detach().clone() if isinstance(v, Tensor) else v)
                    for k, v in g.items()} for g in ivon.param_groups]
         d = ivon.defaults
-        opt = cls(groups, d["lr"], d["ess"], d["hess_init"], d["beta1"], d["beta2"],
-                  d["weight_decay"], d["mc_samples"], d["clip_radius"], d["debias"],
-                  d["rescale_lr"], **kwargs)
+        opt = cls(groups, **{k: d[k] for k, a in IVON._arguments.items()
+                             if a.kind == "hyperparameter"}, **kwargs)
         opt.load_state_dict(sd)
         for g in opt.param_groups:          # (an IVONPoCo's own values give way to kwargs)
             g.update({k: v for k, v in kwargs.items() if k in opt.defaults})
@@ -262,26 +247,10 @@ class IVONPoCoMo(IVONPoCo):
     default, is :class:`IVONPoCo`'s.  Its state dicts load into ``IVONPoCo`` and back, and
     it continues an IVON run (:meth:`~IVONPoCo.from_ivon`).
 
-    Arguments, as :class:`IVONPoCo`: ``lr``, ``ess``, ``hess_init``, ``beta1``, ``beta2``,
-    ``weight_decay``, ``mc_samples``, ``clip_radius``, ``debias``, ``rescale_lr``,
-    ``alpha``, ``rho1`` (default 0.6), ``rho2`` (default 0.1), ``hess_corr_scale``,
-    ``outer_noise``, ``refresh_samples``, ``refresh_antithetic``, ``hess_floor``, ``seed``,
-    ``backend``, ``check_finite``, ``grad_views``, ``sample_ahead``, ``state_dtype``."""
+    {arguments}
+    """
 
     _loads_from = ("IVONPoCo",)
 
-    def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
-                 beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
-                 clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True,
-                 alpha: float = 1.0, rho1: float = 0.6, rho2: float = 0.1,
-                 hess_corr_scale: float = 0.01, outer_noise: str = "shared",
-                 refresh_samples: int = 1, refresh_antithetic: bool = False,
-                 hess_floor: Optional[float] = None,
-                 *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None, grad_views: bool = True,
-                 sample_ahead: bool = False, state_dtype: Optional[torch.dtype] = None):
-        super().__init__(params, lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples,
-                         clip_radius, debias, rescale_lr, alpha, rho1, rho2, hess_corr_scale,
-                         outer_noise, refresh_samples, refresh_antithetic, hess_floor,
-                         seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views,
-                         sample_ahead=sample_ahead, state_dtype=state_dtype)
+    rho1: float = 0.6
+    rho2: float = 0.1

@@ -13,8 +13,9 @@
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Tuple
 
+from ._arguments import hyperparameter
 from ._posterior import PosteriorOptimizer
 from ._validation import check, check_range
 from .rules.svrg import (AdamWRule, SGDRule, VSGDRule, svrg_adamw_inner_update,
@@ -24,10 +25,20 @@ __all__ = ["SVRG", "SVRGAdamW", "VSGDPoCo", "svrg_inner_update", "svrg_adamw_inn
            "svrg_refresh_update"]
 
 
+#: the documentation of SGD's hyperparameters, shared by SVRG and VSGD-PoCo (whose signature
+#: puts ``sigma`` second, so it cannot inherit SVRG's; tests check the two agree)
+_SGD_DOC = dict(
+    lr="learning rate (``>= 0``).",
+    alpha="correction weight in ``[0, 1]`` (1: SVRG; below 1: alpha-SVRG; 0: SGD).",
+    momentum="heavy-ball momentum (``>= 0``).",
+    dampening="dampening of the momentum (``>= 0``).",
+    weight_decay="L2 penalty added to the gradient (``>= 0``).",
+    nesterov="Nesterov momentum (needs momentum > 0 and zero dampening).")
+
+
 class _SVRGBase(PosteriorOptimizer):
     """Outer loop shared by the first-order family: ``g_out`` (mean mega-batch gradient)
     and ``theta_out`` (the point it was taken at)."""
-
 
     def _validate_group(self, group):
         check_range(group, "lr", lo=0.0, tensor=True)
@@ -35,32 +46,9 @@ class _SVRGBase(PosteriorOptimizer):
         check_range(group, "weight_decay", lo=0.0)
 
 
-class SVRG(_SVRGBase):
-    """SVRG and alpha-SVRG over SGD (Alg. 1): ``torch.optim.SGD``'s update of the corrected
-    gradient ``g_B(m) - alpha (g_B(theta_out) - g_out)``.
-
-    Arguments (all but the last three per parameter group), as ``torch.optim.SGD`` plus
-    ``alpha``:
-
-    * ``lr``: learning rate (``>= 0``, default 1e-3).
-    * ``alpha``: correction weight in ``[0, 1]`` (default 1.0: SVRG; below 1: alpha-SVRG;
-      0: SGD).
-    * ``momentum``: heavy-ball momentum (``>= 0``, default 0).
-    * ``dampening``: dampening of the momentum (``>= 0``, default 0).
-    * ``weight_decay``: L2 penalty added to the gradient (``>= 0``, default 0).
-    * ``nesterov``: Nesterov momentum (needs momentum > 0 and zero dampening).
-    {common_arguments}
-    """
-
-    rule = SGDRule()
-
-    def __init__(self, params, lr: float = 1e-3, alpha: float = 1.0, momentum: float = 0.0,
-                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-                 *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None, grad_views: bool = True):
-        defaults = dict(lr=lr, alpha=alpha, momentum=momentum, dampening=dampening,
-                        weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views)
+class _SGDUpdate(_SVRGBase):
+    """``torch.optim.SGD``'s update of the corrected gradient: its hyperparameters'
+    checks."""
 
     def _validate_group(self, group):
         super()._validate_group(group)
@@ -72,30 +60,43 @@ class SVRG(_SVRGBase):
                    "Nesterov momentum requires a momentum and zero dampening")
 
 
-class VSGDPoCo(SVRG):
+class SVRG(_SGDUpdate):
+    """SVRG and alpha-SVRG over SGD (Alg. 1): ``torch.optim.SGD``'s update of the corrected
+    gradient ``g_B(m) - alpha (g_B(theta_out) - g_out)``.  Hyperparameters as
+    ``torch.optim.SGD``'s, plus ``alpha``.
+
+    {arguments}
+    """
+
+    rule = SGDRule()
+
+    lr: float = hyperparameter(default=1e-3, doc=_SGD_DOC["lr"])
+    alpha: float = hyperparameter(default=1.0, doc=_SGD_DOC["alpha"])
+    momentum: float = hyperparameter(default=0.0, doc=_SGD_DOC["momentum"])
+    dampening: float = hyperparameter(default=0.0, doc=_SGD_DOC["dampening"])
+    weight_decay: float = hyperparameter(default=0.0, doc=_SGD_DOC["weight_decay"])
+    nesterov: bool = hyperparameter(default=False, doc=_SGD_DOC["nesterov"])
+
+
+class VSGDPoCo(_SGDUpdate):
     """Variational SGD with posterior correction (Alg. 2): SVRG on the mean of an isotropic
     Gaussian ``N(m, sigma^2 I)``.  ``sigma = 0`` is SVRG exactly (Thm. 2).
 
-    Arguments: :class:`SVRG`'s (``lr``, ``alpha``, ``momentum``, ``dampening``,
-    ``weight_decay``, ``nesterov``), and per group:
-
-    * ``sigma``: standard deviation of the posterior (``>= 0``, default 1e-3).  The inner
-      sample ``m + sigma eps`` is drawn at every step, the refresh sample once per refresh.
-    * ``mc_samples``: inner samples per step, 1-4096 (default 1).
-    {common_arguments}
+    {arguments}
     """
 
     rule = VSGDRule()
 
-    def __init__(self, params, lr: float = 1e-3, sigma: float = 1e-3, alpha: float = 1.0,
-                 momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
-                 nesterov: bool = False, mc_samples: int = 1, *, seed: Optional[int] = None,
-                 backend: str = "auto", check_finite: Optional[bool] = None, grad_views: bool = True):
-        defaults = dict(lr=lr, alpha=alpha, momentum=momentum, dampening=dampening,
-                        weight_decay=weight_decay, nesterov=nesterov, sigma=sigma,
-                        mc_samples=mc_samples)
-        PosteriorOptimizer.__init__(self, params, defaults, seed=seed, backend=backend,
-                                    check_finite=check_finite, grad_views=grad_views)
+    lr: float = hyperparameter(default=1e-3, doc=_SGD_DOC["lr"])
+    sigma: float = hyperparameter(default=1e-3, doc="""\
+        standard deviation of the posterior (``>= 0``).  The inner sample
+        ``m + sigma eps`` is drawn at every step, the refresh sample once per refresh.""")
+    alpha: float = hyperparameter(default=1.0, doc=_SGD_DOC["alpha"])
+    momentum: float = hyperparameter(default=0.0, doc=_SGD_DOC["momentum"])
+    dampening: float = hyperparameter(default=0.0, doc=_SGD_DOC["dampening"])
+    weight_decay: float = hyperparameter(default=0.0, doc=_SGD_DOC["weight_decay"])
+    nesterov: bool = hyperparameter(default=False, doc=_SGD_DOC["nesterov"])
+    mc_samples: int = hyperparameter(default=1, doc="inner samples per step, 1-4096.")
 
     def _validate_group(self, group):
         super()._validate_group(group)
@@ -107,24 +108,19 @@ class SVRGAdamW(_SVRGBase):
     """alpha-SVRG over AdamW: the corrected gradient fed to ``torch.optim.AdamW``'s update,
     op for op (hyperparameters and defaults as ``torch.optim.AdamW``).
 
-    Arguments (all but the last three per parameter group):
-
-    * ``lr``: learning rate (``>= 0``, default 1e-3).
-    * ``betas``: AdamW's ``(beta1, beta2)``, each in ``[0, 1)`` (default (0.9, 0.999)).
-    * ``eps``: added to the denominator (``>= 0``, default 1e-8).
-    * ``weight_decay``: decoupled weight decay (``>= 0``, default 1e-2).
-    * ``alpha``: correction weight in ``[0, 1]`` (default 1.0; 0 is AdamW).
-    {common_arguments}
+    {arguments}
     """
 
     rule = AdamWRule()
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, alpha: float = 1.0, *, seed: Optional[int] = None,
-                 backend: str = "auto", check_finite: Optional[bool] = None, grad_views: bool = True):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        alpha=alpha)
-        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views)
+    lr: float = hyperparameter(default=1e-3, doc=_SGD_DOC["lr"])
+    betas: Tuple[float, float] = hyperparameter(default=(0.9, 0.999), convert=tuple, doc="""\
+        AdamW's ``(beta1, beta2)``, each in ``[0, 1)``.""")
+    eps: float = hyperparameter(default=1e-8, doc="added to the denominator (``>= 0``).")
+    weight_decay: float = hyperparameter(default=1e-2, doc="""\
+        decoupled weight decay (``>= 0``).""")
+    alpha: float = hyperparameter(default=1.0, doc="""\
+        correction weight in ``[0, 1]`` (0 is AdamW).""")
 
     def _validate_group(self, group):
         super()._validate_group(group)

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import reference as R
+from ._arguments import hyperparameter
 from ._layout import Bucket
 from ._groups import as_closures
 from ._optimizer import BucketedOptimizer
@@ -86,53 +87,18 @@ class VONPoCo(BucketedOptimizer):
     Newton-SVRG; with ``precision_update="paper"``, ``lr = beta = alpha = 1`` and full
     batches it is Newton's method.
 
-    Hyperparameters (per group):
-
-    * ``lr``: the paper's ``alpha`` of Alg. 4, step size of the mean (``>= 0``).
-    * ``beta``: rate of the precision update, in ``(0, 1]``.
-    * ``ess``: ``N``, the number of examples (``> 0``); losses are means.
-    * ``alpha``: correction weight in ``[0, 1]`` (1 = exact PoCo, 0 = VON).
-    * ``prior_precision``: ``S`` starts at ``ess * prior_precision * I``, i.e. the initial
-      guess of the per-example (mean-loss) Hessian, as IVON's ``hess_init``.  It does NOT
-      add a regulariser: as in the paper, the prior ``l_0 / N`` belongs in the loss.  If the
-      mean loss holds ``0.5 * delta * |theta|^2``, ``prior_precision = delta`` starts ``q``
-      at the prior's precision (and ``min_eig = delta`` is then the natural floor: the
-      true Hessian of such a loss is ``>= delta``).
-    * ``precision_update``: how ``S`` is kept positive definite.  The corrected ``H_in``
-      is indefinite in general, even for convex losses (it is a difference of Hessians).
-
-      - ``"blr"`` (default): the positivity-preserving Bayesian-learning-rule update
-        (Lin, Schmidt & Khan 2020; the matrix form of IVON's ``h`` update), i.e. the paper's
-        update plus ``0.5 beta^2 D S^-1 D`` (:func:`poco_kernels.reference.blr_precision_term`): positive definite
-        for any ``H_in``, ``S`` can at most halve per step, then the ``min_eig`` floor.
-        Same fixed points as the paper's update and the same to first order in ``beta``.
-      - ``"paper"``: Alg. 4 line 11 exactly, then every eigenvalue below the floor is
-        raised to it (:func:`~poco_kernels.reference.make_spd`, the Frobenius-nearest such
-        matrix).  A clamped direction gets curvature ``ess * min_eig``, so the mean
-        update along it is ``1 / min_eig`` times the gradient: on mini-batches this
-        often diverges (measured in tests/protocol/test_von_poco.py: breast-cancer logistic
-        regression, batch 10-32, the ``H_oi (m - m_out)`` term feeding back far from
-        ``m_out``).
-
-    * ``min_eig``: floor, per-example units: after every update all eigenvalues of ``S``
-      are at least ``ess * min_eig``.  Must be in ``(0, prior_precision]``.  In float32
-      keep ``max eig(S) / (ess * min_eig)`` well below ``1e6``: a step whose ``S`` is not
-      Cholesky-factorisable is refused (FloatingPointError, state unchanged).
-    * ``noise_scale``: multiplies the sampling noise (``>= 0``; 0 = no sampling).
-    * ``rho1``, ``rho2``: outer momentum of ``g_out`` and ``H_out`` in ``[0, 1)``.
-
     Several parameter groups, devices or dtypes give several buckets; ``S`` is then
     block-diagonal (one block per bucket, cross-bucket Hessian blocks are ignored).
     Parameters must be float32 or float64 and require grad; a bucket may hold at most
-    ``MAX_DIM`` scalars.  No AMP (``grad_scale``/``found_inf``) and no ``mc_samples``.
+    ``MAX_DIM`` scalars.  No AMP (``grad_scale``/``found_inf``) and no ``mc_samples``;
+    ``backend`` can only be the torch backend, and ``check_finite`` is always on.
 
     Steps and refreshes are transactions: every closure is evaluated and every new buffer
     computed and checked (finite losses, gradients, Hessians, results; ``S`` Cholesky-
     factorisable) before anything is committed; on an error the state and the parameters
     are as before.
 
-    Also (``backend`` can only be the torch backend here; ``check_finite`` is always on):
-    {common_arguments}
+    {arguments}
     """
 
     rule = VONPoCoRule()
@@ -140,16 +106,45 @@ class VONPoCo(BucketedOptimizer):
     #: try one batched (vmap) backward for all Hessian rows before falling back to a loop
     batched_hessian = True
 
-    def __init__(self, params, ess: float, lr: float = 0.1, beta: float = 0.1,
-                 alpha: float = 1.0, prior_precision: float = 1.0, min_eig: float = 1e-4,
-                 noise_scale: float = 1.0, rho1: float = 0.0, rho2: float = 0.0,
-                 precision_update: str = "blr", *, seed: Optional[int] = None, backend: str = "auto",
-                 check_finite: Optional[bool] = None, grad_views: bool = True):
-        defaults = dict(lr=lr, beta=beta, ess=ess, alpha=alpha,
-                        prior_precision=prior_precision, min_eig=min_eig,
-                        noise_scale=noise_scale, rho1=rho1, rho2=rho2,
-                        precision_update=precision_update)
-        super().__init__(params, defaults, seed=seed, backend=backend, check_finite=check_finite, grad_views=grad_views)
+    ess: float = hyperparameter(doc="``N``, the number of examples (``> 0``); losses are means.")
+    lr: float = hyperparameter(default=0.1, doc="""\
+        the paper's ``alpha`` of Alg. 4, step size of the mean (``>= 0``).""")
+    beta: float = hyperparameter(default=0.1, doc="rate of the precision update, in ``(0, 1]``.")
+    alpha: float = hyperparameter(default=1.0, doc="""\
+        correction weight in ``[0, 1]`` (1 = exact PoCo, 0 = VON).""")
+    prior_precision: float = hyperparameter(default=1.0, doc="""\
+        ``S`` starts at ``ess * prior_precision * I``, i.e. the initial guess of the
+        per-example (mean-loss) Hessian, as IVON's ``hess_init``.  It does NOT add a
+        regulariser: as in the paper, the prior ``l_0 / N`` belongs in the loss.  If the
+        mean loss holds ``0.5 * delta * |theta|^2``, ``prior_precision = delta`` starts
+        ``q`` at the prior's precision (and ``min_eig = delta`` is then the natural floor:
+        the true Hessian of such a loss is ``>= delta``).""")
+    min_eig: float = hyperparameter(default=1e-4, doc="""\
+        floor, per-example units: after every update all eigenvalues of ``S`` are at least
+        ``ess * min_eig``.  Must be in ``(0, prior_precision]``.  In float32 keep
+        ``max eig(S) / (ess * min_eig)`` well below ``1e6``: a step whose ``S`` is not
+        Cholesky-factorisable is refused (FloatingPointError, state unchanged).""")
+    noise_scale: float = hyperparameter(default=1.0, doc="""\
+        multiplies the sampling noise (``>= 0``; 0 = no sampling).""")
+    rho1: float = hyperparameter(default=0.0, doc="outer momentum of ``g_out``, in ``[0, 1)``.")
+    rho2: float = hyperparameter(default=0.0, doc="outer momentum of ``H_out``, in ``[0, 1)``.")
+    precision_update: str = hyperparameter(default="blr", doc="""\
+        how ``S`` is kept positive definite.  The corrected ``H_in`` is indefinite in
+        general, even for convex losses (it is a difference of Hessians).
+
+        - ``"blr"``: the positivity-preserving Bayesian-learning-rule update (Lin, Schmidt
+          & Khan 2020; the matrix form of IVON's ``h`` update), i.e. the paper's update
+          plus ``0.5 beta^2 D S^-1 D``
+          (:func:`poco_kernels.reference.blr_precision_term`): positive definite for any
+          ``H_in``, ``S`` can at most halve per step, then the ``min_eig`` floor.  Same
+          fixed points as the paper's update and the same to first order in ``beta``.
+        - ``"paper"``: Alg. 4 line 11 exactly, then every eigenvalue below the floor is
+          raised to it (:func:`~poco_kernels.reference.make_spd`, the Frobenius-nearest
+          such matrix).  A clamped direction gets curvature ``ess * min_eig``, so the mean
+          update along it is ``1 / min_eig`` times the gradient: on mini-batches this often
+          diverges (measured in tests/protocol/test_von_poco.py: breast-cancer logistic
+          regression, batch 10-32, the ``H_oi (m - m_out)`` term feeding back far from
+          ``m_out``).""")
 
     # ------------------------------------------------------------------ construction
     def _validate_group(self, group):
