@@ -200,7 +200,7 @@ struct StepTile {
   alignas(64) float sigma_out[kTile];
   alignas(64) float eps_next[kTile];    // the next inner sample's noise (next_sample)
   alignas(64) float ge_in[kTile];
-  alignas(64) float ge_o[kTile];
+  alignas(64) float ge_at_out[kTile];
 };
 
 POCO_INLINE void scaled_copy(float* __restrict dst, const float* __restrict src, float s,
@@ -228,7 +228,7 @@ struct StepPrefetch {
     pf_w(a.s2 + i);
     pf_w((const PT*)a.param + i);
     pf_r(a.g_in + i);
-    if (a.corr) pf_r(a.g_o + i);
+    if (a.corr) pf_r(a.g_at_out + i);
     if (a.low) {       // bfloat16 buffers (state_dtype)
       pf_w((const uint16_t*)a.s1 + i);
       if (a.corr) {
@@ -260,12 +260,12 @@ POCO_INLINE void step_prelude(const StepArgs& a, const PhiloxKey& key, int64_t i
     ge_product(st.ge_in, a.g_in + i0, a.scale_in, st.eps, 1.0f, len);
   }
   if (!a.corr) return;
-  if (a.ge_o_sum) {
-    scaled_copy(st.ge_o, a.ge_o + i0, a.scale_o, len);
+  if (a.ge_at_out_sum) {
+    scaled_copy(st.ge_at_out, a.ge_at_out + i0, a.scale_at_out, len);
   } else {
     if (!a.shared_noise)      // (shared: the inner draw's eps, still in st.eps)
-      noise_tile(st.eps, len, a.base + (uint64_t)i0, key, a.counter, a.stream_o, 1.0f);
-    ge_product(st.ge_o, a.g_o + i0, a.scale_o, st.eps, a.sign_o, len);
+      noise_tile(st.eps, len, a.base + (uint64_t)i0, key, a.counter, a.stream_at_out, 1.0f);
+    ge_product(st.ge_at_out, a.g_at_out + i0, a.scale_at_out, st.eps, a.sign_at_out, len);
   }
 }
 
@@ -281,7 +281,8 @@ void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
   const float alpha = a.alpha, lr = a.lr, beta1 = a.beta1, one_m_beta1 = a.one_m_beta1;
   const float beta2 = a.beta2, one_m_beta2 = a.one_m_beta2, half_sq = a.half_sq_one_m_beta2;
   const float wd = a.wd, ess = a.ess, hca = a.hess_corr_alpha, neg_floor = a.neg_floor;
-  const float clip = a.clip, inv_bias1 = a.inv_bias1, scale_in = a.scale_in, scale_o = a.scale_o;
+  const float clip = a.clip, inv_bias1 = a.inv_bias1, scale_in = a.scale_in;
+  const float scale_at_out = a.scale_at_out;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t i0 = t * kTile, len = tile_len(t, a.n);
     step_prelude<PT>(a, key, i0, len, st);
@@ -302,13 +303,13 @@ void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
     float* __restrict gm = LOW ? st.s1 : a.s1 + i0;
     float* __restrict hh = a.s2 + i0;
     const float* __restrict g_in_p = a.g_in + i0;
-    const float* __restrict g_o_p = a.g_o + i0;
+    const float* __restrict g_at_out_p = a.g_at_out + i0;
     const float* __restrict g_out = LOW ? st.g_out : a.g_out + i0;
     const float* __restrict h_out = LOW ? st.h_out : a.h_out + i0;
     const float* __restrict m_out = LOW ? st.m_out : a.m_out + i0;
     const float* __restrict sigma_out = LOW ? st.sigma_out : a.sigma_out + i0;
     const float* __restrict ge_in_t = st.ge_in;
-    const float* __restrict ge_o_t = st.ge_o;
+    const float* __restrict ge_at_out_t = st.ge_at_out;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) {
       const float m = mean[j];
@@ -319,13 +320,13 @@ void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
       float hhat = ge_in_t[j] * inv_sigma;
       float extra = 0.0f;
       if (CORR) {
-        const float g_o = g_o_p[j] * scale_o;
-        ghat = g_in - alpha * (g_o - g_out[j]);
-        const float h_o = ge_o_t[j] / sigma_out[j];
-        hhat = hhat - alpha * (h_o - h_out[j]);
+        const float g_at_out = g_at_out_p[j] * scale_at_out;
+        ghat = g_in - alpha * (g_at_out - g_out[j]);
+        const float h_at_out = ge_at_out_t[j] / sigma_out[j];
+        hhat = hhat - alpha * (h_at_out - h_out[j]);
         const float fl = neg_floor * (h + wd);     // -inf without a floor: a no-op
         hhat = hhat < fl ? fl : hhat;
-        if (HC) extra = hca * (h_out[j] - h_o) * (m - m_out[j]);
+        if (HC) extra = hca * (h_out[j] - h_at_out) * (m - m_out[j]);
       }
       const float g_new = beta1 * g + one_m_beta1 * ghat;
       const float d = h - hhat;
@@ -355,7 +356,7 @@ void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
 template <typename PT, bool CORR, bool MOM>
 void step_sgd(const StepArgs& a, int64_t t0, int64_t t1) {
   const float alpha = a.alpha, lr = a.lr, wd = a.wd, momentum = a.momentum;
-  const float one_m_damp = a.one_m_dampening, scale_in = a.scale_in, scale_o = a.scale_o;
+  const float one_m_damp = a.one_m_dampening, scale_in = a.scale_in, scale_at_out = a.scale_at_out;
   const bool first = a.mom_first, nesterov = a.nesterov;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t i0 = t * kTile, len = tile_len(t, a.n);
@@ -363,13 +364,13 @@ void step_sgd(const StepArgs& a, int64_t t0, int64_t t1) {
     PT* __restrict param = (PT*)a.param + i0;
     float* __restrict buf = a.s1 + i0;
     const float* __restrict g_in_p = a.g_in + i0;
-    const float* __restrict g_o_p = a.g_o + i0;
+    const float* __restrict g_at_out_p = a.g_at_out + i0;
     const float* __restrict g_out = a.g_out + i0;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) {
       const float m = mean[j];
       const float g_in = g_in_p[j] * scale_in;
-      const float ghat = CORR ? g_in - alpha * (g_o_p[j] * scale_o - g_out[j]) : g_in;
+      const float ghat = CORR ? g_in - alpha * (g_at_out_p[j] * scale_at_out - g_out[j]) : g_in;
       float d_p = ghat + wd * m;
       if (MOM) {
         const float b = first ? d_p : momentum * buf[j] + one_m_damp * d_p;
@@ -388,7 +389,8 @@ template <typename PT, bool CORR>
 void step_adamw(const StepArgs& a, int64_t t0, int64_t t1) {
   const float alpha = a.alpha, beta2 = a.beta2, one_m_beta1 = a.one_m_beta1;
   const float one_m_beta2 = a.one_m_beta2, decay = a.decay, step_size = a.step_size;
-  const float bias2_sqrt = a.bias2_sqrt, eps = a.eps, scale_in = a.scale_in, scale_o = a.scale_o;
+  const float bias2_sqrt = a.bias2_sqrt, eps = a.eps, scale_in = a.scale_in;
+  const float scale_at_out = a.scale_at_out;
   const bool lerp_low = one_m_beta1 < 0.5f;          // torch.lerp's two formulas
   const float one_m_w = 1.0f - one_m_beta1;
   for (int64_t t = t0; t < t1; ++t) {
@@ -398,13 +400,13 @@ void step_adamw(const StepArgs& a, int64_t t0, int64_t t1) {
     float* __restrict ea_p = a.s1 + i0;
     float* __restrict eas_p = a.s2 + i0;
     const float* __restrict g_in_p = a.g_in + i0;
-    const float* __restrict g_o_p = a.g_o + i0;
+    const float* __restrict g_at_out_p = a.g_at_out + i0;
     const float* __restrict g_out = a.g_out + i0;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) {
       const float m = mean[j];
       const float g_in = g_in_p[j] * scale_in;
-      const float ghat = CORR ? g_in - alpha * (g_o_p[j] * scale_o - g_out[j]) : g_in;
+      const float ghat = CORR ? g_in - alpha * (g_at_out_p[j] * scale_at_out - g_out[j]) : g_in;
       const float m_dec = m * decay;
       const float ea0 = ea_p[j];
       const float ea = lerp_low ? ea0 + one_m_beta1 * (ghat - ea0) : ghat - (ghat - ea0) * one_m_w;

@@ -375,12 +375,12 @@ RefreshFlags refresh_flags(int64_t bits) {
 void step_op(const at::Tensor& mean, const at::Tensor& param,
              const c10::optional<at::Tensor>& s1, const c10::optional<at::Tensor>& s2,
              const at::Tensor& g_in, const c10::optional<at::Tensor>& ge_in,
-             const c10::optional<at::Tensor>& g_o, const c10::optional<at::Tensor>& ge_o,
+             const c10::optional<at::Tensor>& g_at_out, const c10::optional<at::Tensor>& ge_at_out,
              const c10::optional<at::Tensor>& g_out, const c10::optional<at::Tensor>& h_out,
              const c10::optional<at::Tensor>& m_out, const c10::optional<at::Tensor>& sigma_out,
              const at::Tensor& ctl, const c10::optional<at::Tensor>& found_inf,
              const c10::optional<at::Tensor>& grad_scale, int64_t seed, int64_t noise, int64_t stream,
-             int64_t stream_o, const at::Tensor& hp_list, int64_t family, int64_t flag_bits,
+             int64_t stream_at_out, const at::Tensor& hp_list, int64_t family, int64_t flag_bits,
              int64_t offset) {
   const uint32_t nv = noise_version(noise);
   const uint64_t base = base_of(offset);
@@ -393,7 +393,7 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
               "poco_kernels_cpp::step: invalid family ", family);
   a.corr = f.corr;
   a.ge_in_sum = f.ge_in;
-  a.ge_o_sum = f.ge_o;
+  a.ge_at_out_sum = f.ge_at_out;
   a.shared_noise = f.shared_noise;
   a.next_sample = f.next_sample;
   a.hess_corr_on = f.hess_corr;
@@ -408,8 +408,8 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
   a.s2 = state_ptr(s2, n, "s2", !sgd);
   a.g_in = state_ptr(g_in, n, "g_in");
   a.ge_in = state_ptr(ge_in, n, "ge_in", ivon && a.ge_in_sum);
-  a.g_o = state_ptr(g_o, n, "g_o", a.corr);
-  a.ge_o = state_ptr(ge_o, n, "ge_o", ivon && a.corr && a.ge_o_sum);
+  a.g_at_out = state_ptr(g_at_out, n, "g_at_out", a.corr);
+  a.ge_at_out = state_ptr(ge_at_out, n, "ge_at_out", ivon && a.corr && a.ge_at_out_sum);
   if (ivon) {          // momentum and outer buffers: float32, or all bfloat16 (state_dtype)
     int low = -1;
     a.s1 = low_state_ptr(s1, n, "s1", true, low);
@@ -456,11 +456,11 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
   a.base = base;
   a.counter = u32(steps, "step counter");
   a.stream_in = u32(stream, "stream");
-  a.stream_o = u32(stream_o, "stream_o");
-  a.sign_o = (float)hp.sign_o;
+  a.stream_at_out = u32(stream_at_out, "stream_at_out");
+  a.sign_at_out = (float)hp.sign_at_out;
   const float inv_gs = inv_scale(grad_scale);
   a.scale_in = (float)hp.inv_n_in * inv_gs;
-  a.scale_o = (float)hp.inv_n_o * inv_gs;
+  a.scale_at_out = (float)hp.inv_n_at_out * inv_gs;
   a.alpha = (float)alpha_eff;
   a.lr = (float)lr;
   a.beta1 = (float)beta1;
@@ -578,10 +578,10 @@ TORCH_LIBRARY(poco_kernels_cpp, m) {
   m.def("fold_ge(Tensor acc_g, Tensor(a!) acc_ge, Tensor ctl, int seed, int noise, int stream, "
         "int counter_slot, float sign, int offset=0) -> ()");
   m.def("step(Tensor(a!) mean, Tensor(b!) param, Tensor(c!)? s1, Tensor(d!)? s2, Tensor g_in, "
-        "Tensor? ge_in, Tensor? g_o, Tensor? ge_o, Tensor? g_out, Tensor? h_out, "
+        "Tensor? ge_in, Tensor? g_at_out, Tensor? ge_at_out, Tensor? g_out, Tensor? h_out, "
         "Tensor? m_out, Tensor? sigma_out, Tensor ctl, Tensor? found_inf, "
-        "Tensor? grad_scale, int seed, int noise, int stream, int stream_o, Tensor hp, int family, "
-        "int flags, int offset=0) -> ()");
+        "Tensor? grad_scale, int seed, int noise, int stream, int stream_at_out, Tensor hp, "
+        "int family, int flags, int offset=0) -> ()");
   m.def("refresh(Tensor mean, Tensor? h, Tensor acc_g, Tensor? acc_ge, Tensor(a!) g_out, "
         "Tensor(b!)? h_out, Tensor(c!) m_out, Tensor(d!)? sigma_out, Tensor ctl, "
         "Tensor? found_inf, Tensor? grad_scale, int seed, int noise, int stream, Tensor hp, int family, "

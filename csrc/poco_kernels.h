@@ -40,10 +40,10 @@ enum Family : int { kFamilyIvon = 0, kFamilySgd = 1, kFamilyAdamw = 2 };
 // count checked) into the structs below and unpacks the flag bits (bit i = the i-th name
 // after `family`).
 #define POCO_STEP_HYPER(X) \
-  X(sign_o) X(inv_n_in) X(inv_n_o) X(lr) X(beta1) X(beta2) X(wd) X(ess) X(alpha) \
+  X(sign_at_out) X(inv_n_in) X(inv_n_at_out) X(lr) X(beta1) X(beta2) X(wd) X(ess) X(alpha) \
   X(hess_corr) X(floor) X(clip) X(momentum) X(dampening) X(eps) X(mom_first)
 #define POCO_STEP_FLAGS(X) \
-  X(corr) X(ge_in) X(ge_o) X(shared_noise) X(next_sample) X(hess_corr) X(floor) X(clip) \
+  X(corr) X(ge_in) X(ge_at_out) X(shared_noise) X(next_sample) X(hess_corr) X(floor) X(clip) \
   X(debias) \
   X(momentum) X(nesterov)
 #define POCO_REFRESH_HYPER(X) X(inv_n) X(ess) X(wd) X(rho1) X(rho2) X(sigma)
@@ -112,18 +112,19 @@ struct StepArgs {
   int pdtype;
   float* s1;                  // IVON: momentum g; SGD: momentum buffer; AdamW: exp_avg
   float* s2;                  // IVON: h; AdamW: exp_avg_sq
-  const float *g_in, *ge_in, *g_o, *ge_o;       // gradient sums (ge_*: with ge_in_sum, ge_o_sum)
+  // gradient sums (ge_*: with ge_in_sum, ge_at_out_sum)
+  const float *g_in, *ge_in, *g_at_out, *ge_at_out;
   const float *g_out, *h_out, *m_out, *sigma_out;
   int64_t n;
   uint64_t seed;
   uint32_t noise_version;     // the stream definition (1 or 2)
   uint64_t base;              // stream index of element 0 (Noise::base)
   uint32_t counter;           // the step: noise counter of inner and outer samples
-  uint32_t stream_in, stream_o;
-  float sign_o;
-  float scale_in, scale_o;    // 1/count * 1/grad_scale
+  uint32_t stream_in, stream_at_out;
+  float sign_at_out;
+  float scale_in, scale_at_out;  // 1/count * 1/grad_scale
   int family;
-  bool corr, ge_in_sum, ge_o_sum, shared_noise, hess_corr_on;
+  bool corr, ge_in_sum, ge_at_out_sum, shared_noise, hess_corr_on;
   bool next_sample;           // IVON: write the next inner sample (counter + 1), not the mean
   bool low;                   // IVON: s1, g_out, h_out, m_out, sigma_out are bfloat16
   bool momentum_on, nesterov, mom_first;

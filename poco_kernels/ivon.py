@@ -113,9 +113,10 @@ class IVONPoCo(IVON):
         m_out <- m,  sigma_out <- sigma
 
     Inner step, gradients at ``theta_in ~ q`` and ``theta_out ~ q_out`` on the SAME
-    mini-batch: ``ghat = g_in - alpha (g_o - g_out)``, ``hhat = h_in - alpha (h_o - h_out)``,
-    IVON's momentum and Hessian updates, and the mean update with the extra term
-    ``hess_corr_scale * alpha (h_out - h_o)(m - m_out)``.
+    mini-batch: ``ghat = g_in - alpha (g_at_out - g_out)``,
+    ``hhat = h_in - alpha (h_at_out - h_out)``, IVON's momentum and Hessian updates, and the
+    mean update with the extra term
+    ``hess_corr_scale * alpha (h_out - h_at_out)(m - m_out)``.
 
     ``rho1``, ``rho2`` follow Alg. 3's equations: rho weights the OLD estimate, ``rho = 0``
     is no outer momentum (what the paper's Sec. 5.1 calls ``rho = 1``); 1 is refused since it

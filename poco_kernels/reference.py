@@ -15,7 +15,7 @@ sigma = 1/sqrt(ess (h + wd))           :func:`ivon_sigma`          Alg. 3 lines 
 theta = centre + sigma * eps           :func:`perturb`             Alg. 2 l. 3, 8; Alg. 3 l. 3, 7
 hhat = E[g eps] / sigma  (Price)       :func:`price_hessian`       Alg. 3 lines 4, 8, 9
 x_out <- rho x_out + (1 - rho) x_M     :func:`outer_fold`          Alg. 3 line 4
-xhat = x_in - alpha (x_o - x_out)      :func:`control_variate`     Alg. 1 l. 7; Alg. 3 l. 10
+x_in - alpha (x_at_out - x_out)        :func:`control_variate`     Alg. 1 l. 7; Alg. 3 l. 10
 hhat >= -c (h + wd)  (optional)        :func:`hessian_floor`       (stabiliser, docs/)
 g <- beta1 g + (1 - beta1) ghat        :func:`ivon_momentum`       Alg. 3 line 11
 h <- beta2 h + ... (positivity)        :func:`ivon_hessian`        Alg. 3 line 12
@@ -78,11 +78,11 @@ def outer_fold(old: Tensor, new: Tensor, rho: float, first: bool) -> Tensor:
     return rho * old + (1.0 - rho) * new
 
 
-def control_variate(x_in: Tensor, x_o: Tensor, x_out: Tensor, alpha: float) -> Tensor:
-    """SVRG / PoCo correction ``x_in - alpha (x_o - x_out)`` (Alg. 1 line 7, Alg. 3 line 10):
-    ``x_in`` and ``x_o`` are estimates on the same mini-batch at the inner and the outer
+def control_variate(x_in: Tensor, x_at_out: Tensor, x_out: Tensor, alpha: float) -> Tensor:
+    """SVRG / PoCo correction ``x_in - alpha (x_at_out - x_out)`` (Alg. 1 line 7, Alg. 3 line 10):
+    ``x_in`` and ``x_at_out`` are estimates on the same mini-batch at the inner and the outer
     posterior, ``x_out`` the mega-batch (or full-batch) estimate."""
-    return x_in - alpha * (x_o - x_out)
+    return x_in - alpha * (x_at_out - x_out)
 
 
 # --------------------------------------------------------------------------- IVON
@@ -120,7 +120,7 @@ def ivon_direction(g: Tensor, m: Tensor, h: Tensor, *, weight_decay: float, beta
 
         u = (g / (1 - beta1^t) + wd m [+ hess_corr]) / (h + wd)
 
-    ``hess_corr`` is PoCo's Hessian-correction term ``c alpha (h_out - h_o)(m - m_out)``
+    ``hess_corr`` is PoCo's Hessian-correction term ``c alpha (h_out - h_at_out)(m - m_out)``
     (see :func:`ivon_hessian_correction`); ``t`` is the 1-based step number.
     """
     gbar = g / (1.0 - beta1 ** step) if debias else g
@@ -130,11 +130,12 @@ def ivon_direction(g: Tensor, m: Tensor, h: Tensor, *, weight_decay: float, beta
     return num / (h + weight_decay)
 
 
-def ivon_hessian_correction(h_out: Tensor, h_o: Tensor, m: Tensor, m_out: Tensor,
+def ivon_hessian_correction(h_out: Tensor, h_at_out: Tensor, m: Tensor, m_out: Tensor,
                             alpha: float, scale: float) -> Tensor:
-    """PoCo's Hessian-correction term of the mean update, ``scale alpha (h_out - h_o)(m - m_out)``
-    (Alg. 3 line 14, red part; ``scale`` is the paper's down-weighting, 0.01 in Sec. 5.1)."""
-    return (scale * alpha) * (h_out - h_o) * (m - m_out)
+    """PoCo's Hessian-correction term of the mean update,
+    ``scale alpha (h_out - h_at_out)(m - m_out)`` (Alg. 3 line 14, red part; ``scale`` is the
+    paper's down-weighting, 0.01 in Sec. 5.1)."""
+    return (scale * alpha) * (h_out - h_at_out) * (m - m_out)
 
 
 def ivon_lr(lr: float, hess_init: float, weight_decay: float, rescale_lr: bool) -> float:
@@ -213,8 +214,8 @@ def blr_precision_term(S: Tensor, G: Tensor, beta: float, L: Optional[Tensor] = 
     return (0.5 * beta * beta) * (X.mT @ X)
 
 
-def von_poco_step(m: Tensor, S: Tensor, m_out: Tensor, g_i_in: Tensor, g_i_o: Tensor,
-                  g_out: Tensor, H_i_in: Tensor, H_i_o: Tensor, H_out: Tensor, *, lr: float,
+def von_poco_step(m: Tensor, S: Tensor, m_out: Tensor, g_i_in: Tensor, g_i_at_out: Tensor,
+                  g_out: Tensor, H_i_in: Tensor, H_i_at_out: Tensor, H_out: Tensor, *, lr: float,
                   beta: float, ess: float, alpha: float, min_eig: float,
                   precision_update: str = "paper", L: Optional[Tensor] = None
                   ) -> Tuple[Tensor, Tensor]:
@@ -236,8 +237,8 @@ def von_poco_step(m: Tensor, S: Tensor, m_out: Tensor, g_i_in: Tensor, g_i_o: Te
     :func:`blr_precision_term` to the S update (``L``: Cholesky factor of ``S``, if known),
     so S stays positive definite for any ``H_in`` before the same projection.
     """
-    g_in = control_variate(g_i_in, g_i_o, g_out, alpha)
-    H_oi = alpha * (H_out - H_i_o)
+    g_in = control_variate(g_i_in, g_i_at_out, g_out, alpha)
+    H_oi = alpha * (H_out - H_i_at_out)
     H_in = H_i_in + H_oi
     S_new = (1.0 - beta) * S + (beta * ess) * H_in
     if precision_update == "blr":

@@ -34,13 +34,14 @@ right; each evaluation also costs a Hessian, i.e. ``d`` extra backward passes)::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 from torch import Tensor
 
 from . import reference as R
 from ._arguments import hyperparameter
+from ._derivatives import grads_and_hessians
 from ._layout import Bucket
 from ._groups import as_closures
 from ._optimizer import BucketedOptimizer
@@ -194,81 +195,6 @@ class VONPoCo(BucketedOptimizer):
         delta = torch.linalg.solve_triangular(L.mT, eps.unsqueeze(-1), upper=True).squeeze(-1)
         return m + ns * delta
 
-    # ------------------------------------------------------------------ derivatives
-    def _hessian(self, flat_g: Tensor, b: Bucket) -> Tensor:
-        d = b.numel
-        if not flat_g.requires_grad:            # gradient constant: zero Hessian
-            return torch.zeros(d, d, device=b.device, dtype=b.dtype)
-        rows = None
-        if self.batched_hessian:
-            eye = torch.eye(d, device=flat_g.device, dtype=flat_g.dtype)
-            try:
-                rows = torch.autograd.grad(flat_g, b.params, grad_outputs=eye,
-                                           retain_graph=True, allow_unused=True,
-                                           is_grads_batched=True)
-                rows = [torch.zeros(d, p.numel(), device=b.device, dtype=p.dtype)
-                        if r is None else r.reshape(d, -1) for r, p in zip(rows, b.params)]
-            except RuntimeError:                 # an op without a batching rule
-                rows = None
-        if rows is None:
-            out = []
-            for k in range(d):
-                e = torch.zeros_like(flat_g)
-                e[k] = 1.0
-                r = torch.autograd.grad(flat_g, b.params, grad_outputs=e, retain_graph=True,
-                                        allow_unused=True)
-                out.append(torch.cat([torch.zeros(p.numel(), device=b.device, dtype=p.dtype)
-                                      if x is None else x.reshape(-1)
-                                      for x, p in zip(r, b.params)]))
-            H = torch.stack(out)
-        else:
-            H = torch.cat(rows, dim=1)
-        H = H.detach().to(b.dtype)
-        return 0.5 * (H + H.mT)                 # the Hessian is symmetric; remove round-off
-
-    def _grad_hess(self, loss) -> List[Tuple[Tensor, Tensor]]:
-        """(flat gradient, Hessian block) of ``loss`` for every bucket."""
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise TypeError("a VONPoCo closure must return the loss as a scalar tensor "
-                            f"(got {type(loss).__name__})")
-        if not bool(torch.isfinite(loss.detach()).all()):
-            raise ValueError("non-finite loss (inf or nan): the step was not taken and the "
-                             "optimizer state is unchanged")
-        if not self._buckets:           # no trainable parameter: nothing to differentiate
-            return []
-        if not loss.requires_grad:
-            raise ValueError(
-                "the closure's loss does not depend on the parameters through autograd: a "
-                "VONPoCo closure must return the loss WITHOUT calling backward() and not "
-                "under torch.no_grad()")
-        params = [p for b in self._buckets for p in b.params]
-        try:
-            grads = torch.autograd.grad(loss.reshape(()), params, create_graph=True,
-                                        allow_unused=True)
-        except RuntimeError as e:
-            if "second time" in str(e) or "freed" in str(e):
-                raise RuntimeError(
-                    "the loss graph was already freed: a VONPoCo closure must return the loss "
-                    "WITHOUT calling backward() (the optimizer computes gradient and Hessian)"
-                ) from e
-            raise
-        out, i = [], 0
-        for b in self._buckets:
-            gs = grads[i:i + len(b.params)]
-            i += len(b.params)
-            flat = torch.cat([torch.zeros(p.numel(), device=b.device, dtype=p.dtype)
-                              if g is None else g.reshape(-1) for g, p in zip(gs, b.params)])
-            g = flat.detach().to(b.dtype)
-            if not bool(torch.isfinite(g).all()):
-                raise ValueError("non-finite gradient (inf or nan): the step was not taken and "
-                                 "the optimizer state is unchanged")
-            H = self._hessian(flat, b)
-            if not bool(torch.isfinite(H).all()):
-                raise ValueError("non-finite Hessian (inf or nan): the step was not taken and "
-                                 "the optimizer state is unchanged")
-            out.append((g, H))
-        return out
-
     def _evaluate(self, closure: Callable, thetas: List[Tensor], kind: int):
         """Write ``thetas`` into the parameters, run the closure, differentiate, restore."""
         self._active = (kind, 0)
@@ -277,7 +203,7 @@ class VONPoCo(BucketedOptimizer):
                 b.write_params(thetas[b.index])
             with torch.enable_grad():
                 loss = closure()
-                gh = self._grad_hess(loss)
+                gh = grads_and_hessians(loss, self._buckets, self.batched_hessian)
         finally:
             self._runner.restore()
             self._active = None
@@ -314,7 +240,7 @@ class VONPoCo(BucketedOptimizer):
                   for b in self._buckets]
         loss, gh_in = self._evaluate(closure, thetas, KIND_INNER)
         corr = self._corrected_buckets()      # a group added since the last refresh: plain VON
-        gh_o = (self._evaluate(closure, [b.buffers["theta_out"] if b.index in corr
+        gh_at_out = (self._evaluate(closure, [b.buffers["theta_out"] if b.index in corr
                                          else b.buffers["mean"] for b in self._buckets],
                                KIND_OUTER)[1] if corr else None)
         new = {}
@@ -323,17 +249,17 @@ class VONPoCo(BucketedOptimizer):
             g_i, H_i = gh_in[b.index]
             m, S = b.buffers["mean"], b.buffers["precision"]
             if b.index in corr:
-                g_o, H_o = gh_o[b.index]
+                g_at_out, H_at_out = gh_at_out[b.index]
                 outer = dict(m_out=b.buffers["m_out"], g_out=b.buffers["g_out"],
                              H_out=b.buffers["H_out"], alpha=float(group["alpha"]))
             else:                              # plain VON: no outer estimate
-                g_o, H_o = torch.zeros_like(g_i), torch.zeros_like(H_i)
+                g_at_out, H_at_out = torch.zeros_like(g_i), torch.zeros_like(H_i)
                 outer = dict(m_out=m, g_out=torch.zeros_like(g_i), H_out=torch.zeros_like(H_i),
                              alpha=0.0)
             ess = float(group["ess"])
             blr = group["precision_update"] == "blr"
             m_new, S_new = R.von_poco_step(
-                m, S, outer["m_out"], g_i, g_o, outer["g_out"], H_i, H_o, outer["H_out"],
+                m, S, outer["m_out"], g_i, g_at_out, outer["g_out"], H_i, H_at_out, outer["H_out"],
                 lr=float(group["lr"]), beta=float(group["beta"]), ess=ess,
                 alpha=outer["alpha"], min_eig=ess * float(group["min_eig"]),
                 precision_update=group["precision_update"],

@@ -15,8 +15,8 @@ S = 4
 
 def b_step_poco(P, L=S):
     """step kernel, FAMILY_IVON, CORR, HESS_CORR (hess_corr_scale 0.01 != 0), shared noise,
-    one draw (GE_IN = GE_O = False: eps regenerated, not read), no AMP:
-    reads  mean, g_in sum, g_o sum, h (s2) (4 x S) and g_out, momentum (s1), sigma_out,
+    one draw (GE_IN = GE_AT_OUT = False: eps regenerated, not read), no AMP:
+    reads  mean, g_in sum, g_at_out sum, h (s2) (4 x S) and g_out, momentum (s1), sigma_out,
            h_out, m_out (5 x L; the parameters are NOT read),
     writes momentum (L), h, mean (2 x S) and the parameters (P).
     L: bytes of the low-precision state (S; 2 with state_dtype=bfloat16)."""

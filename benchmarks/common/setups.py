@@ -39,7 +39,7 @@ def step_buffers(n, dt, dev, ess=1.0, wd=1e-4, seed=None):
     def r(scale=1.0, shift=0.0):
         return torch.randn(n, device=dev, generator=g) * scale + shift
     h = 1.0 + 0.1 * torch.rand(n, device=dev, generator=g)
-    b = dict(mean=r(), s1=r(0.01), s2=h, g_in=r(), g_o=r(), g_out=r(), h_out=r(0.1, 1.0),
+    b = dict(mean=r(), s1=r(0.01), s2=h, g_in=r(), g_at_out=r(), g_out=r(), h_out=r(0.1, 1.0),
              m_out=r(), sigma_out=torch.rsqrt(ess * (h + wd)))
     b["param"] = b["mean"].to(dt)
     b["ctl"] = torch.tensor([5, 1, 0, 0], device=dev, dtype=torch.int64)
@@ -54,13 +54,13 @@ def step_launcher(ops, b, corr, ess=1.0, wd=1e-4, noise=None, next_sample=False)
     from poco_kernels import noise as N
     from poco_kernels.kernels import interface as K
     flags = K.StepFlags.ivon(hess_corr=corr, floor=False, clip=False, debias=True).routed(
-        corr=corr, ge_in=False, ge_o=False, shared_noise=corr, next_sample=next_sample)
+        corr=corr, ge_in=False, ge_at_out=False, shared_noise=corr, next_sample=next_sample)
     hp = K.StepHyper.ivon(lr=1e-3, beta1=0.9, beta2=0.99999, wd=wd, ess=ess,
                           alpha=1.0 if corr else 0.0, hess_corr=0.01 if corr else 0.0,
                           floor=0.0, clip=0.0).counted(
-        sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0 if corr else 0.0)
+        sign_at_out=1.0, inv_n_in=1.0, inv_n_at_out=1.0 if corr else 0.0)
     args = (b["mean"], b["param"], b["s1"], b["s2"], b["g_in"], None,
-            b["g_o"] if corr else None, None,
+            b["g_at_out"] if corr else None, None,
             b["g_out"] if corr else None, b["h_out"] if corr else None,
             b["m_out"] if corr else None, b["sigma_out"] if corr else None,
             b["ctl"], None, None,

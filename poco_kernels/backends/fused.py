@@ -161,32 +161,32 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
                     and t.hp.mom_first != 0.0:
                 made[b.index] = (self._ctl(b)[iface.CTL_STEPS].clone(), t.s1)
             c = b.index in corr
-            n_o = pend.count[KIND_OUTER] if c else 0
+            n_at_out = pend.count[KIND_OUTER] if c else 0
             g_in = self._acc(KIND_INNER, b, "g")
             ge_in = self._acc(KIND_INNER, b, "ge") if (KIND_INNER, b.index, "ge") in sums else None
             noise_in = self.noise_of(KIND_INNER, b, 0) if view.rule.uses_hessian else None
-            g_o = ge_o = noise_o = None
+            g_at_out = ge_at_out = noise_at_out = None
             if c:
-                g_o = self._acc(KIND_OUTER, b, "g")
+                g_at_out = self._acc(KIND_OUTER, b, "g")
                 if (KIND_OUTER, b.index, "ge") in sums:
-                    ge_o = self._acc(KIND_OUTER, b, "ge")
-                noise_o = self.noise_of(KIND_OUTER, b, 0) if view.rule.uses_hessian else None
-            shared = (noise_in is not None and noise_o is not None and noise_in == noise_o
-                      and ge_in is None and ge_o is None)
-            flags = t.flags.routed(corr=c, ge_in=ge_in is not None, ge_o=ge_o is not None,
+                    ge_at_out = self._acc(KIND_OUTER, b, "ge")
+                noise_at_out = self.noise_of(KIND_OUTER, b, 0) if view.rule.uses_hessian else None
+            shared = (noise_in is not None and noise_at_out is not None and noise_in == noise_at_out
+                      and ge_in is None and ge_at_out is None)
+            flags = t.flags.routed(corr=c, ge_in=ge_in is not None, ge_at_out=ge_at_out is not None,
                                    shared_noise=shared, next_sample=nxt)
             hyper = self.rows.row(b, "step", t.hp.counted(
-                sign_o=noise_o[2] if noise_o else 1.0, inv_n_in=1.0 / n_in,
-                inv_n_o=1.0 / n_o if n_o else 0.0))
+                sign_at_out=noise_at_out[2] if noise_at_out else 1.0, inv_n_in=1.0 / n_in,
+                inv_n_at_out=1.0 / n_at_out if n_at_out else 0.0))
             streams = iface.StepStreams(view.seed, noise_in[0] if noise_in else 0,
-                                        noise_o[0] if noise_o else 0, view.noise_version)
+                                        noise_at_out[0] if noise_at_out else 0, view.noise_version)
             fi, gs = self._amp(b, found_inf, grad_scale)
             outs = [b.buffers.get(k) if c else None for k in ("g_out", "h_out", "m_out",
                                                                "sigma_out")]
             for lo, n, off, prm in self._pieces(b):
                 cut = self._cutter(b, lo, n)
                 self.ops.step(cut(b.buffers["mean"]), prm, cut(t.s1), cut(t.s2), cut(g_in),
-                              cut(ge_in), cut(g_o), cut(ge_o), *(cut(o) for o in outs),
+                              cut(ge_in), cut(g_at_out), cut(ge_at_out), *(cut(o) for o in outs),
                               self._ctl(b), fi, gs, streams, hyper, flags, off)
         self.params_hold_mean = not nxt
         if nxt:

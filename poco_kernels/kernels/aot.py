@@ -61,7 +61,7 @@ _PARAM_PTRS = {"param_ptr", "grad_ptr"}
 _PTR_TYPES = {"ctl_ptr": "*i64", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32",
               "hp_ptr": "*fp64"}
 _I64 = {"n", "seed", "offset"}
-_I32 = {"stream", "stream_o", "counter_slot", "slot", "counter"}
+_I32 = {"stream", "stream_at_out", "counter_slot", "slot", "counter"}
 _FP32 = {"sign"}
 
 
@@ -124,7 +124,7 @@ def signature(kernel, constexprs: Dict[str, Any], dtype: str = "fp32") -> Dict[s
     return sig
 
 
-_STEP_OFF = dict(FAMILY=0, CORR=False, GE_IN=False, GE_O=False, SHARED_NOISE=False,
+_STEP_OFF = dict(FAMILY=0, CORR=False, GE_IN=False, GE_AT_OUT=False, SHARED_NOISE=False,
                  NEXT_SAMPLE=False, HESS_CORR=False, FLOOR=False, CLIP=False, DEBIAS=False, MOMENTUM=False,
                  NESTEROV=False, HAS_FOUND_INF=True, HAS_SCALE=True)
 
@@ -186,8 +186,8 @@ def variants() -> List[Variant]:
         **dict(ivon_full, NEXT_SAMPLE=True, SHARD=2))
     add("step[ivon,nocorr,bf16]", tk.step_kernel, "bf16",
         **dict(_STEP_OFF, FAMILY=iface.FAMILY_IVON, CLIP=True, DEBIAS=True))
-    add("step[ivon,ge_in+ge_o,fp32]", tk.step_kernel, "fp32",
-        **dict(ivon_full, GE_IN=True, GE_O=True))
+    add("step[ivon,ge_in+ge_at_out,fp32]", tk.step_kernel, "fp32",
+        **dict(ivon_full, GE_IN=True, GE_AT_OUT=True))
     add("step[sgd,mom+nesterov+corr,bf16]", tk.step_kernel, "bf16",
         **dict(_STEP_OFF, FAMILY=iface.FAMILY_SGD, CORR=True, MOMENTUM=True, NESTEROV=True))
     add("step[adamw,corr,fp32]", tk.step_kernel, "fp32",

@@ -61,9 +61,9 @@ BYTES = {
     "step[ivon,full,next,lowstate,fp32]": 4 * S + 5 * 2 + 2 + 2 * S + 4,
     "step[ivon,full,fp32,unpadded]": 4 * S + 5 * S + S + 2 * S + 4,
     "step[ivon,nocorr,bf16]": 3 * S + S + S + 2 * S + 2,
-    "step[ivon,ge_in+ge_o,fp32]": 6 * S + 5 * S + S + 2 * S + 4,
-    "step[sgd,mom+nesterov+corr,bf16]": S + 3 * S + 2 * S + 2,   # mean, g_in, g_o, g_out, buf
-    "step[adamw,corr,fp32]": 3 * S + 2 * S + 3 * S + 4,          # mean, g_in, g_o, g_out, m, v
+    "step[ivon,ge_in+ge_at_out,fp32]": 6 * S + 5 * S + S + 2 * S + 4,
+    "step[sgd,mom+nesterov+corr,bf16]": S + 3 * S + 2 * S + 2,   # mean, g_in, g_at_out, g_out, buf
+    "step[adamw,corr,fp32]": 3 * S + 2 * S + 3 * S + 4,          # mean, g_in, g_at_out, g_out, m, v
     "refresh[ivon]": 5 * S + 4 * S,                   # mean, h, acc_g, g_out, h_out; 4 outputs
     "refresh[ivon,lowstate]": 3 * S + 2 * 2 + 4 * 2,
     "refresh[sgd,noisy]": 2 * S + 2 * S,              # mean, acc_g; g_out, theta_out

@@ -63,7 +63,8 @@ def fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, s
 
 
 def step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
-         g_in: Tensor, ge_in: Optional[Tensor], g_o: Optional[Tensor], ge_o: Optional[Tensor],
+         g_in: Tensor, ge_in: Optional[Tensor], g_at_out: Optional[Tensor],
+         ge_at_out: Optional[Tensor],
          g_out: Optional[Tensor], h_out: Optional[Tensor], m_out: Optional[Tensor],
          sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
          grad_scale: Optional[Tensor], streams: StepStreams, hp,
@@ -72,9 +73,10 @@ def step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor]
     records of :mod:`~poco_kernels.kernels.interface` are read by name in ``csrc/``."""
     streams = require(streams, StepStreams, "streams")
     flags = require(flags, StepFlags, "flags")
-    _ops.step(mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out, m_out, sigma_out, ctl,
+    _ops.step(mean, param, s1, s2, g_in, ge_in, g_at_out, ge_at_out, g_out, h_out, m_out,
+              sigma_out, ctl,
               found_inf, grad_scale, int(streams.seed), int(streams.noise), int(streams.stream),
-              int(streams.stream_o), hyper_row(hp, StepHyper), int(flags.family), flags.bits(),
+              int(streams.stream_at_out), hyper_row(hp, StepHyper), int(flags.family), flags.bits(),
               int(offset))
 
 

@@ -58,9 +58,9 @@ class StepHyper(NamedTuple):
     through the per-family constructors (:meth:`ivon`, :meth:`sgd`, :meth:`adamw`), which
     name exactly the fields that family reads and set the others to zero; the host engine
     then sets the first three, which depend on what was collected (:meth:`counted`)."""
-    sign_o: float        # host engine: sign of the outer draw (antithetic: -1)
+    sign_at_out: float   # host engine: sign of the outer draw (antithetic: -1)
     inv_n_in: float      # host engine: 1 / number of inner gradients summed
-    inv_n_o: float       # host engine: 1 / number of outer gradients summed (0: no correction)
+    inv_n_at_out: float  # host engine: 1 / number of outer gradients summed (0: no correction)
     lr: float            # IVON: already ivon_lr (rescaled)
     beta1: float         # IVON momentum / AdamW beta1
     beta2: float         # IVON Hessian / AdamW beta2
@@ -77,26 +77,26 @@ class StepHyper(NamedTuple):
 
     @classmethod
     def ivon(cls, *, lr, beta1, beta2, wd, ess, alpha, hess_corr, floor, clip) -> "StepHyper":
-        return cls(sign_o=1.0, inv_n_in=1.0, inv_n_o=0.0, lr=lr, beta1=beta1, beta2=beta2,
+        return cls(sign_at_out=1.0, inv_n_in=1.0, inv_n_at_out=0.0, lr=lr, beta1=beta1, beta2=beta2,
                    wd=wd, ess=ess, alpha=alpha, hess_corr=hess_corr, floor=floor, clip=clip,
                    momentum=0.0, dampening=0.0, eps=0.0, mom_first=0.0)
 
     @classmethod
     def sgd(cls, *, lr, wd, alpha, momentum, dampening, mom_first) -> "StepHyper":
-        return cls(sign_o=1.0, inv_n_in=1.0, inv_n_o=0.0, lr=lr, beta1=0.0, beta2=0.0, wd=wd,
-                   ess=1.0, alpha=alpha, hess_corr=0.0, floor=0.0, clip=0.0, momentum=momentum,
+        return cls(sign_at_out=1.0, inv_n_in=1.0, inv_n_at_out=0.0, lr=lr, beta1=0.0, beta2=0.0,
+                   wd=wd, ess=1.0, alpha=alpha, hess_corr=0.0, floor=0.0, clip=0.0, momentum=momentum,
                    dampening=dampening, eps=0.0, mom_first=mom_first)
 
     @classmethod
     def adamw(cls, *, lr, beta1, beta2, wd, eps, alpha) -> "StepHyper":
-        return cls(sign_o=1.0, inv_n_in=1.0, inv_n_o=0.0, lr=lr, beta1=beta1, beta2=beta2,
+        return cls(sign_at_out=1.0, inv_n_in=1.0, inv_n_at_out=0.0, lr=lr, beta1=beta1, beta2=beta2,
                    wd=wd, ess=1.0, alpha=alpha, hess_corr=0.0, floor=0.0, clip=0.0,
                    momentum=0.0, dampening=0.0, eps=eps, mom_first=0.0)
 
-    def counted(self, *, sign_o: float, inv_n_in: float, inv_n_o: float) -> "StepHyper":
+    def counted(self, *, sign_at_out: float, inv_n_in: float, inv_n_at_out: float) -> "StepHyper":
         """This record with the host engine's three fields set (and every value a float or
         a one-element tensor, :func:`hyper_value`)."""
-        return type(self)(float(sign_o), float(inv_n_in), float(inv_n_o),
+        return type(self)(float(sign_at_out), float(inv_n_in), float(inv_n_at_out),
                           *(_value(v) for v in self[3:]))
 
 
@@ -109,7 +109,7 @@ class StepFlags(NamedTuple):
     family: int
     corr: bool           # host engine: the correction is applied (outer gradient collected)
     ge_in: bool          # host engine: the inner gradient * eps was summed (several draws)
-    ge_o: bool           # host engine: the outer gradient * eps was summed
+    ge_at_out: bool      # host engine: the outer gradient * eps was summed
     shared_noise: bool   # host engine: the outer draw reuses the inner draw's eps
     next_sample: bool    # host engine, IVON: write the next step's inner sample, not the mean
     hess_corr: bool      # IVON-PoCo: the Hessian-correction term of the mean update
@@ -133,9 +133,9 @@ class StepFlags(NamedTuple):
     def adamw(cls) -> "StepFlags":
         return cls(FAMILY_ADAMW, *([False] * 11))
 
-    def routed(self, *, corr, ge_in, ge_o, shared_noise, next_sample) -> "StepFlags":
+    def routed(self, *, corr, ge_in, ge_at_out, shared_noise, next_sample) -> "StepFlags":
         """This record with the host engine's five switches set."""
-        return self._replace(corr=bool(corr), ge_in=bool(ge_in), ge_o=bool(ge_o),
+        return self._replace(corr=bool(corr), ge_in=bool(ge_in), ge_at_out=bool(ge_at_out),
                              shared_noise=bool(shared_noise), next_sample=bool(next_sample))
 
     def bits(self) -> int:
@@ -152,7 +152,7 @@ class StepStreams(NamedTuple):
     definition (``noise``: 1 or 2, :mod:`poco_kernels.noise`; Triton's ``NOISE``)."""
     seed: int
     stream: int
-    stream_o: int
+    stream_at_out: int
     noise: int = _STREAM_VERSION
 
 

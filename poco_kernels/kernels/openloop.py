@@ -95,7 +95,7 @@ def make_inputs(case: str, n: int, pdtype: torch.dtype = torch.float32, seed: in
     lowt = (lambda t: t.to(torch.bfloat16)) if low else (lambda t: t)
     x = dict(hp=hp, n=n, pdtype=pdtype, steps=6, refreshes=c.get("refreshes", 3),
              mc=c.get("mc", 1), device=device)
-    x["stream"], x["stream_o"] = K_stream(2, 0), K_stream(2, 1 if c.get("independent") else 0)
+    x["stream"], x["stream_at_out"] = K_stream(2, 0), K_stream(2, 1 if c.get("independent") else 0)
     x["param"] = r().to(pdtype)
     x["mean"] = r()
     x["h"] = r(0.3).abs() + 0.05
@@ -108,8 +108,8 @@ def make_inputs(case: str, n: int, pdtype: torch.dtype = torch.float32, seed: in
     x["grad"] = r().to(pdtype)
     x["g_in"] = sum(r() for _ in range(x["mc"]))
     x["ge_in"] = sum(r() for _ in range(x["mc"])) if x["mc"] > 1 else None
-    x["g_o"] = sum(r() for _ in range(x["mc"]))
-    x["ge_o"] = sum(r() for _ in range(x["mc"])) if x["mc"] > 1 else None
+    x["g_at_out"] = sum(r() for _ in range(x["mc"]))
+    x["ge_at_out"] = sum(r() for _ in range(x["mc"])) if x["mc"] > 1 else None
     x["g_out"], x["h_out"] = lowt(r()), lowt(r(50.0))
     x["m_out"] = lowt(x["mean"] + r(0.05))
     sig = 1.0 / torch.sqrt(hp["ess"] * (x["h"] + r(0.01).abs() + hp["wd"]))
@@ -154,12 +154,12 @@ def _step_records(case: str, x: dict):
                                     eps=hp["eps"], alpha=hp["alpha"] if corr else 0.0)
         path = iface.StepFlags.adamw()
     flags = path.routed(corr=corr, ge_in=x["ge_in"] is not None,
-                        ge_o=corr and x["ge_o"] is not None,
+                        ge_at_out=corr and x["ge_at_out"] is not None,
                         shared_noise=(fam == iface.FAMILY_IVON and corr and mc == 1
                                       and not c.get("independent")),
                         next_sample=c.get("next", False))
-    hyper = shp.counted(sign_o=-1.0 if c.get("independent") else 1.0,
-                        inv_n_in=1.0 / mc, inv_n_o=1.0 / mc if corr else 0.0)
+    hyper = shp.counted(sign_at_out=-1.0 if c.get("independent") else 1.0,
+                        inv_n_in=1.0 / mc, inv_n_at_out=1.0 / mc if corr else 0.0)
     return hyper, flags
 
 
@@ -198,12 +198,12 @@ def run(ops, case: str, x: dict) -> Dict[str, Tensor]:
         o = (lambda k: cp[k] if corr else None)
         ops.step(cp["mean"], cp["param"], cp[s1] if (fam != iface.FAMILY_SGD or
                                                     c.get("momentum")) else None,
-                 cp[s2] if s2 else None, cp["g_in"], cp["ge_in"], o("g_o"), o("ge_o"),
+                 cp[s2] if s2 else None, cp["g_in"], cp["ge_in"], o("g_at_out"), o("ge_at_out"),
                  o("g_out"), o("h_out") if fam == iface.FAMILY_IVON else None,
                  o("m_out") if fam == iface.FAMILY_IVON else None,
                  o("sigma_out") if fam == iface.FAMILY_IVON else None, ctl,
                  cp["found_inf"], cp["grad_scale"],
-                 iface.StepStreams(SEED, x["stream"], x["stream_o"]), hyper, flags)
+                 iface.StepStreams(SEED, x["stream"], x["stream_at_out"]), hyper, flags)
     else:
         fam = c["family"]
         k = 3
@@ -239,7 +239,7 @@ def noise_of(ops, case: str, x: dict) -> Dict[str, Tensor]:
         return dict(eps=eps(counter, x["stream"]))
     if c["op"] == "accumulate":
         return dict(eps=eps(x["refreshes"], x["stream"]))
-    return dict(eps=eps(x["steps"], x["stream"]), eps_o=eps(x["steps"], x["stream_o"]),
+    return dict(eps=eps(x["steps"], x["stream"]), eps_at_out=eps(x["steps"], x["stream_at_out"]),
                 eps_next=eps(x["steps"] + 1, x["stream"]))
 
 

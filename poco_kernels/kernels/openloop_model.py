@@ -98,7 +98,7 @@ def _step_ivon(c, x, noise) -> Dict[str, T]:
     clip = hp["clip"] if c.get("clip", True) else math.inf
     inv_gs = _inv_scale(x)
     scale_in = T.const(1.0 / mc) * inv_gs
-    scale_o = T.const(1.0 / mc) * inv_gs
+    scale_at_out = T.const(1.0 / mc) * inv_gs
     m, g, h = _x(x["mean"]), _x(x["momentum"]), _x(x["h"])
     cwd, cess = T.const(wd), T.const(ess)
     g_in = _x(x["g_in"]) * scale_in
@@ -109,18 +109,18 @@ def _step_ivon(c, x, noise) -> Dict[str, T]:
     extra = None
     if corr:
         ca = T.const(alpha)
-        g_o = _x(x["g_o"]) * scale_o
-        ghat = g_in - ca * (g_o - _x(x["g_out"]))
-        if x["ge_o"] is not None:
-            ge_o = _x(x["ge_o"]) * scale_o
+        g_at_out = _x(x["g_at_out"]) * scale_at_out
+        ghat = g_in - ca * (g_at_out - _x(x["g_out"]))
+        if x["ge_at_out"] is not None:
+            ge_at_out = _x(x["ge_at_out"]) * scale_at_out
         else:
-            eps_o = noise["eps_o"] if c.get("independent") else noise["eps"]
-            sign_o = -1.0 if c.get("independent") else 1.0
-            ge_o = g_o * _x(eps_o * sign_o)
-        h_o = ge_o / _x(x["sigma_out"])
-        hhat = hhat - ca * (h_o - _x(x["h_out"]))
+            eps_at_out = noise["eps_at_out"] if c.get("independent") else noise["eps"]
+            sign_at_out = -1.0 if c.get("independent") else 1.0
+            ge_at_out = g_at_out * _x(eps_at_out * sign_at_out)
+        h_at_out = ge_at_out / _x(x["sigma_out"])
+        hhat = hhat - ca * (h_at_out - _x(x["h_out"]))
         hhat = T.maximum(hhat, T.const(-hp["floor"]) * (h + cwd))
-        extra = (T.const(hp["hess_corr"] * alpha) * (_x(x["h_out"]) - h_o)
+        extra = (T.const(hp["hess_corr"] * alpha) * (_x(x["h_out"]) - h_at_out)
                  * (m - _x(x["m_out"])))
     g_new = T.const(beta1) * g + T.const(1.0 - beta1) * ghat
     d = h - hhat
@@ -151,7 +151,7 @@ def _step_sgd(c, x) -> Dict[str, T]:
     g_in = _x(x["g_in"]) * T.const(1.0)
     ghat = g_in
     if corr:
-        ghat = g_in - T.const(hp["alpha"]) * (_x(x["g_o"]) * T.const(1.0) - _x(x["g_out"]))
+        ghat = g_in - T.const(hp["alpha"]) * (_x(x["g_at_out"]) * T.const(1.0) - _x(x["g_out"]))
     d_p = ghat + T.const(hp["wd"]) * m
     out = {}
     if c.get("momentum"):
@@ -175,7 +175,7 @@ def _step_adamw(c, x) -> Dict[str, T]:
     m = _x(x["mean"])
     ghat = _x(x["g_in"]) * T.const(1.0)
     if corr:
-        ghat = ghat - T.const(hp["alpha"]) * (_x(x["g_o"]) * T.const(1.0) - _x(x["g_out"]))
+        ghat = ghat - T.const(hp["alpha"]) * (_x(x["g_at_out"]) * T.const(1.0) - _x(x["g_out"]))
     m_dec = m * T.const(1.0 - lr * wd)
     ea0, omb1 = _x(x["exp_avg"]), 1.0 - beta1
     if float(torch.tensor(omb1, dtype=torch.float32)) < 0.5:

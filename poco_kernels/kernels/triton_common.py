@@ -25,10 +25,10 @@ NUM_WARPS = 4
 
 # Where each field of the hyperparameter rows is (the records' field order, which
 # tests/repo/test_architecture.py checks against interface.py and csrc/poco_kernels.h).
-STEP_HP = ("sign_o", "inv_n_in", "inv_n_o", "lr", "beta1", "beta2", "wd", "ess", "alpha",
+STEP_HP = ("sign_at_out", "inv_n_in", "inv_n_at_out", "lr", "beta1", "beta2", "wd", "ess", "alpha",
            "hess_corr", "floor", "clip", "momentum", "dampening", "eps", "mom_first")
-(S_SIGN_O, S_INV_N_IN, S_INV_N_O, S_LR, S_BETA1, S_BETA2, S_WD, S_ESS, S_ALPHA, S_HESS_CORR,
- S_FLOOR, S_CLIP, S_MOMENTUM, S_DAMPENING, S_EPS, S_MOM_FIRST) = (
+(S_SIGN_AT_OUT, S_INV_N_IN, S_INV_N_AT_OUT, S_LR, S_BETA1, S_BETA2, S_WD, S_ESS, S_ALPHA,
+ S_HESS_CORR, S_FLOOR, S_CLIP, S_MOMENTUM, S_DAMPENING, S_EPS, S_MOM_FIRST) = (
     tl.constexpr(i) for i in range(len(STEP_HP)))
 REFRESH_HP = ("inv_n", "ess", "wd", "rho1", "rho2", "sigma")
 R_INV_N, R_ESS, R_WD, R_RHO1, R_RHO2, R_SIGMA = (tl.constexpr(i) for i in range(len(REFRESH_HP)))
@@ -47,7 +47,7 @@ P_ESS, P_WD, P_SIGMA = (tl.constexpr(i) for i in range(len(SAMPLE_HP)))
 # (65536 are allowed) gets an i64 ``stream`` with the same bits (``.to(tl.uint32)``) and
 # bucket (``>> 16``), so the same numbers, from one more JIT compilation that the AOT
 # test does not compile.
-_NO_SPEC = ["seed", "stream", "stream_o", "counter_slot", "slot", "offset", "counter"]
+_NO_SPEC = ["seed", "stream", "stream_at_out", "counter_slot", "slot", "offset", "counter"]
 
 
 # --------------------------------------------------------------------------- scalars

@@ -50,8 +50,8 @@ from .triton_common import (  # noqa: F401
                             P_WD, REFRESH_HP, R_ESS, R_INV_N, R_RHO1, R_RHO2, R_SIGMA, R_WD,
                             SAMPLE_HP, SIGMA_BUFFER, SIGMA_CONST, SIGMA_IVON, SIGMA_NONE,
                             STEP_HP, S_ALPHA, S_BETA1, S_BETA2, S_CLIP, S_DAMPENING, S_EPS,
-                            S_ESS, S_FLOOR, S_HESS_CORR, S_INV_N_IN, S_INV_N_O, S_LR,
-                            S_MOMENTUM, S_MOM_FIRST, S_SIGN_O, S_WD, _NO_SPEC, _ivon_sigma,
+                            S_ESS, S_FLOOR, S_HESS_CORR, S_INV_N_IN, S_INV_N_AT_OUT, S_LR,
+                            S_MOMENTUM, S_MOM_FIRST, S_SIGN_AT_OUT, S_WD, _NO_SPEC, _ivon_sigma,
                             _noise, _skip_flag, _to_param)
 from .triton_step import refresh_kernel, step_kernel  # noqa: F401  (re-exported)
 

@@ -92,26 +92,27 @@ def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, 
 
 
 def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
-          g_in: Tensor, ge_in: Optional[Tensor], g_o: Optional[Tensor], ge_o: Optional[Tensor],
+          g_in: Tensor, ge_in: Optional[Tensor], g_at_out: Optional[Tensor],
+          ge_at_out: Optional[Tensor],
           g_out: Optional[Tensor], h_out: Optional[Tensor], m_out: Optional[Tensor],
           sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
           grad_scale: Optional[Tensor], streams: StepStreams, hp, flags: StepFlags,
           offset: int = 0) -> None:
-    n = launch_numel(mean.numel(), mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out,
-                     m_out, sigma_out)
+    n = launch_numel(mean.numel(), mean, param, s1, s2, g_in, ge_in, g_at_out, ge_at_out, g_out,
+                     h_out, m_out, sigma_out)
     if n == 0:
         return
     d = mean
     row = hyper_row(hp, StepHyper, mean.device)
     tk.step_kernel[_grid(n)](
         mean, param, s1 if s1 is not None else d, s2 if s2 is not None else d,
-        g_in, ge_in if ge_in is not None else d, g_o if g_o is not None else d,
-        ge_o if ge_o is not None else d, g_out if g_out is not None else d,
+        g_in, ge_in if ge_in is not None else d, g_at_out if g_at_out is not None else d,
+        ge_at_out if ge_at_out is not None else d, g_out if g_out is not None else d,
         h_out if h_out is not None else d, m_out if m_out is not None else d,
         sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
         grad_scale if grad_scale is not None else ctl, row,
-        n, offset, streams.seed, streams.stream, streams.stream_o,
+        n, offset, streams.seed, streams.stream, streams.stream_at_out,
         **flags.constexprs(), NOISE=streams.noise, SHARD=_shard(offset),
         HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
         BLOCK=tk.BLOCK, **_OPTS)
@@ -186,13 +187,13 @@ def _fold_ge_op(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: in
 
 @torch.library.custom_op("poco_kernels::step", mutates_args=("mean", "param", "s1", "s2"))
 def _step_op(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
-             g_in: Tensor, ge_in: Optional[Tensor], g_o: Optional[Tensor],
-             ge_o: Optional[Tensor], g_out: Optional[Tensor], h_out: Optional[Tensor],
+             g_in: Tensor, ge_in: Optional[Tensor], g_at_out: Optional[Tensor],
+             ge_at_out: Optional[Tensor], g_out: Optional[Tensor], h_out: Optional[Tensor],
              m_out: Optional[Tensor], sigma_out: Optional[Tensor], ctl: Tensor,
              found_inf: Optional[Tensor], grad_scale: Optional[Tensor], streams: List[int],
              hp: Tensor, flags: List[int], offset: int = 0) -> None:
-    _step(mean, param, s1, s2, g_in, ge_in, g_o, ge_o, g_out, h_out, m_out, sigma_out, ctl,
-          found_inf, grad_scale, StepStreams(*streams), hp,
+    _step(mean, param, s1, s2, g_in, ge_in, g_at_out, ge_at_out, g_out, h_out, m_out, sigma_out,
+          ctl, found_inf, grad_scale, StepStreams(*streams), hp,
           StepFlags(flags[0], *(bool(v) for v in flags[1:])), offset)
 
 

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import (FAMILY_IVON, FAMILY_SGD, R_ESS, R_INV_N, R_RHO1, R_RHO2, R_SIGMA,
-                            R_WD, S_INV_N_IN, S_INV_N_O, S_MOM_FIRST, S_SIGN_O, _NO_SPEC,
+                            R_WD, S_INV_N_IN, S_INV_N_AT_OUT, S_MOM_FIRST, S_SIGN_AT_OUT, _NO_SPEC,
                             _inv_scale, _ivon_sigma, _noise, _skip_flag, _step_constants,
                             _store_state, _to_param)
 
@@ -20,15 +20,15 @@ def step_kernel(
         # state (read and written)
         mean_ptr, param_ptr, s1_ptr, s2_ptr,
         # gradient sums of the inner (in) and outer (o) samples
-        g_in_ptr, ge_in_ptr, g_o_ptr, ge_o_ptr,
+        g_in_ptr, ge_in_ptr, g_at_out_ptr, ge_at_out_ptr,
         # outer state (read)
         g_out_ptr, h_out_ptr, m_out_ptr, sigma_out_ptr,
         # control; the StepHyper row (poco_kernels/kernels/interface.py)
         ctl_ptr, found_inf_ptr, grad_scale_ptr, hp_ptr,
         # StepStreams
-        n: tl.int64, offset: tl.int64, seed: tl.int64, stream, stream_o,
+        n: tl.int64, offset: tl.int64, seed: tl.int64, stream, stream_at_out,
         # StepFlags
-        FAMILY: tl.constexpr, CORR: tl.constexpr, GE_IN: tl.constexpr, GE_O: tl.constexpr,
+        FAMILY: tl.constexpr, CORR: tl.constexpr, GE_IN: tl.constexpr, GE_AT_OUT: tl.constexpr,
         SHARED_NOISE: tl.constexpr, NEXT_SAMPLE: tl.constexpr, HESS_CORR: tl.constexpr,
         FLOOR: tl.constexpr,
         CLIP: tl.constexpr, DEBIAS: tl.constexpr, MOMENTUM: tl.constexpr,
@@ -77,15 +77,15 @@ def step_kernel(
                             FAMILY)
     inv_gs = _inv_scale(grad_scale_ptr, HAS_SCALE)
     scale_in = tl.load(hp_ptr + S_INV_N_IN).to(tl.float32) * inv_gs
-    scale_o = tl.load(hp_ptr + S_INV_N_O).to(tl.float32) * inv_gs
+    scale_at_out = tl.load(hp_ptr + S_INV_N_AT_OUT).to(tl.float32) * inv_gs
 
     m = tl.load(mean_ptr + idx, mask=mask, other=0.0)
     g_in = _estimate(g_in_ptr, idx, mask, scale_in)
     ghat = g_in
     if CORR:
-        g_o = _estimate(g_o_ptr, idx, mask, scale_o)
+        g_at_out = _estimate(g_at_out_ptr, idx, mask, scale_at_out)
         g_out = tl.load(g_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        ghat = g_in - alpha * (g_o - g_out)
+        ghat = g_in - alpha * (g_at_out - g_out)
 
     if FAMILY == FAMILY_IVON:
         # every load is issued before the noise (Philox and the transform are ~100
@@ -95,8 +95,8 @@ def step_kernel(
         if GE_IN:
             ge_in = _estimate(ge_in_ptr, idx, mask, scale_in)
         if CORR:
-            if GE_O:
-                ge_o = _estimate(ge_o_ptr, idx, mask, scale_o)
+            if GE_AT_OUT:
+                ge_at_out = _estimate(ge_at_out_ptr, idx, mask, scale_at_out)
             sigma_out = tl.load(sigma_out_ptr + idx, mask=mask, other=1.0).to(tl.float32)
             h_out = tl.load(h_out_ptr + idx, mask=mask, other=0.0).to(tl.float32)
             if HESS_CORR:
@@ -108,19 +108,19 @@ def step_kernel(
         hhat = ge_in * inv_sigma
         extra = 0.0
         if CORR:
-            if not GE_O:
+            if not GE_AT_OUT:
                 if SHARED_NOISE:
-                    eps_o = eps_i
+                    eps_at_out = eps_i
                 else:
-                    eps_o = _noise(seed, idx, pid, offset, steps, stream_o, NOISE, SHARD,
+                    eps_at_out = _noise(seed, idx, pid, offset, steps, stream_at_out, NOISE, SHARD,
                                    BLOCK)
-                ge_o = g_o * (eps_o * tl.load(hp_ptr + S_SIGN_O).to(tl.float32))
-            h_o = tl.div_rn(ge_o, sigma_out)
-            hhat = hhat - alpha * (h_o - h_out)
+                ge_at_out = g_at_out * (eps_at_out * tl.load(hp_ptr + S_SIGN_AT_OUT).to(tl.float32))
+            h_at_out = tl.div_rn(ge_at_out, sigma_out)
+            hhat = hhat - alpha * (h_at_out - h_out)
             fl = neg_floor * (h + wd)                  # -inf without a floor: a no-op
             hhat = tl.where(hhat < fl, fl, hhat)
             if HESS_CORR:
-                extra = hca * (h_out - h_o) * (m - m_out)
+                extra = hca * (h_out - h_at_out) * (m - m_out)
         g_new = beta1 * g + one_m_beta1 * ghat
         d = h - hhat
         h_new = (beta2 * h + one_m_beta2 * hhat) + tl.div_rn(half_sq * (d * d), h + wd)

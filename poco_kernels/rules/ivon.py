@@ -5,6 +5,7 @@ the torch backend runs and the step and refresh kernels fuse)."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -21,27 +22,46 @@ from .base import Rule
 __all__ = ["ivon_inner_update", "ivon_refresh_update", "IVONRule", "IVONPoCoRule"]
 
 
+#: the keys of ``ivon_inner_update``'s ``outer`` before their rename (read with a warning)
+_OLD_OUTER_KEYS = {"g_o": "g_at_out", "ge_o": "ge_at_out"}
+
+
+def _renamed_outer(outer: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    """``outer`` with the keys of earlier releases (``g_o``, ``ge_o``) renamed, with a
+    ``DeprecationWarning``; a missing key stays missing (a ``KeyError`` names it)."""
+    old = [k for k in _OLD_OUTER_KEYS if k in outer]
+    if old:
+        warnings.warn(f"ivon_inner_update(outer=...): the keys {old} are now "
+                      f"{[_OLD_OUTER_KEYS[k] for k in old]} (the gradient at the outer sample, "
+                      "named apart from the outer estimate g_out)", DeprecationWarning,
+                      stacklevel=3)
+    return {_OLD_OUTER_KEYS.get(k, k): v for k, v in outer.items()}
+
+
 def ivon_inner_update(*, mean: Tensor, h: Tensor, g: Tensor, g_in: Tensor, ge_in: Tensor,
                       outer: Optional[Dict[str, Tensor]], group: Dict[str, Any], step: int
                       ) -> Dict[str, Tensor]:
     """The IVON / IVON-PoCo inner step on flat buffers (functional form, Alg. 3 l. 8-17).
 
     ``g_in``/``ge_in``: mean gradient and mean gradient*eps at the inner samples.
-    ``outer`` (None: no correction): ``g_o``, ``ge_o`` at the outer samples and the
-    state ``g_out``, ``h_out``, ``m_out``, ``sigma_out``.  Returns the new mean, h, g.
+    ``outer`` (None: no correction): ``g_at_out``, ``ge_at_out``, the same at the outer
+    samples (this step's mini-batch), and the outer estimates and posterior ``g_out``,
+    ``h_out``, ``m_out``, ``sigma_out`` (state).  Returns the new mean, h, g.
     """
+    if outer is not None and not {"g_at_out", "ge_at_out"} <= set(outer):
+        outer = _renamed_outer(outer)
     wd, ess = group["weight_decay"], group["ess"]
     sigma = R.ivon_sigma(h, ess, wd)
     ghat, hhat = g_in, R.price_hessian(ge_in, sigma)
     hess_corr = None
     if outer is not None:
         alpha = group["alpha"]
-        h_o = R.price_hessian(outer["ge_o"], outer["sigma_out"])
-        ghat = R.control_variate(ghat, outer["g_o"], outer["g_out"], alpha)
-        hhat = R.control_variate(hhat, h_o, outer["h_out"], alpha)
+        h_at_out = R.price_hessian(outer["ge_at_out"], outer["sigma_out"])
+        ghat = R.control_variate(ghat, outer["g_at_out"], outer["g_out"], alpha)
+        hhat = R.control_variate(hhat, h_at_out, outer["h_out"], alpha)
         hhat = R.hessian_floor(hhat, h, wd, group["hess_floor"])
         if group["hess_corr_scale"] != 0.0:
-            hess_corr = R.ivon_hessian_correction(outer["h_out"], h_o, mean, outer["m_out"],
+            hess_corr = R.ivon_hessian_correction(outer["h_out"], h_at_out, mean, outer["m_out"],
                                                   alpha, group["hess_corr_scale"])
     g_new = R.ivon_momentum(g, ghat, group["beta1"])
     h_new = R.ivon_hessian(h, hhat, group["beta2"], wd)
@@ -151,8 +171,8 @@ class IVONPoCoRule(IVONRule):
     def _outer(self, b, outer):
         if outer is None:
             return None
-        g_o, ge_o = outer
-        return {"g_o": g_o, "ge_o": ge_o, **{k: b.f32(k) for k in
+        g_at_out, ge_at_out = outer
+        return {"g_at_out": g_at_out, "ge_at_out": ge_at_out, **{k: b.f32(k) for k in
                                              ("g_out", "h_out", "m_out", "sigma_out")}}
 
     def _correction(self, group):

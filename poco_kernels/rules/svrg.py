@@ -22,7 +22,7 @@ __all__ = ["corrected_gradient", "svrg_inner_update", "svrg_adamw_inner_update",
 
 def corrected_gradient(g_in: Tensor, outer: Optional[Tuple[Tensor, Any]], g_out: Tensor,
                        alpha: float) -> Tensor:
-    """``ghat = g_in - alpha (g_o - g_out)`` (Alg. 1 l. 7), or ``g_in`` without the outer
+    """``ghat = g_in - alpha (g_at_out - g_out)`` (Alg. 1 l. 7), or ``g_in`` without the outer
     gradient (``outer`` None)."""
     return g_in if outer is None else R.control_variate(g_in, outer[0], g_out, alpha)
 
@@ -31,7 +31,7 @@ def svrg_inner_update(*, mean: Tensor, momentum_buffer: Optional[Tensor], g_in: 
                       outer: Optional[Tuple[Tensor, Any]], g_out: Tensor,
                       group: Dict[str, Any]) -> Dict[str, Tensor]:
     """SVRG / alpha-SVRG / VSGD-PoCo inner step on flat buffers (Alg. 1 l. 7-8, Alg. 2):
-    ``ghat = g_in - alpha (g_o - g_out)`` (``outer = (g_o, _)``, None before the first
+    ``ghat = g_in - alpha (g_at_out - g_out)`` (``outer = (g_at_out, _)``, None before the first
     refresh), then torch.optim.SGD's update.  Returns the new mean (and momentum buffer)."""
     ghat = corrected_gradient(g_in, outer, g_out, group["alpha"])
     m, buf = R.sgd_step(mean, ghat, momentum_buffer, lr=group["lr"], momentum=group["momentum"],

@@ -153,3 +153,12 @@ def test_a_redeclared_default_and_an_own_init():
     assert Own(_params()).defaults["lr"] == 0.2
     with pytest.raises(TypeError, match="did you mean 'lr'"):
         Own(_params(), lrr=0.1)
+
+
+def test_the_database_agrees_with_the_declarations():
+    """The tests' database says which classes take ``sample_ahead`` and ``state_dtype``:
+    the declarations decide, the database must follow."""
+    for info in infos():
+        args = info.cls._arguments
+        assert info.sample_ahead == ("sample_ahead" in args), info.name
+        assert info.state_dtype == ("state_dtype" in args), info.name

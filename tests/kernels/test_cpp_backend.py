@@ -89,17 +89,18 @@ def _kernel_run(n, ops, steps=5):
     refresh, a sample and the noise past 2**32: every byte they write."""
     g = torch.Generator().manual_seed(0)
     r = lambda: torch.randn(n, generator=g)  # noqa: E731
-    st = dict(mean=r(), mom=r() * 0.1, h=r().abs() + 0.5, g_in=r(), g_o=r(), g_out=r(),
+    st = dict(mean=r(), mom=r() * 0.1, h=r().abs() + 0.5, g_in=r(), g_at_out=r(), g_out=r(),
               h_out=r(), m_out=r(), sig=r().abs() + 0.1)
     p = torch.empty(n, dtype=torch.bfloat16)
     ctl = torch.tensor([steps, 2, 0, 0])
     flags = K.StepFlags.ivon(hess_corr=True, floor=True, clip=True,
-            debias=True).routed(corr=True, ge_in=False, ge_o=False, shared_noise=False,
+            debias=True).routed(corr=True, ge_in=False, ge_at_out=False, shared_noise=False,
             next_sample=False)
     hp = K.StepHyper.ivon(lr=0.01, beta1=0.9, beta2=0.999, wd=1e-4, ess=50.0, alpha=0.7,
-            hess_corr=0.01, floor=0.5, clip=0.4).counted(sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0)
+            hess_corr=0.01, floor=0.5, clip=0.4).counted(sign_at_out=1.0, inv_n_in=1.0,
+                                                         inv_n_at_out=1.0)
     for _ in range(3):
-        ops.step(st["mean"], p, st["mom"], st["h"], st["g_in"], None, st["g_o"], None,
+        ops.step(st["mean"], p, st["mom"], st["h"], st["g_in"], None, st["g_at_out"], None,
                  st["g_out"], st["h_out"], st["m_out"], st["sig"], ctl, None, None,
                  K.StepStreams(7, 5, 9), hp, flags)
     ops.refresh(st["mean"], st["h"], st["g_in"], None, st["g_out"], st["h_out"], st["m_out"],

@@ -169,8 +169,8 @@ def _step_args(case, group, n, pdtype, seed):
     ge_in = sum(r() for _ in range(mc)) if mc > 1 else None
     outer = None
     if corr:
-        outer = dict(g_o=sum(r() for _ in range(mc)),
-                     ge_o=sum(r() for _ in range(mc)) if mc > 1 else None,
+        outer = dict(g_at_out=sum(r() for _ in range(mc)),
+                     ge_at_out=sum(r() for _ in range(mc)) if mc > 1 else None,
                      g_out=r(), h_out=r(0.5), m_out=st["mean"] + r(0.05),
                      sigma_out=R.ivon_sigma(st["h"] + r(0.01).abs(), group["ess"], wd))
     return dict(st=st, g_in=g_in, ge_in=ge_in, outer=outer, mc=mc, steps=steps,
@@ -185,7 +185,7 @@ def _run_ivon_step(ops, a, found_inf=None, bad=0, next_sample=False):
                            floor=grp["hess_floor"] is not None,
                            clip=math.isfinite(grp["clip_radius"]), debias=grp["debias"])
     flags = path.routed(corr=corr, ge_in=a["ge_in"] is not None,
-                           ge_o=corr and outer["ge_o"] is not None,
+                           ge_at_out=corr and outer["ge_at_out"] is not None,
                            shared_noise=corr and not a["independent"] and a["mc"] == 1,
                            next_sample=next_sample)
     ctl = _ctl(steps=a["steps"], refreshes=a["refreshes"], bad=bad)
@@ -195,9 +195,9 @@ def _run_ivon_step(ops, a, found_inf=None, bad=0, next_sample=False):
                        alpha=grp["alpha"], hess_corr=grp["hess_corr_scale"],
                        floor=grp["hess_floor"] or 0.0,
                        clip=grp["clip_radius"] if math.isfinite(grp["clip_radius"]) else 0.0)
-    hyper = hp.counted(sign_o=1.0, inv_n_in=1.0 / a["mc"], inv_n_o=1.0 / a["mc"])
+    hyper = hp.counted(sign_at_out=1.0, inv_n_in=1.0 / a["mc"], inv_n_at_out=1.0 / a["mc"])
     ops.step(st["mean"], st["param"], st["momentum"], st["h"], a["g_in"], a["ge_in"],
-             o.get("g_o"), o.get("ge_o"), o.get("g_out"), o.get("h_out"), o.get("m_out"),
+             o.get("g_at_out"), o.get("ge_at_out"), o.get("g_out"), o.get("h_out"), o.get("m_out"),
              o.get("sigma_out"), ctl, found_inf, None, K.StepStreams(SEED, a["s_in"], a["s_o"]),
              hyper, flags)
     return ctl
@@ -211,11 +211,11 @@ def _ivon_expected(a):
              else g_in * _eps(n, a["steps"], a["s_in"]))
     o = None
     if outer is not None and a["refreshes"] > 0:
-        g_o = outer["g_o"] / mc
-        ge_o = (outer["ge_o"] / mc if outer["ge_o"] is not None
-                else g_o * _eps(n, a["steps"], a["s_o"]))
-        o = dict(g_o=g_o, ge_o=ge_o, **{k: outer[k] for k in ("g_out", "h_out", "m_out",
-                                                             "sigma_out")})
+        g_at_out = outer["g_at_out"] / mc
+        ge_at_out = (outer["ge_at_out"] / mc if outer["ge_at_out"] is not None
+                else g_at_out * _eps(n, a["steps"], a["s_o"]))
+        o = dict(g_at_out=g_at_out, ge_at_out=ge_at_out,
+                 **{k: outer[k] for k in ("g_out", "h_out", "m_out", "sigma_out")})
     return ivon_inner_update(mean=st["mean"], h=st["h"], g=st["momentum"], g_in=g_in,
                              ge_in=ge_in, outer=o, group=grp, step=a["steps"] + 1)
 
@@ -306,22 +306,22 @@ def test_step_kernel_grad_scale_divides_the_gradients(ops):
     exp = _ivon_expected(dict(a, st={k: v.clone() for k, v in before.items()}))
     scale = 1024.0
     scaled = dict(a, g_in=a["g_in"] * scale,
-                  outer=dict(a["outer"], g_o=a["outer"]["g_o"] * scale))
+                  outer=dict(a["outer"], g_at_out=a["outer"]["g_at_out"] * scale))
     st = {k: v.clone() for k, v in before.items()}
     o = scaled["outer"]
     grp = a["group"]
     flags = K.StepFlags.ivon(hess_corr=True, floor=False, clip=True,
-            debias=True).routed(corr=True, ge_in=False, ge_o=False, shared_noise=True,
+            debias=True).routed(corr=True, ge_in=False, ge_at_out=False, shared_noise=True,
             next_sample=False)
     hp = K.StepHyper.ivon(lr=R.ivon_lr(grp["lr"], grp["hess_init"], grp["weight_decay"], True),
                        beta1=grp["beta1"], beta2=grp["beta2"], wd=grp["weight_decay"],
                        ess=grp["ess"], alpha=grp["alpha"], hess_corr=grp["hess_corr_scale"],
                        floor=0.0, clip=grp["clip_radius"])
-    ops.step(st["mean"], st["param"], st["momentum"], st["h"], scaled["g_in"], None, o["g_o"],
+    ops.step(st["mean"], st["param"], st["momentum"], st["h"], scaled["g_in"], None, o["g_at_out"],
              None, o["g_out"], o["h_out"], o["m_out"], o["sigma_out"],
              _ctl(a["steps"], 3), None, torch.tensor([scale]),
              K.StepStreams(SEED, a["s_in"], a["s_o"]),
-             hp.counted(sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0), flags)
+             hp.counted(sign_at_out=1.0, inv_n_in=1.0, inv_n_at_out=1.0), flags)
     for k in ("mean", "h", "momentum"):
         assert_close(st[k], exp[k], STATE[torch.float32], k)
 
@@ -346,19 +346,19 @@ def test_step_kernel_sgd_family(n, pdtype, case, corr, ops):
     c = SGD_CASES[case]
     r = _gen(n, n + len(case) + corr)
     lr, alpha = 0.05, 0.6
-    mean, buf, g_in, g_o, g_out = r(), r(), r(), r(), r()
+    mean, buf, g_in, g_at_out, g_out = r(), r(), r(), r(), r()
     param = r().to(pdtype)
     m0, b0 = mean.clone(), buf.clone()
     flags = K.StepFlags.sgd(momentum=c["momentum"] != 0,
-            nesterov=c["nesterov"]).routed(corr=corr, ge_in=False, ge_o=False,
+            nesterov=c["nesterov"]).routed(corr=corr, ge_in=False, ge_at_out=False,
             shared_noise=False, next_sample=False)
     hp = K.StepHyper.sgd(lr=lr, wd=c["weight_decay"], alpha=alpha, momentum=c["momentum"],
                       dampening=c["dampening"], mom_first=float(c["first"]))
-    ops.step(mean, param, buf, None, g_in, None, g_o if corr else None, None,
+    ops.step(mean, param, buf, None, g_in, None, g_at_out if corr else None, None,
              g_out if corr else None, None, None, None, _ctl(4, 1), None, None,
-             K.StepStreams(SEED, 0, 0), hp.counted(sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0),
+             K.StepStreams(SEED, 0, 0), hp.counted(sign_at_out=1.0, inv_n_in=1.0, inv_n_at_out=1.0),
              flags)
-    ghat = R.control_variate(g_in, g_o, g_out, alpha) if corr else g_in
+    ghat = R.control_variate(g_in, g_at_out, g_out, alpha) if corr else g_in
     exp_m, exp_b = R.sgd_step(m0, ghat, None if c["first"] else b0, lr=lr,
                               momentum=c["momentum"], dampening=c["dampening"],
                               weight_decay=c["weight_decay"], nesterov=c["nesterov"])
@@ -374,18 +374,18 @@ def test_step_kernel_sgd_family(n, pdtype, case, corr, ops):
 def test_step_kernel_adamw_family(n, pdtype, corr, ops):
     r = _gen(n, 3 * n + corr)
     lr, alpha, b1, b2, eps, wd, steps = 3e-3, 0.5, 0.9, 0.99, 1e-8, 0.05, 11
-    mean, g_in, g_o, g_out = r(), r(), r(), r()
+    mean, g_in, g_at_out, g_out = r(), r(), r(), r()
     ea, eas = r(0.1), r(0.01).square()
     param = r().to(pdtype)
     m0, ea0, eas0 = mean.clone(), ea.clone(), eas.clone()
     hp = K.StepHyper.adamw(lr=lr, beta1=b1, beta2=b2, wd=wd, eps=eps, alpha=alpha)
     flags = K.StepFlags.adamw().routed(corr=corr, ge_in=False,
-                           ge_o=False, shared_noise=False, next_sample=False)
-    ops.step(mean, param, ea, eas, g_in, None, g_o if corr else None, None,
+                           ge_at_out=False, shared_noise=False, next_sample=False)
+    ops.step(mean, param, ea, eas, g_in, None, g_at_out if corr else None, None,
              g_out if corr else None, None, None, None, _ctl(steps, 2), None, None,
-             K.StepStreams(SEED, 0, 0), hp.counted(sign_o=1.0, inv_n_in=1.0, inv_n_o=1.0),
+             K.StepStreams(SEED, 0, 0), hp.counted(sign_at_out=1.0, inv_n_in=1.0, inv_n_at_out=1.0),
              flags)
-    ghat = R.control_variate(g_in, g_o, g_out, alpha) if corr else g_in
+    ghat = R.control_variate(g_in, g_at_out, g_out, alpha) if corr else g_in
     exp = R.adamw_step(m0, ghat, ea0, eas0, step=steps + 1, lr=lr, beta1=b1, beta2=b2,
                        eps=eps, weight_decay=wd)
     for got, e, name in zip((mean, ea, eas), exp, ("mean", "exp_avg", "exp_avg_sq")):
@@ -675,13 +675,13 @@ def test_operators_pass_opcheck(ops):
     flags = K.StepFlags.ivon(hess_corr=True, floor=False,
                                                           clip=False,
                                                                   debias=True).routed(corr=True,
-                                                                  ge_in=False, ge_o=False,
+                                                                  ge_in=False, ge_at_out=False,
                                                                   shared_noise=True,
                                                                   next_sample=False)
     hp = K.StepHyper.ivon(lr=0.01, beta1=0.9, beta2=0.999, wd=1e-4, ess=50.0,
                                       alpha=0.7, hess_corr=0.01, floor=0.0,
-                                              clip=0.0).counted(sign_o=1.0, inv_n_in=1.0,
-                                              inv_n_o=1.0)
+                                              clip=0.0).counted(sign_at_out=1.0, inv_n_in=1.0,
+                                              inv_n_at_out=1.0)
     rflags = K.RefreshFlags(K.FAMILY_IVON, ge=False, noisy=True)
     # the operators' own schemas: the C++ ones take the streams and flags as numbers, the
     # Triton custom ops as lists; both take the hyperparameters as their float64 row

@@ -113,17 +113,18 @@ def test_the_step_models_are_the_reference_maths(case):
     c = OL.CASES[case]
     x = OL.make_inputs(case, 301, seed=5)
     g = torch.Generator().manual_seed(9)
-    noise = {k: torch.randn(301, generator=g) for k in ("eps", "eps_o", "eps_next")}
+    noise = {k: torch.randn(301, generator=g) for k in ("eps", "eps_at_out", "eps_next")}
     exp = OL.model(case, x, noise)
     corr, mc = c.get("corr", False), x["mc"]
     g_in = x["g_in"].double() / mc
     ge_in = _d(x["ge_in"]) / mc if x["ge_in"] is not None else g_in * noise["eps"].double()
     outer = None
     if corr:
-        g_o = x["g_o"].double() / mc
-        eps_o = -noise["eps_o"] if c.get("independent") else noise["eps"]
-        ge_o = _d(x["ge_o"]) / mc if x["ge_o"] is not None else g_o * eps_o.double()
-        outer = dict(g_o=g_o, ge_o=ge_o, **{k: x[k].double() for k in
+        g_at_out = x["g_at_out"].double() / mc
+        eps_at_out = -noise["eps_at_out"] if c.get("independent") else noise["eps"]
+        ge_at_out = (_d(x["ge_at_out"]) / mc if x["ge_at_out"] is not None
+                     else g_at_out * eps_at_out.double())
+        outer = dict(g_at_out=g_at_out, ge_at_out=ge_at_out, **{k: x[k].double() for k in
                                             ("g_out", "h_out", "m_out", "sigma_out")})
     grp = _group(x["hp"], hess_floor=x["hp"]["floor"] if corr else None,
                  hess_corr_scale=x["hp"]["hess_corr"] if corr else 0.0,
@@ -158,7 +159,7 @@ def test_the_adamw_and_sgd_models_are_the_reference_maths():
     x = OL.make_inputs("step[adamw]", 301, seed=8)
     exp = OL.model("step[adamw]", x, {})
     hp = x["hp"]
-    ghat = R.control_variate(x["g_in"].double(), x["g_o"].double(), x["g_out"].double(),
+    ghat = R.control_variate(x["g_in"].double(), x["g_at_out"].double(), x["g_out"].double(),
                              hp["alpha"])
     m, ea, eas = R.adamw_step(x["mean"].double(), ghat, x["exp_avg"].double(),
                               x["exp_avg_sq"].double(), step=x["steps"] + 1, lr=hp["lr"],
@@ -168,7 +169,7 @@ def test_the_adamw_and_sgd_models_are_the_reference_maths():
         torch.testing.assert_close(exp[name].v, ref, rtol=1e-11, atol=1e-14)
     x = OL.make_inputs("step[sgd]", 301, seed=9)
     exp = OL.model("step[sgd]", x, {})
-    ghat = R.control_variate(x["g_in"].double(), x["g_o"].double(), x["g_out"].double(),
+    ghat = R.control_variate(x["g_in"].double(), x["g_at_out"].double(), x["g_out"].double(),
                              hp["alpha"])
     m, buf = R.sgd_step(x["mean"].double(), ghat, x["buf"].double(), lr=hp["lr"],
                         momentum=hp["momentum"], dampening=hp["dampening"],

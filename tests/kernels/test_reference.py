@@ -33,9 +33,9 @@ def test_outer_fold_and_control_variate():
     assert torch.equal(R.outer_fold(old, new, 0.3, first=True), new)
     torch.testing.assert_close(R.outer_fold(old, new, 0.3, first=False), 0.3 * old + 0.7 * new)
     assert torch.equal(R.outer_fold(old, new, 0.0, first=False), new)
-    x_in, x_o, x_out = torch.tensor([1.0]), torch.tensor([4.0]), torch.tensor([2.0])
-    assert torch.equal(R.control_variate(x_in, x_o, x_out, 0.0), x_in)
-    assert torch.equal(R.control_variate(x_in, x_o, x_out, 1.0), torch.tensor([-1.0]))
+    x_in, x_at_out, x_out = torch.tensor([1.0]), torch.tensor([4.0]), torch.tensor([2.0])
+    assert torch.equal(R.control_variate(x_in, x_at_out, x_out, 0.0), x_in)
+    assert torch.equal(R.control_variate(x_in, x_at_out, x_out, 1.0), torch.tensor([-1.0]))
 
 
 def test_price_hessian_is_unbiased_on_a_quadratic():

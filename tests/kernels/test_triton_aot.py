@@ -333,7 +333,7 @@ RATIO_LIMITS = {
     "step[ivon,full,next,fp32,noise1]": 1.65,
     "step[ivon,full,fp32,unpadded]": 0.7,
     "step[ivon,nocorr,bf16]": 0.7,
-    "step[ivon,ge_in+ge_o,fp32]": 0.26,
+    "step[ivon,ge_in+ge_at_out,fp32]": 0.26,
     "step[sgd,mom+nesterov+corr,bf16]": 0.21,
     "step[adamw,corr,fp32]": 0.25,
     "refresh[ivon]": 0.47,

@@ -89,9 +89,10 @@ def test_groups_differ_in_every_hyperparameter():
     old = {bk.index: {k: v.clone() for k, v in bk.buffers.items()} for bk in o._buckets}
     o.step()
     for bk in o._buckets:
-        (g_in, ge_in), (g_o, ge_o) = est[bk.index]
+        (g_in, ge_in), (g_at_out, ge_at_out) = est[bk.index]
         B = old[bk.index]
-        outer = {"g_o": g_o, "ge_o": ge_o, **{k: B[k] for k in ("g_out", "h_out", "m_out", "sigma_out")}}
+        outer = {"g_at_out": g_at_out, "ge_at_out": ge_at_out,
+                 **{k: B[k] for k in ("g_out", "h_out", "m_out", "sigma_out")}}
         results = []
         for group in o.param_groups:
             results.append(ivon_inner_update(mean=B["mean"], h=B["h"], g=B["momentum"], g_in=g_in,
@@ -101,6 +102,27 @@ def test_groups_differ_in_every_hyperparameter():
             assert torch.equal(bk.buffers[k], mine[k]), k
             assert not torch.equal(bk.buffers[k], other[k]), k
     assert o.param_groups[1]["outer_noise"] == "independent"
+
+
+def test_functional_form_reads_the_old_outer_keys_with_a_warning():
+    """``ivon_inner_update(outer=...)`` took ``g_o``/``ge_o`` before they were named apart
+    from the outer estimate ``g_out``: the old keys give the same update, with a
+    ``DeprecationWarning``; a missing key is still a ``KeyError``."""
+    gen = torch.Generator().manual_seed(3)
+    r = lambda lo=-1.0: torch.rand(37, generator=gen) * (1 - lo) + lo   # noqa: E731
+    state = dict(mean=r(), h=r(0.1), g=r(), g_in=r(), ge_in=r())
+    outer = dict(g_at_out=r(), ge_at_out=r(), g_out=r(), h_out=r(0.1), m_out=r(),
+                 sigma_out=r(0.1))
+    group = dict(pk.IVONPoCo([torch.zeros(1)], lr=0.1, ess=50.0).defaults, alpha=0.7)
+    new = ivon_inner_update(**state, outer=outer, group=group, step=3)
+    old_keys = {{"g_at_out": "g_o", "ge_at_out": "ge_o"}.get(k, k): v for k, v in outer.items()}
+    with pytest.warns(DeprecationWarning, match="g_at_out"):
+        old = ivon_inner_update(**state, outer=old_keys, group=group, step=3)
+    for k in new:
+        assert torch.equal(new[k], old[k]), k
+    with pytest.raises(KeyError, match="ge_at_out"):
+        ivon_inner_update(**state, outer={k: v for k, v in outer.items() if k != "ge_at_out"},
+                          group=group, step=3)
 
 
 def test_low_level_protocol_equals_closure(backend):

@@ -201,19 +201,19 @@ def test_precision_stays_spd_where_the_unguarded_update_is_indefinite(update):
         opt.step(prob.closure(i, log=log))
         theta_in, theta_o = log
         g_i, H_i = prob.grad_hess(theta_in, i)
-        g_o, H_o = prob.grad_hess(theta_o, i)
+        g_at_out, H_at_out = prob.grad_hess(theta_o, i)
         kw = dict(lr=lr, beta=beta, ess=ess, alpha=1.0)
         # the unguarded update (make_spd with floor -inf only symmetrises)
-        _, S_plain = R.von_poco_step(m, S, m_out, g_i, g_o, g_out, H_i, H_o, H_out,
+        _, S_plain = R.von_poco_step(m, S, m_out, g_i, g_at_out, g_out, H_i, H_at_out, H_out,
                                      min_eig=-math.inf, **kw)
         H_extra = 0.0
         if update == "blr":
-            H_in = H_i + (H_out - H_o)
+            H_in = H_i + (H_out - H_at_out)
             H_extra = blr_precision_term(S, ess * H_in, beta) / (beta * ess)
         if float(torch.linalg.eigvalsh(S_plain).min()) < 0:
             negative += 1
-        m_ref, S_ref = R.von_poco_step(m, S, m_out, g_i, g_o, g_out, H_i + H_extra, H_o, H_out,
-                                       min_eig=ess * min_eig, **kw)
+        m_ref, S_ref = R.von_poco_step(m, S, m_out, g_i, g_at_out, g_out, H_i + H_extra, H_at_out,
+                                       H_out, min_eig=ess * min_eig, **kw)
         S_new = opt.flat_state("precision")[0]
         assert torch.allclose(S_new, S_ref, rtol=1e-9, atol=1e-10)
         assert torch.allclose(opt.flat_state("mean")[0], m_ref, rtol=1e-8, atol=1e-10)

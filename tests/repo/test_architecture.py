@@ -77,12 +77,12 @@ def test_one_record_per_kernel_filled_by_family_then_by_the_engine():
     the host engine's at neutral values, which the engine then sets on the same record."""
     hp = I.StepHyper.ivon(lr=0.1, beta1=0.9, beta2=0.99, wd=0.0, ess=1.0, alpha=0.5,
                           hess_corr=0.0, floor=0.0, clip=0.0)
-    assert (hp.sign_o, hp.inv_n_in, hp.inv_n_o) == (1.0, 1.0, 0.0) and hp.momentum == 0.0
-    c = hp.counted(sign_o=-1, inv_n_in=0.5, inv_n_o=0.25)
+    assert (hp.sign_at_out, hp.inv_n_in, hp.inv_n_at_out) == (1.0, 1.0, 0.0) and hp.momentum == 0.0
+    c = hp.counted(sign_at_out=-1, inv_n_in=0.5, inv_n_at_out=0.25)
     assert type(c) is I.StepHyper and c[:3] == (-1.0, 0.5, 0.25) and c[3:] == hp[3:]
     f = I.StepFlags.sgd(momentum=True, nesterov=False)
     assert f.family == I.FAMILY_SGD and not any(f[1:6])
-    r = f.routed(corr=True, ge_in=False, ge_o=False, shared_noise=False, next_sample=True)
+    r = f.routed(corr=True, ge_in=False, ge_at_out=False, shared_noise=False, next_sample=True)
     assert r.corr and r.next_sample and r[6:] == f[6:]
     assert I.StepFlags.ivon(hess_corr=1, floor=0, clip=0, debias=1).family == I.FAMILY_IVON
     assert I.StepFlags.adamw().family == I.FAMILY_ADAMW
@@ -110,7 +110,7 @@ def test_a_missing_hyperparameter_is_an_error_not_a_default():
 
 def test_flag_bits_follow_field_order():
     f = I.StepFlags.sgd(momentum=True, nesterov=True).routed(
-        corr=True, ge_in=False, ge_o=False, shared_noise=False, next_sample=False)
+        corr=True, ge_in=False, ge_at_out=False, shared_noise=False, next_sample=False)
     assert f.bits() == (1 << 0) | (1 << 9) | (1 << 10)
     assert f.constexprs()["FAMILY"] == I.FAMILY_SGD and f.constexprs()["NESTEROV"] is True
 
@@ -196,8 +196,8 @@ def test_a_cycle_would_be_found():
 
 
 OPTIMIZER_MODULES = {"poco_kernels." + m for m in (
-    "_optimizer", "_groups", "_state_dict", "_posterior", "_transaction", "_view", "ivon",
-    "svrg", "von_poco")} | {"poco_kernels"}
+    "_optimizer", "_arguments", "_groups", "_state_dict", "_posterior", "_transaction",
+    "_view", "_derivatives", "ivon", "svrg", "von_poco")} | {"poco_kernels"}
 
 
 def test_dependencies_point_one_way():
