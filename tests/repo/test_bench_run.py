@@ -249,3 +249,30 @@ def test_bench_gpu_parts_cover_every_section_once(tmp_path, bench_modules, monke
     assert {os.path.basename(n) for n in names} == {
         "gpu_X_2026-11-24", "gpu_X_2026-11-24_part2", "gpu_X_2026-11-24_part3",
         "gpu_X_2026-11-24_part_4_x"}
+
+
+def test_compare_runs_takes_medians_per_side(tmp_path):
+    """The before/after comparison: per row, the median over each side's runs, then the
+    ratio; our rows and the control rows summarised apart."""
+    from benchmarks.common.report import CSV_FIELDS
+    from benchmarks.studies import compare_runs
+
+    def write(name, rows):
+        with open(tmp_path / name, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            w.writeheader()
+            for kernel, provider, median in rows:
+                w.writerow({**{k: "" for k in CSV_FIELDS}, "kernel": kernel,
+                            "provider": provider, "dtype": "float32", "size": "8",
+                            "median": median})
+    for i, (ours, ctl) in enumerate([(1.0, 2.0), (3.0, 2.0), (2.0, 2.0)]):
+        write(f"base_{i}.csv", [("ivon_step", "poco_kernels.cpp", ours),
+                                ("adamw_step", "torch.AdamW(fused)", ctl), ("copy", "x", 9)])
+        write(f"new_{i}.csv", [("ivon_step", "poco_kernels.cpp", 2 * ours),
+                               ("adamw_step", "torch.AdamW(fused)", ctl)])
+    text = compare_runs.compare(compare_runs.load(str(tmp_path / "base_*.csv")),
+                                compare_runs.load(str(tmp_path / "new_*.csv")))
+    assert "| ivon_step | poco_kernels.cpp | float32 | 8 | 2000.000 | 4000.000 | 2.00 |" in text
+    assert "poco_kernels rows: 1, new / base median 2.000" in text
+    assert "control rows (unchanged code): 1, new / base median 1.000" in text
+    assert "copy" not in text
