@@ -16,8 +16,8 @@ GPU; the parts below are the longer runs.
 (its JIT compilations alone take minutes), so it runs as four calls, each its own
 ``--part`` into its own ``--out``: 1 the checks (parity, no synchronisation, JIT cache
 and memory, bf16 store, CUDA graph; each kernel variant compiled once here); 2 the
-microbenchmarks and memory; 3 the GPT training step's optimizer share; 4 the pretraining
-throughput.  ``report["section_seconds"]`` records each section's time (the smoke run's
+microbenchmarks, the optimizer table and memory; 3 the GPT training step's optimizer
+share; 4 the pretraining throughput.  ``report["section_seconds"]`` records each section's time (the smoke run's
 times size the parts: ``docs/benchmarks.md``).
 
 Sections, in order (each one is written to ``--out`` as soon as it is done, so a crash
@@ -103,8 +103,8 @@ from benchmarks.gpu.parity import parity  # noqa: E402
 #: part -> (sections, run.py sections skipped): each fits one 10-minute device call
 PARTS = {1: (["parity", "checks", "graph"], []),
          2: (["bench"], ["train", "pretrain"]),
-         3: (["bench"], ["micro", "memory", "pretrain"]),
-         4: (["bench"], ["micro", "memory", "train"])}
+         3: (["bench"], ["micro", "memory", "pretrain", "table"]),
+         4: (["bench"], ["micro", "memory", "train", "table"])}
 
 
 # --------------------------------------------------------------------------- main

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/run.py                  # this machine's default device
     .venv/bin/python benchmarks/run.py --record         # also into benchmarks/results/suite/
 
-The device is CUDA when torch sees one, else the CPU (``--device`` overrides).  Four
+The device is CUDA when torch sees one, else the CPU (``--device`` overrides).  Five
 sections, each written to ``--out`` as soon as it is done:
 
 1. **Optimizer-step microbenchmarks** (``suite/micro.py``) at sizes 2**20, 2**22, ... up to what
@@ -14,12 +14,18 @@ sections, each written to ``--out`` as soon as it is done:
    ``torch.optim.AdamW`` with ``foreach=True`` and ``fused=True``.  Each row has the bytes
    per parameter its operation must move, the achieved GB/s and that as a percentage of
    the device's copy bandwidth, measured in the same run (the ceiling).
-2. **Memory** (``suite/memory.py``): optimizer state in bytes per parameter for each optimizer,
+2. **The optimizer table** (``common/optimizer_table.py``, also ``bench_gpu.py --quick``'s):
+   one training iteration of fused and foreach AdamW, ivon-opt's IVON, and our IVON and
+   IVON-PoCoMo (default, ``sample_ahead``, bfloat16 state) at GPT-2 124M's 148 parameter
+   shapes: optimizer milliseconds with the closure subtracted, ratio to fused AdamW, host
+   microseconds per iteration (the same shapes at 41k parameters), bytes per parameter by
+   the model and at the measured copy bandwidth, resident bytes per parameter.
+3. **Memory** (``suite/memory.py``): optimizer state in bytes per parameter for each optimizer,
    and the allocations one steady-state step makes.
-3. **Training-step cost** (``suite/train_gpt.py``): on a small GPT, the share of an iteration
+4. **Training-step cost** (``suite/train_gpt.py``): on a small GPT, the share of an iteration
    spent outside forward / backward for AdamW, ivon-opt's IVON, our IVON and our
    IVON-PoCoMo.
-4. **Pretraining throughput** (``suite/pretrain.py``): the package's GPT pretraining loop
+5. **Pretraining throughput** (``suite/pretrain.py``): the package's GPT pretraining loop
    (``poco_kernels.experiments.pretrain``) for a few hundred steps on real text, GPT-2
    124M in bf16 on CUDA: tokens per second, step time and the share outside forward /
    backward for AdamW (fused), ivon-opt's IVON, our IVON and our IVON-PoCoMo.
@@ -51,6 +57,7 @@ import torch
 if __package__ in (None, ""):    # run as a script: the repository root, for ``benchmarks.*``
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import optimizer_table  # noqa: E402
 from benchmarks.common.byte_models import BYTE_MODELS  # noqa: E402
 from benchmarks.common.device import device_info  # noqa: E402
 from benchmarks.common.report import (RESULTS, Bench, copy_row, cpp_targets, dump,  # noqa: E402
@@ -103,8 +110,14 @@ def build_parser():
                     help="sequences per step (default 16)")
     ap.add_argument("--pretrain-steps", type=int, default=None,
                     help="steps per optimizer (default 200 on CUDA, 60 on the CPU)")
+    ap.add_argument("--table-scale", default="gpt2", choices=["gpt2", "smoke"],
+                    help="shapes of the optimizer table: GPT-2 124M's 148 tensors "
+                         "(default), or 16 tiny ones")
+    ap.add_argument("--table-reps", type=int, default=None,
+                    help="timed iterations per optimizer-table row (default 5 on the CPU, "
+                         "15 on CUDA)")
     ap.add_argument("--skip", nargs="*", default=[],
-                    choices=["micro", "memory", "train", "pretrain"])
+                    choices=["micro", "memory", "train", "pretrain", "table"])
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--record", action="store_true",
                     help="also write benchmarks/results/suite/<device>_<date>[_<tag>].csv "
@@ -133,7 +146,7 @@ def pick_device(name):
 
 # --------------------------------------------------------------------------- main
 def suite(args, dev, info, report=None, report_name="bench_report.json"):
-    """All four sections on ``dev``; returns (exit code, report)."""
+    """All five sections on ``dev``; returns (exit code, report)."""
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     report = {} if report is None else report
@@ -166,7 +179,7 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
     torch_max = args.ref_max_size or max(sizes)
     backends = args.backends or micro.kernel_backends(dev) + ["torch"]
     budget = args.budget_s if args.budget_s is not None else (float("inf") if cpu else 360.0)
-    mem_rows, train_rows, pre_rows = [], [], []
+    mem_rows, train_rows, pre_rows, table = [], [], [], None
     timing = "perf_counter" if cpu else "events"
 
     def ceiling():
@@ -185,11 +198,12 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
         inpl = statistics.median(x["bandwidth_Bps"] for x in inplace) if inplace else None
         write_csv(os.path.join(args.out, "bench.csv"), rows, device, date)
         md = markdown(info, ceiling(), inpl, rows, mem_rows, train_rows,
-                      notes + B.errors + report.get("targets", []), pre_rows)
+                      notes + B.errors + report.get("targets", []), pre_rows, table)
         with open(os.path.join(args.out, "bench.md"), "w") as f:
             f.write("\n".join(md) + "\n")
         report.update(copies=copies, inplace=inplace, ceiling_Bps=ceiling(), rows=rows,
-                      memory=mem_rows, train=train_rows, pretrain=pre_rows, errors=B.errors,
+                      memory=mem_rows, train=train_rows, pretrain=pre_rows,
+                      optimizer_table=table, errors=B.errors,
                       notes=notes,
                       seconds=time.perf_counter() - t_start)
         dump(rpath, report)
@@ -207,18 +221,25 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
         if cpu:
             report["targets"] = cpp_targets(all_rows(), max(sizes), inplace)
         write()
+    if "table" not in args.skip:
+        log(f"[3] the optimizer table: one iteration per optimizer at GPT-2 124M's shapes "
+            f"({args.table_scale})")
+        table = optimizer_table.table(
+            dev, ceiling(), scale=args.table_scale, ivon_mod=ivon_mod,
+            reps=args.table_reps or (5 if cpu else 15), warm=1 if cpu else 2)
+        write()
     if "memory" not in args.skip:
-        log("[3] memory: state bytes per parameter, allocations per step")
+        log("[4] memory: state bytes per parameter, allocations per step")
         mem_rows = memory.run(dev, dtypes, backends, ivon_mod,
                               numel=args.memory_numel)
         write()
     if "train" not in args.skip:
-        log("[4] training step on a small GPT")
+        log("[5] training step on a small GPT")
         train_rows = train_gpt.run(dev, ivon_mod, preset=args.gpt, batch=args.gpt_batch,
                                    seq=args.gpt_seq, iters=args.gpt_iters)
         write()
     if "pretrain" not in args.skip:
-        log("[5] pretraining throughput")
+        log("[6] pretraining throughput")
         pre_rows = pretrain.run(dev, ivon_mod, preset=args.pretrain_preset,
                                 batch=args.pretrain_batch, steps=args.pretrain_steps)
         write()
@@ -236,6 +257,8 @@ def suite(args, dev, info, report=None, report_name="bench_report.json"):
             if "error" in r]
     bad += [f"train {r['optimizer']}: {r['error']}" for r in train_rows if "error" in r]
     bad += [f"pretrain {r['optimizer']}: {r['error']}" for r in pre_rows if "error" in r]
+    bad += [f"optimizer table {k}: {r['error']}" for k, r in (table or {}).get("rows", {}).items()
+            if "error" in r]
     code = 4 if bad else 0
     log(f"{'PASS' if code == 0 else 'FAIL'} (exit {code}) in "
         f"{time.perf_counter() - t_start:.0f} s; outputs in {args.out}")

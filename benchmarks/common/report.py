@@ -252,7 +252,8 @@ def headline(rows, dev):
     return lines
 
 
-def markdown(info, ceiling, inplace_bw, rows, mem_rows, train_rows, notes, pre_rows=()):
+def markdown(info, ceiling, inplace_bw, rows, mem_rows, train_rows, notes, pre_rows=(),
+             table=None):
     out = [f"# poco_kernels benchmarks: {info['device']}", "",
            f"{info['date']}; torch {info['torch']}; triton {info.get('triton')}; "
            f"{info['threads']} threads; git {str(info.get('git_head'))[:10]}."]
@@ -267,6 +268,13 @@ def markdown(info, ceiling, inplace_bw, rows, mem_rows, train_rows, notes, pre_r
     out += headline(rows, torch.device("cuda" if "gpu_" in info["slug"] else "cpu"))
     if rows:
         out += ["", "## Optimizer-step microbenchmarks", ""] + micro_tables(rows, ceiling)
+    if table:
+        out += ["## The optimizer table", "",
+                f"One training iteration per optimizer at GPT-2 124M's shapes (`{table['scale']}`"
+                f": {table['n_params'] / 1e6:.2f}M parameters), float32 parameters; the closure "
+                f"(zero_grad, backward of sum(p * c)) takes {table['closure_ms']:.3f} ms and is "
+                "subtracted; host us: the same at 41k parameters "
+                "(`benchmarks/common/optimizer_table.py`).", ""] + optimizer_table_md(table) + [""]
     if mem_rows:
         out += ["## Memory", ""] + memory_table(mem_rows) + [""]
     if train_rows:
@@ -287,6 +295,20 @@ def markdown(info, ceiling, inplace_bw, rows, mem_rows, train_rows, notes, pre_r
                  if r0 else ""), ""] + pretrain_table(pre_rows) + [""]
     if notes:
         out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return out
+
+
+def optimizer_table_md(table):
+    out = ["| optimizer | ms per iteration | x fused AdamW | host us | model B/param | "
+           "B/param at copy bw | share of copy | resident B/param |",
+           "|---|---|---|---|---|---|---|---|"]
+    for kind, r in table["rows"].items():
+        if "optimizer_ms" not in r:
+            out.append(f"| {kind} | {r.get('error') or r.get('skipped')} | | | | | | |")
+            continue
+        out.append(f"| {kind} | {r['optimizer_ms']:.3f} | {r['ratio_to_fused_adamw']} | "
+                   f"{r['host_us']} | {r['model_B_per_param']} | {r['B_per_param_at_copy_bw']} | "
+                   f"{r['share_of_copy']} | {r['resident_B_per_param']} |")
     return out
 
 

@@ -31,7 +31,7 @@ def test_run_writes_the_schema_and_tables(tmp_path, bench_modules):
                      "--reps", "2", "--max-s", "1", "--copy-mib", "4", "--rotate-mib", "4",
                      "--gpt", "gpt-test", "--gpt-iters", "2", "--memory-numel", "30001",
                      "--pretrain-preset", "gpt-test", "--pretrain-batch", "4",
-                     "--pretrain-steps", "12",
+                     "--pretrain-steps", "12", "--table-scale", "smoke", "--table-reps", "3",
                      "--backends", "cpp", "torch", "--out", str(tmp_path)])
     assert code == 0, (tmp_path / "bench.md").read_text()
     with open(tmp_path / "bench.csv") as f:
@@ -61,8 +61,21 @@ def test_run_writes_the_schema_and_tables(tmp_path, bench_modules):
     md = (tmp_path / "bench.md").read_text()
     for section in ("## Optimizer-step microbenchmarks", "## Memory",
                     "## Training step on a small GPT", "IVON-PoCoMo's inner step",
-                    "## Pretraining throughput"):
+                    "## Pretraining throughput", "## The optimizer table"):
         assert section in md, section
+    with open(tmp_path / "bench_report.json") as f:
+        table = json.load(f)["optimizer_table"]
+    from benchmarks.common.optimizer_table import KINDS
+    assert list(table["rows"]) == list(KINDS)
+    for kind, r in table["rows"].items():
+        for k in ("optimizer_ms", "ratio_to_fused_adamw", "host_us", "model_B_per_param",
+                  "B_per_param_at_copy_bw", "resident_B_per_param"):
+            assert r[k] is not None, (kind, k)
+    rows = table["rows"]     # parameters and gradients float32: 8 B; AdamW's state 8 B
+    assert rows["adamw_fused"]["resident_B_per_param"] == 16.0
+    assert rows["ivon"]["resident_B_per_param"] >= 20.0
+    assert rows["ivon_pocomo_bf16_state"]["resident_B_per_param"] < rows["ivon_pocomo"][
+        "resident_B_per_param"]
 
 
 def test_docs_document_the_benchmark_command():
@@ -212,7 +225,7 @@ def test_bench_gpu_parts_cover_every_section_once(tmp_path, bench_modules, monke
                             lambda dev, smoke, name=name: (ran.append(name) or {}, []))
     monkeypatch.setattr(bench_gpu, "check_bf16_store",
                         lambda dev: {"mismatches": 0, "examples": []})
-    sections = ("micro", "memory", "train", "pretrain")
+    sections = ("micro", "memory", "train", "pretrain", "table")
 
     def suite(bargs, dev, info):
         ran.extend(s for s in sections if s not in bargs.skip)
@@ -234,7 +247,7 @@ def test_bench_gpu_parts_cover_every_section_once(tmp_path, bench_modules, monke
         seen.update(skip=set(bargs.skip), tag=bargs.record_tag)
         return 0, None
     monkeypatch.setattr(suite_mod, "suite", suite2)
-    for part, skip, runs in ((2, ["memory"], {"micro"}), (3, ["memory"], {"train"}),
+    for part, skip, runs in ((2, ["memory"], {"micro", "table"}), (3, ["memory"], {"train"}),
                              (4, ["micro", "pretrain"], set())):
         assert bench_gpu.main(["--smoke", "--part", str(part), "--skip", *skip,
                                "--out", str(tmp_path / "q")]) == 0
