@@ -155,12 +155,13 @@ def _make_init(cls, args: Dict[str, Argument]) -> Callable:
     (so ``inspect.signature`` and tracebacks see plain parameters)."""
     positional = [a for a in args.values() if not a.keyword_only]
     keyword = [a for a in args.values() if a.keyword_only]
-    later = [a.name for a in positional if not a.required]
-    wrong = [a.name for a in positional if a.required and later
-             and positional.index(a) > positional.index(args[later[0]])]
-    if wrong:
-        raise TypeError(f"{cls.__name__}: required argument(s) {wrong} after "
-                        f"{later[0]!r}, which has a default")
+    first_default = next((a.name for a in positional if not a.required), None)
+    if first_default is not None:
+        tail = positional[[a.name for a in positional].index(first_default):]
+        wrong = [a.name for a in tail if a.required]
+        if wrong:
+            raise TypeError(f"{cls.__name__}: required argument(s) {wrong} after "
+                            f"{first_default!r}, which has a default")
     ns: Dict[str, Any] = {"_convert": {a.name: a.convert for a in args.values() if a.convert}}
 
     def param(a: Argument) -> str:

@@ -1,6 +1,7 @@
 """The optimizer table: every optimizer a user weighs against this package, one training
 iteration each at GPT-2 124M's 148 parameter shapes, measured the same way on every device
-(the suite's ``[6]`` on any device, ``bench_gpu.py --quick``'s ``optimizer_only`` on a GPU).
+(``run.py``'s section 2 on any device, ``bench_gpu.py --quick``'s ``optimizer_only`` on a
+GPU).
 
 Rows: fused and foreach AdamW (``closure(); step()``), ivon-opt's IVON (a closure inside
 ``sampled_params(train=True)``, then ``step()``), and this package's IVON and IVON-PoCoMo
@@ -25,7 +26,7 @@ Columns, per row:
   gradient included (CUDA: the allocator's count; elsewhere: the parameters, their
   gradients and the tensors the optimizer object holds, each storage once);
 * ``host_us``: ``optimizer_ms`` again, at the same 148 shapes scaled down to ~41k
-  parameters, where the kernels take a few microseconds: the host's time per iteration
+  parameters, where the kernels' share is small: mostly the host's time per iteration
   (Python, launches, synchronisation) that a small or medium model pays on every step.
 """
 from __future__ import annotations
