@@ -103,7 +103,11 @@ class GradsMixin:
                 continue
             if cleared_only and any(p.grad is not None for p in b.params):
                 continue
-            i = self._free_buffer(b, lent, b.handed)
+            # the first free buffer, not the one handed last: each iteration then uses
+            # the same buffers in the same roles (inner sample, outer sample), which a
+            # captured CUDA graph replays (alternating buffers would leave the graph
+            # relying on a zeroing that only the next, uncaptured, iteration did)
+            i = self._free_buffer(b, lent)
             gb = b.grad_bufs[i]
             gb.zero()
             for p, v in zip(b.params, gb.views):

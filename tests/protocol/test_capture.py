@@ -214,3 +214,123 @@ def test_while_capturing_an_unwritten_gradient_counts_as_written(backend, monkey
         assert (0, 0) in eng.unwritten()
         monkeypatch.setattr(fused_grads, "_capturing", lambda: True)
         assert eng.unwritten() == set()
+
+
+def _is_tensor(o):
+    try:
+        return isinstance(o, torch.Tensor)
+    except ReferenceError:               # (a weak proxy whose object is gone)
+        return False
+
+
+def _storage(t):
+    """The address of a tensor's storage (None for a tensor without data: fake, meta)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class DeviceWork(TorchDispatchMode):
+    """The device work of a call as a CUDA graph would record it: every operator and
+    kernel with the storages it touches (those alive before the call by address, the
+    call's own temporaries as ``tmp``) and its host arguments.  Two calls whose records
+    are equal replay the same graph: a graph captured at one of them stands for the
+    other."""
+
+    def __init__(self, opt):
+        super().__init__()
+        self.log, self.before = [], set()
+        runner = opt._runner
+        ops, mode = runner.ops, self
+
+        class Ops:                       # the kernel launches, with their host arguments
+            def __getattr__(self, name):
+                fn = getattr(ops, name)
+                if not callable(fn):
+                    return fn
+
+                def call(*a, **k):
+                    mode.log.append(("kernel." + name, mode.key(a)))
+                    return fn(*a, **k)
+                return call
+        runner.ops = Ops()
+
+    def key(self, a):
+        if isinstance(a, torch.Tensor):
+            ptr = a.untyped_storage().data_ptr()
+            return ("tensor", ptr if ptr in self.before else "tmp", a.storage_offset(),
+                    tuple(a.shape), a.dtype)
+        if isinstance(a, (tuple, list)):
+            return tuple(self.key(x) for x in a)
+        if isinstance(a, (int, float, bool, str, type(None), torch.dtype)):
+            return a
+        return type(a).__name__
+
+    def record(self, fn):
+        import gc
+        import warnings
+        with warnings.catch_warnings():      # (isinstance on torch's deprecated objects)
+            warnings.simplefilter("ignore")
+            self.before = {_storage(o) for o in gc.get_objects() if _is_tensor(o)}
+        self.log = []
+        with self:
+            fn()
+        return self.log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not name.startswith(("aten.detach", "aten.alias", "aten._to_copy")):
+            self.log.append((name, self.key((args, tuple((kwargs or {}).items())))))
+        return func(*args, **(kwargs or {}))
+
+
+def _replays(backend, monkeypatch=None):
+    """The device work of steady-state iterations and refreshes, in the order a training
+    loop with captured graphs replays them: an iteration after iterations, after a refresh,
+    a refresh after an iteration, after a refresh."""
+    model, prob = mlp(), Problem()
+    opt = _tensor_opt(backend, model)
+    batches = prob.batches(5)
+    for t in range(4):                   # past the first refresh: the steady state
+        if t == 1:
+            _refresh(opt, model, prob)
+        _iteration(opt, model, prob, batches[t])
+    rec = DeviceWork(opt)
+    seq = ["it", "it", "it", "rf", "it", "it", "rf", "rf", "it"]
+    out = []
+    for t, what in enumerate(seq):
+        # (one mini-batch: a graph's static input, whatever data is copied into it)
+        work = (lambda: _iteration(opt, model, prob, batches[4])) if what == "it" \
+            else (lambda: _refresh(opt, model, prob))
+        out.append((what, rec.record(work)))
+    return out
+
+
+@fused
+def test_every_steady_state_iteration_and_refresh_does_the_same_device_work(backend):
+    """A captured CUDA graph replays the device work of the call it captured: every
+    steady-state iteration must touch the same buffers with the same arguments (the
+    gradient buffers in the same roles, a buffer zeroed in the same place), whatever came
+    before it, or the replays drift from eager execution (they did on an H100 when the
+    gradient buffers alternated between iterations)."""
+    runs = _replays(backend)
+    first = {}
+    for what, log in runs:
+        assert log, what
+        ref = first.setdefault(what, log)
+        assert log == ref, f"a {what!r} differs from the first: " + next(
+            f"at {i}: {x} != {y}" for i, (x, y) in enumerate(zip(log + [None], ref + [None]))
+            if x != y)
+
+
+@fused
+def test_the_device_work_check_can_fail(backend, monkeypatch):
+    """Gradient buffers handed out in turn (the last one handed out first, as before the
+    fix) make two consecutive iterations differ."""
+    real = fused_grads.GradsMixin._free_buffer
+    monkeypatch.setattr(fused_grads.GradsMixin, "_free_buffer",
+                        lambda self, b, lent, prefer=None: real(self, b, lent, b.handed))
+    runs = _replays(backend)
+    its = [log for what, log in runs if what == "it"]
+    assert its[0] != its[1]
