@@ -151,9 +151,10 @@ class _ClosureClock:
         return timed_fn
 
 
-def _make(kind, dev, shapes, cs, g, ivon_mod, clock):
+def _make(kind, dev, shapes, cs, g, ivon_mod, clock, options=None):
     """(iteration, closure evaluations per iteration, optimizer, parameters); the
-    closure's calls add their time to ``clock``."""
+    closure's calls add their time to ``clock``; ``options``: more keyword arguments of
+    this package's optimizers (``grad_views=False``)."""
     ps = [torch.nn.Parameter(torch.randn(s, generator=g).to(dev) * 0.02) for s in shapes]
     opt = None
 
@@ -180,7 +181,8 @@ def _make(kind, dev, shapes, cs, g, ivon_mod, clock):
         return ivon_opt, 1, opt, ps
     kw = dict(lr=0.1, ess=1e6, hess_init=1e-3, backend=fused_backend(dev),
               sample_ahead=kind.endswith("sample_ahead"),
-              state_dtype=torch.bfloat16 if kind.endswith("bf16_state") else None)
+              state_dtype=torch.bfloat16 if kind.endswith("bf16_state") else None,
+              **(options or {}))
     poco = kind.startswith("ivon_pocomo")
     opt = pk.IVONPoCoMo(ps, alpha=0.7, **kw) if poco else pk.IVON(ps, **kw)
     if poco:
@@ -200,7 +202,7 @@ def _resident(dev, opt, ps, base: int, n: int) -> float:
 
 
 def measure(dev, scale: str, reps: int, warm: int, ivon_mod=None,
-            kinds=KINDS) -> Tuple[Dict[str, dict], float]:
+            kinds=KINDS, options=None) -> Tuple[Dict[str, dict], float]:
     """Per kind: cycle_ms, optimizer_ms, resident_B_per_param (or ``error``/``skipped``);
     and the median closure milliseconds."""
     shapes = gpt2_shapes(scale)
@@ -221,7 +223,7 @@ def measure(dev, scale: str, reps: int, warm: int, ivon_mod=None,
             release(dev)
             base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
             clock = _ClosureClock()
-            f, calls, opt, ps = _make(kind, dev, shapes, cs, g, ivon_mod, clock)
+            f, calls, opt, ps = _make(kind, dev, shapes, cs, g, ivon_mod, clock, options)
             if f is None:
                 rows[kind] = {"skipped": "ivon-opt is not installed, nor a wheel in .whl/"}
                 continue

@@ -209,6 +209,33 @@ def test_host_overhead_writes_the_schema(tmp_path):
     assert all(float(r["p20"]) <= float(r["median"]) <= float(r["p80"]) for r in rows)
 
 
+@pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
+                    reason="measures the C++ backend")
+def test_host_profile_and_grad_views_studies_write_their_tables(tmp_path, monkeypatch):
+    """Both studies at the optimizer table's smallest shapes: every requested row, with
+    and without the gradient views, the profile of the chosen row."""
+    from benchmarks.common import optimizer_table as ot
+    from benchmarks.studies import grad_views, host_profile
+    monkeypatch.setitem(ot.SCALES, "host", ot.SCALES["smoke"])    # (CI time)
+    assert host_profile.main(["--device", "cpu", "--kinds", "adamw_fused", "ivon_pocomo",
+                              "--iters", "3", "--warm", "1", "--profile", "ivon_pocomo",
+                              "--profile-iters", "2", "--out", str(tmp_path / "hp")]) == 0
+    with open(tmp_path / "hp" / "host_profile.json") as f:
+        rows = json.load(f)["rows"]
+    assert set(rows) == {"adamw_fused", "ivon_pocomo"}
+    assert rows["ivon_pocomo"]["closure_calls"] == 2
+    assert all(0 < r["closure_us"] < r["host_us"] for r in rows.values())
+    text = (tmp_path / "hp" / "host_profile.md").read_text()
+    assert "## cProfile: ivon_pocomo" in text and "fused.py" in text
+    assert grad_views.main(["--device", "cpu", "--scales", "smoke", "--rounds", "1",
+                            "--reps", "2", "--kinds", "adamw_fused", "ivon",
+                            "--out", str(tmp_path / "gv")]) == 0
+    with open(tmp_path / "gv" / "grad_views.csv") as f:
+        got = {(r["row"], r["grad_views"]) for r in csv.DictReader(f)}
+    assert got == {(k, v) for k in ("adamw_fused", "ivon") for v in ("True", "False")}
+    assert "| smoke | ivon |" in (tmp_path / "gv" / "grad_views.md").read_text()
+
+
 def test_bench_gpu_parts_cover_every_section_once(tmp_path, bench_modules, monkeypatch):
     """``--part 1..4`` (one 10-minute device call each): together they run every check
     and every benchmark section exactly once, and each report times its sections."""
