@@ -16,10 +16,11 @@ sections, each written to ``--out`` as soon as it is done:
    the device's copy bandwidth, measured in the same run (the ceiling).
 2. **The optimizer table** (``common/optimizer_table.py``, also ``bench_gpu.py --quick``'s):
    one training iteration of fused and foreach AdamW, ivon-opt's IVON, and our IVON and
-   IVON-PoCoMo (default, ``sample_ahead``, bfloat16 state) at GPT-2 124M's 148 parameter
-   shapes: optimizer milliseconds with the closure subtracted, ratio to fused AdamW, host
-   microseconds per iteration (the same shapes at 41k parameters), bytes per parameter by
-   the model and at the measured copy bandwidth, resident bytes per parameter.
+   IVON-PoCoMo (default, ``sample_ahead``, bfloat16 state, ``grad_views=False``) at
+   GPT-2 124M's 148 parameter shapes: optimizer milliseconds with the closure
+   subtracted, ratio to fused AdamW, host microseconds per iteration (the same shapes at
+   41k parameters), bytes per parameter by the model and at the measured copy bandwidth,
+   resident bytes per parameter.
 3. **Memory** (``suite/memory.py``): optimizer state in bytes per parameter for each optimizer,
    and the allocations one steady-state step makes.
 4. **Training-step cost** (``suite/train_gpt.py``): on a small GPT, the share of an iteration

@@ -152,12 +152,18 @@ def b_iteration(name, provider, P=S):
     (float32 parameters hold the mean: sync) + step; IVON-PoCoMo: inner sample + outer
     sample + step with the correction.  ``sample_ahead`` in ``provider``: no inner
     sample (the step wrote it; its parameter write is the step's); ``bf16_state``:
-    state_dtype=bfloat16 (momentum and outer buffers 2 bytes)."""
+    state_dtype=bfloat16 (momentum and outer buffers 2 bytes); ``no_grad_views``:
+    grad_views=False, autograd's own ``.grad`` gathered into the buffer (one copy) and
+    checked, nothing to zero (the in-place add the views cost autograd is the closure's,
+    not counted here)."""
     if name == "AdamW":
         return b_adamw(P)
     L = 2 if "bf16_state" in provider else S
     grads = 1 if name == "IVON" else 2
-    total = grads * (b_check(P) + b_zero(P))
+    if "no_grad_views" in provider:
+        total = grads * (b_gather(P) + b_check(P))
+    else:
+        total = grads * (b_check(P) + b_zero(P))
     if "sample_ahead" not in provider:
         total += b_sample_inner(P, P == S)
     if name == "IVON":

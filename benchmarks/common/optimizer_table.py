@@ -6,7 +6,8 @@ GPU).
 Rows: fused and foreach AdamW (``closure(); step()``), ivon-opt's IVON (a closure inside
 ``sampled_params(train=True)``, then ``step()``), and this package's IVON and IVON-PoCoMo
 (``step(closure)``; IVON-PoCoMo with the correction active), each of ours also with
-``sample_ahead=True`` and with bfloat16 state.  The closure is what training does to the
+``sample_ahead=True``, with bfloat16 state and with ``grad_views=False`` (autograd's own
+``.grad`` tensors, copied in, instead of views it adds into).  The closure is what training does to the
 gradients: zero them (the optimizer's ``zero_grad()``), the backward pass of
 ``sum(p * c)`` (one gradient tensor per parameter, through autograd).
 
@@ -44,8 +45,8 @@ from benchmarks.common.report import log
 
 #: the rows, in the table's order
 KINDS = ("adamw_fused", "adamw_foreach", "ivon_opt", "ivon", "ivon_sample_ahead",
-         "ivon_bf16_state", "ivon_pocomo", "ivon_pocomo_sample_ahead",
-         "ivon_pocomo_bf16_state")
+         "ivon_bf16_state", "ivon_no_grad_views", "ivon_pocomo", "ivon_pocomo_sample_ahead",
+         "ivon_pocomo_bf16_state", "ivon_pocomo_no_grad_views")
 
 #: (d, vocab, context, layers) of the shape sets
 SCALES = {"gpt2": (768, 50304, 1024, 12),      # GPT-2 124M: 124.4M parameters
@@ -181,8 +182,10 @@ def _make(kind, dev, shapes, cs, g, ivon_mod, clock, options=None):
         return ivon_opt, 1, opt, ps
     kw = dict(lr=0.1, ess=1e6, hess_init=1e-3, backend=fused_backend(dev),
               sample_ahead=kind.endswith("sample_ahead"),
-              state_dtype=torch.bfloat16 if kind.endswith("bf16_state") else None,
-              **(options or {}))
+              state_dtype=torch.bfloat16 if kind.endswith("bf16_state") else None)
+    if kind.endswith("no_grad_views"):
+        kw["grad_views"] = False
+    kw.update(options or {})
     poco = kind.startswith("ivon_pocomo")
     opt = pk.IVONPoCoMo(ps, alpha=0.7, **kw) if poco else pk.IVON(ps, **kw)
     if poco:
