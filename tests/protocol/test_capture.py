@@ -7,6 +7,8 @@ float run's bits; a refresh reads the device only until the correction is active
 capture itself, replayed against eager execution, and torch.compile of a training step
 without recompilation are ``benchmarks/gpu/capture.py``'s checks, run on a GPU by
 ``bench_gpu.py --quick`` and on the CPU by its smoke run (``tests/repo/test_bench_run.py``)."""
+import weakref
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -216,11 +218,31 @@ def test_while_capturing_an_unwritten_gradient_counts_as_written(backend, monkey
         assert eng.unwritten() == set()
 
 
-def _is_tensor(o):
-    try:
-        return isinstance(o, torch.Tensor)
-    except ReferenceError:               # (a weak proxy whose object is gone)
-        return False
+def _held_storages(owners) -> set:
+    """The addresses of the storages of every tensor reachable from ``owners`` (their
+    attributes, containers and closures, and each leaf tensor's ``.grad``), not looking
+    into classes, modules or functions' globals."""
+    import gc
+    import types
+    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+            types.MethodWrapperType, weakref.ReferenceType)
+    seen, out, stack = set(), set(), list(owners)
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, skip):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            out.add(_storage(o))
+            if o.is_leaf and o.grad is not None:
+                stack.append(o.grad)
+            continue
+        if isinstance(o, types.MethodType):
+            stack.append(o.__self__)
+            continue
+        stack.extend(gc.get_referents(o))
+    out.discard(None)
+    return out
 
 
 def _storage(t):
@@ -267,12 +289,11 @@ class DeviceWork(TorchDispatchMode):
             return a
         return type(a).__name__
 
-    def record(self, fn):
-        import gc
-        import warnings
-        with warnings.catch_warnings():      # (isinstance on torch's deprecated objects)
-            warnings.simplefilter("ignore")
-            self.before = {_storage(o) for o in gc.get_objects() if _is_tensor(o)}
+    def record(self, fn, *owners):
+        """The device work of ``fn()``; ``owners`` (the optimizer, the model, the data)
+        hold the storages that outlive the call, known by address (a temporary of the
+        call may reuse the address of something freed meanwhile: it stays ``tmp``)."""
+        self.before = _held_storages(owners)
         self.log = []
         with self:
             fn()
@@ -303,7 +324,7 @@ def _replays(backend, monkeypatch=None):
         # (one mini-batch: a graph's static input, whatever data is copied into it)
         work = (lambda: _iteration(opt, model, prob, batches[4])) if what == "it" \
             else (lambda: _refresh(opt, model, prob))
-        out.append((what, rec.record(work)))
+        out.append((what, rec.record(work, opt, model, prob)))
     return out
 
 
