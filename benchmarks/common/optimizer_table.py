@@ -7,9 +7,9 @@ Rows: fused and foreach AdamW (``closure(); step()``), ivon-opt's IVON (a closur
 ``sampled_params(train=True)``, then ``step()``), and this package's IVON and IVON-PoCoMo
 (``step(closure)``; IVON-PoCoMo with the correction active), each of ours also with
 ``sample_ahead=True``, with bfloat16 state and with ``grad_views=False`` (autograd's own
-``.grad`` tensors, copied in, instead of views it adds into).  The closure is what training does to the
-gradients: zero them (the optimizer's ``zero_grad()``), the backward pass of
-``sum(p * c)`` (one gradient tensor per parameter, through autograd).
+``.grad`` tensors, copied in, instead of views it adds into).  The closure is what
+training does to the gradients: zero them (the optimizer's ``zero_grad()``), the
+backward pass of ``sum(p * c)`` (one gradient tensor per parameter, through autograd).
 
 Columns, per row:
 
