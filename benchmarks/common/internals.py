@@ -7,6 +7,7 @@ so that a change of the package's internals is followed in one file:
   ``write_params`` (the layout; :func:`perturb_state` moves the state in place);
 * ``opt._active`` and ``opt._pending`` (the host's record of the open sample and of the
   collected gradient sums);
+* the fused engine's per-call host work (:func:`engine_calls`);
 * ending a sample without restoring the mean (``opt._active = None``: what
   ``step(closure)`` does between its samples on the fused backends, whose next sample or
   step overwrites the parameters).
@@ -67,3 +68,23 @@ def perturb_state(opt, rel, gen):
                 move(buf)
             if b.param_dtype != torch.float32:
                 b.write_params(b.buffers["mean"])
+
+
+
+def engine_calls(opt):
+    """The fused engine's per-call host work on ``opt`` as callables
+    (``benchmarks/studies/engine_calls.py``): the ``.grad`` hand-out of a sample, the
+    check of which views no backward reached (with every one reached), and
+    ``accumulate``'s gathering of every bucket's gradients."""
+    eng = opt._runner
+    ids = {id(p) for b in opt._buckets for p in b.params}
+
+    def unwritten():
+        eng.reached.update(ids)
+        eng.unwritten()
+
+    def gather():
+        lent = eng._lent()
+        for b in opt._buckets:
+            eng._gather_grads(b, lent)
+    return {"hand_out": eng.hand_out, "unwritten": unwritten, "gather": gather}

@@ -12,6 +12,7 @@ a pending sum is lent until the update that consumes it.
 """
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import List, Optional
 
@@ -24,6 +25,13 @@ from .._layout import alloc_flat, local
 def _capturing() -> bool:
     """A CUDA graph is being captured on the current stream."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _ids(b) -> frozenset:
+    """The ``id`` of each parameter of bucket ``b`` (made once)."""
+    if b.param_ids is None:
+        b.param_ids = frozenset(id(p) for p in b.params)
+    return b.param_ids
 
 
 def _refuse_sparse(g: Tensor) -> None:
@@ -113,9 +121,12 @@ class GradsMixin:
             for p, v in zip(b.params, gb.views):
                 if p.grad is not v:
                     p.grad = v
-                self.reached.discard(id(p))
-                if id(p) not in self._watched:
-                    self._watch(p)
+            ids = _ids(b)
+            self.reached -= ids
+            if not ids <= self._watched:
+                for p in b.params:
+                    if id(p) not in self._watched:
+                        self._watch(p)
             b.handed = i
 
     def _watch(self, p) -> None:
@@ -143,8 +154,11 @@ class GradsMixin:
             gb = b.grad_bufs[b.handed]
             if id(gb.flat) in lent:
                 continue
-            ours = [p.grad is v for p, v in zip(b.params, gb.views)]
-            if any(ours):
+            ours = list(map(operator.is_, [p.grad for p in b.params], gb.views))
+            if all(ours):                     # (the usual case: set operations only)
+                gb.zero()
+                done |= _ids(b)
+            elif any(ours):
                 gb.zero()
                 done.update(id(p) for p, o in zip(b.params, ours) if o)
         return done
@@ -163,7 +177,7 @@ class GradsMixin:
             return out
         cand = []
         for b in self.view.buckets:
-            if b.handed is None:
+            if b.handed is None or _ids(b) <= self.reached:    # (every one reached)
                 continue
             gb = b.grad_bufs[b.handed]
             for i, (p, v) in enumerate(zip(b.params, gb.views)):
@@ -182,9 +196,11 @@ class GradsMixin:
         compiling = torch.compiler.is_compiling()
         i = self._free_buffer(b, lent, b.handed)
         gb = b.grad_bufs[i]
+        grads = [p.grad for p in b.params]
+        if not compiling and all(map(operator.is_, grads, gb.views)):
+            return gb                         # (the usual case: every one the view)
         srcs, dsts, zero = [], [], []
-        for p, gview in zip(b.params, gb.views):
-            g = p.grad
+        for g, gview in zip(grads, gb.views):
             if g is None:
                 zero.append(gview)
                 continue

@@ -211,7 +211,7 @@ def test_host_overhead_writes_the_schema(tmp_path):
 
 @pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
                     reason="measures the C++ backend")
-def test_host_profile_and_grad_views_studies_write_their_tables(tmp_path, monkeypatch):
+def test_host_profile_grad_views_and_engine_calls_studies_write_their_tables(tmp_path, monkeypatch):
     """Both studies at the optimizer table's smallest shapes: every requested row, with
     and without the gradient views, the profile of the chosen row."""
     from benchmarks.common import optimizer_table as ot
@@ -234,6 +234,13 @@ def test_host_profile_and_grad_views_studies_write_their_tables(tmp_path, monkey
         got = {(r["row"], r["grad_views"]) for r in csv.DictReader(f)}
     assert got == {(k, v) for k in ("adamw_fused", "ivon") for v in ("True", "False")}
     assert "| smoke | ivon |" in (tmp_path / "gv" / "grad_views.md").read_text()
+    from benchmarks.studies import engine_calls
+    assert engine_calls.main(["--device", "cpu", "--calls", "3", "--rounds", "1",
+                              "--out", str(tmp_path / "ec")]) == 0
+    with open(tmp_path / "ec" / "engine_calls.json") as f:
+        us = json.load(f)["us_per_call"]
+    assert set(us) == {"hand_out", "unwritten", "zero_grad", "gather"}
+    assert all(v > 0 for v in us.values())
 
 
 def test_bench_gpu_parts_cover_every_section_once(tmp_path, bench_modules, monkeypatch):
