@@ -133,12 +133,14 @@ def test_fused_steady_state_allocates_nothing(backend, bench_modules):
 
 def test_bench_gpu_smoke_runs_the_suite_on_triton(tmp_path, bench_modules):
     """bench_gpu.py hands its benchmark section to run.py's suite (here on the Triton
-    interpreter, tiny, memory and training skipped); options after its own go to run.py."""
+    interpreter, tiny, memory, training and the optimizer table skipped: the table on
+    Triton is the quick smoke run's, below, and took 220 s here); options after its own
+    go to run.py."""
     pytest.importorskip("triton")
     from benchmarks import bench_gpu
     code = bench_gpu.main(["--smoke", "--only", "bench", "--backends", "triton", "--sizes",
-                           "1031", "--dtypes", "float32", "--skip", "memory", "train", "pretrain",
-                           "--out", str(tmp_path)])
+                           "1031", "--dtypes", "float32", "--skip", "memory", "train",
+                           "pretrain", "table", "--out", str(tmp_path)])
     assert code == 0
     with open(tmp_path / "bench.csv") as f:
         got = {(r["kernel"], r["provider"]) for r in csv.DictReader(f)}
