@@ -193,6 +193,16 @@ def _make(kind, dev, shapes, cs, g, ivon_mod, clock, options=None):
     return (lambda: opt.step(zero_backward)), (2 if poco else 1), opt, ps
 
 
+def make_row(kind, dev, scale: str = "host", options=None):
+    """One row's iteration on its own, for the studies: (iteration, closure evaluations
+    per iteration, optimizer, parameters, the closure's clock) at ``scale``'s shapes."""
+    shapes = gpt2_shapes(scale)
+    g = torch.Generator().manual_seed(0)
+    cs = [torch.randn(s, generator=g).to(dev) for s in shapes]
+    clock = _ClosureClock()
+    return (*_make(kind, dev, shapes, cs, g, None, clock, options), clock)
+
+
 def _resident(dev, opt, ps, base: int, n: int) -> float:
     if dev.type == "cuda":
         return (torch.cuda.memory_allocated(dev) - base) / n

@@ -49,10 +49,7 @@ def best_us(fn, calls: int, rounds: int, dev) -> float:
 
 
 def measure(dev, calls: int, rounds: int) -> dict:
-    shapes = ot.gpt2_shapes("host")
-    g = torch.Generator().manual_seed(0)
-    cs = [torch.randn(s, generator=g).to(dev) for s in shapes]
-    f, _, opt, _ = ot._make("ivon", dev, shapes, cs, g, None, ot._ClosureClock())
+    f, _, opt, _, _ = ot.make_row("ivon", dev)
     for _ in range(5):
         f()
     calls_of = internals.engine_calls(opt)

@@ -47,11 +47,7 @@ _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy ",
 
 
 def _row(kind, dev, iters, warm):
-    shapes = ot.gpt2_shapes("host")
-    g = torch.Generator().manual_seed(0)
-    cs = [torch.randn(s, generator=g).to(dev) for s in shapes]
-    clock = ot._ClosureClock()
-    f, calls, opt, ps = ot._make(kind, dev, shapes, cs, g, None, clock)
+    f, calls, opt, ps, clock = ot.make_row(kind, dev)
     if f is None:
         return None, None
     for _ in range(warm):

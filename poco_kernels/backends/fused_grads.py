@@ -155,12 +155,10 @@ class GradsMixin:
             if id(gb.flat) in lent:
                 continue
             ours = list(map(operator.is_, [p.grad for p in b.params], gb.views))
-            if all(ours):                     # (the usual case: set operations only)
+            if any(ours):
                 gb.zero()
-                done |= _ids(b)
-            elif any(ours):
-                gb.zero()
-                done.update(id(p) for p, o in zip(b.params, ours) if o)
+                done.update(_ids(b) if all(ours)      # (the usual case: one set operation)
+                            else (id(p) for p, o in zip(b.params, ours) if o))
         return done
 
     def unwritten(self) -> set:
