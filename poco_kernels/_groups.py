@@ -4,6 +4,8 @@ buckets laid out over them, groups added later, and the trainable set following
 ``requires_grad``."""
 from __future__ import annotations
 
+import operator
+from itertools import chain
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -12,6 +14,14 @@ from torch import Tensor
 from . import noise as _noise
 from ._layout import Bucket, build_buckets, expose, padded_copy
 from ._validation import check, check_group_keys
+
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def _immutable(v) -> bool:
+    """A hyperparameter value that cannot change in place."""
+    return v is None or isinstance(v, (bool, int, float, str)) or (
+        isinstance(v, tuple) and all(map(_immutable, v)))
 
 
 def as_closures(closures) -> List[Callable]:
@@ -129,8 +139,19 @@ class ParamGroupsMixin:
             raise ValueError(f"{where}: {e}") from None
 
     def _check_groups(self) -> None:
+        """Validate every group (before each step and refresh).  A group whose keys and
+        values are the very objects last validated, each value immutable (numbers,
+        strings, tuples of them: not a tensor or a list, which change in place), is not
+        validated again."""
+        seen = self.__dict__.setdefault("_validated", {})
         for gi, g in enumerate(self._groups):
+            items = [x for kv in dict.items(g) if kv[0] != "params" for x in kv]
+            last = seen.get(gi)
+            if (last is not None and last[0] is g and len(last[1]) == len(items)
+                    and all(map(operator.is_, last[1], items))):
+                continue
             self._check_group(g, gi)
+            seen[gi] = (g, items) if all(map(_immutable, items[1::2])) else None
 
     def _new_buckets(self, groups: List[Dict[str, Any]], old: List[Bucket]) -> List[Bucket]:
         """Buckets for ``groups``, the first ``len(old)`` taking over the old buckets'
@@ -193,14 +214,14 @@ class ParamGroupsMixin:
 
     # ------------------------------------------------------------------ trainable set
     def _trainable_changed(self) -> bool:
-        """A parameter's ``requires_grad`` changed since the buckets were laid out."""
-        n = 0
-        for g in self._groups:
-            for p in g["params"]:
-                if p.requires_grad:
-                    n += 1
-        return n != sum(len(b.params) for b in self._buckets) or not all(
-            p.requires_grad for b in self._buckets for p in b.params)
+        """A parameter's ``requires_grad`` changed since the buckets were laid out (one
+        sweep over the parameters, in C, when every one is trainable)."""
+        flags = list(map(_requires_grad, chain.from_iterable(g["params"] for g in self._groups)))
+        n = flags.count(True)
+        if n != sum(len(b.params) for b in self._buckets):
+            return True
+        return n != len(flags) and not all(
+            map(_requires_grad, chain.from_iterable(b.params for b in self._buckets)))
 
     def _check_trainable(self) -> None:
         """Follow the parameters' ``requires_grad`` (freezing or unfreezing layers between

@@ -252,10 +252,16 @@ class Bucket:
     #: as flattened, read by the re-link (fused: flatten)
     grad_views: Optional[List[Tensor]] = field(default=None, init=False, repr=False,
                                                compare=False)
-    #: ``id`` of each parameter, for set operations over the bucket (fused:
-    #: backends/fused_grads.py; made at first use, as ``params`` never changes)
+    #: ``id`` of each parameter, for set operations over the bucket (:meth:`ids`: made at
+    #: first use, as ``params`` never changes)
     param_ids: Optional[frozenset] = field(default=None, init=False, repr=False,
                                            compare=False)
+
+    def ids(self) -> frozenset:
+        """The ``id`` of each parameter (made once)."""
+        if self.param_ids is None:
+            self.param_ids = frozenset(map(id, self.params))
+        return self.param_ids
 
     def local(self, i: int) -> Tensor:
         """Parameter ``i`` as this process holds it (its local shard when sharded)."""

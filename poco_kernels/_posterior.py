@@ -103,19 +103,33 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
         """Fold the parameters' ``.grad`` into the estimate of the active sample and clear
         ``.grad`` (so the next sample starts from zero).  Call once per sample (Monte Carlo)
         or once per chunk of a mega-batch."""
+        self._accumulate(clear_grads, keep_views=False)
+
+    def _accumulate(self, clear_grads: bool, keep_views: bool) -> None:
+        """:meth:`accumulate`; ``keep_views`` (``step(closure)``, where nothing runs
+        before the next sample or the update): the ``.grad`` that are views of a fused
+        backend's gradient buffers are not cleared (the next sample hands out zeroed
+        ones, the update leaves them): two sweeps over the parameters less per sample."""
         if self._active is None:
             raise RuntimeError("accumulate() needs an active sample: call sample() first")
         k, draw = self._active
-        missing = frozenset({(b.index, i) for b in self._buckets
-                             for i, p in enumerate(b.params) if p.grad is None}
-                            | self._runner.unwritten())
-        self._runner.accumulate(k, draw, lend=clear_grads)
+        unwritten = self._runner.unwritten()
+        views = self._runner.accumulate(k, draw, lend=clear_grads)
+        missing = frozenset({(b.index, i) for b in self._buckets if b.index not in views
+                             for i, p in enumerate(b.params) if p.grad is None} | unwritten)
         self._pending.note_grads(k, missing)
         self._pending.count[k] += 1
-        if clear_grads:
+        if not clear_grads:
+            return
+        kept = frozenset()
+        if keep_views and views:
+            sets = [self._buckets[i].ids() for i in views]
+            kept = sets[0] if len(sets) == 1 else frozenset().union(*sets)
+        if len(kept) != sum(len(g["params"]) for g in self._groups):
             for group in self._groups:
                 for p in group["params"]:
-                    p.grad = None
+                    if id(p) not in kept:
+                        p.grad = None
 
     @torch._disable_dynamo
     def restore(self) -> None:

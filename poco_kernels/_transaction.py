@@ -68,7 +68,7 @@ class TransactionMixin:
         try:
             with torch.enable_grad():
                 loss = closure()
-            self.accumulate()
+            self._accumulate(clear_grads=True, keep_views=True)
             ok = True
         finally:
             if ok and self._runner.lazy_restore:

@@ -86,5 +86,27 @@ def engine_calls(opt):
     def gather():
         lent = eng._lent()
         for b in opt._buckets:
-            eng._gather_grads(b, lent)
+            eng._gather_grads(b, lent)[0]
     return {"hand_out": eng.hand_out, "unwritten": unwritten, "gather": gather}
+
+
+def time_kernels(opt, clock):
+    """Route the fused engine's kernel calls of ``opt`` through timers that add the
+    seconds spent inside them to ``clock.kernel_s`` (``benchmarks/studies/host_calls.py``:
+    a call's time less its kernels' is its host work)."""
+    import time
+    import types
+    eng = opt._runner
+    ops = eng.ops
+
+    def timed(fn):
+        def run(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                clock.kernel_s += time.perf_counter() - t0
+        return run
+    eng.ops = types.SimpleNamespace(**{n: timed(getattr(ops, n)) if callable(getattr(ops, n))
+                                       else getattr(ops, n) for n in dir(ops)
+                                       if not n.startswith("__")})

@@ -51,7 +51,8 @@ KINDS = ("adamw_fused", "adamw_foreach", "ivon_opt", "ivon", "ivon_sample_ahead"
 #: (d, vocab, context, layers) of the shape sets
 SCALES = {"gpt2": (768, 50304, 1024, 12),      # GPT-2 124M: 124.4M parameters
           "host": (16, 64, 32, 12),            # the same 148 shapes, 41k parameters
-          "smoke": (16, 97, 32, 1)}            # (CI: 16 tensors)
+          "smoke": (16, 97, 32, 1),            # (CI: 16 tensors)
+          "tiny": (1, 2, 1, 12)}               # the 148 shapes, 1 to 4 elements each
 
 
 def gpt2_shapes(scale: str = "gpt2") -> List[Tuple[int, ...]]:

@@ -71,10 +71,12 @@ class Backend(ABC):
         """Write draw ``draw`` of a ``kind`` sample into the parameters."""
 
     @abstractmethod
-    def accumulate(self, kind: int, draw: int, lend: bool = True) -> None:
+    def accumulate(self, kind: int, draw: int, lend: bool = True) -> FrozenSet[int]:
         """Fold the parameters' ``.grad`` into the pending sums of the active sample.
         ``lend``: the ``.grad`` are cleared after it (a gradient buffer may become the
-        sum); False: they stay, so they must not."""
+        sum); False: they stay, so they must not.  Returns the indices of the buckets
+        whose ``.grad`` were all views the backend handed out (none is None; the next
+        sample hands out zeroed ones, so inside ``step(closure)`` they may stay)."""
 
     @abstractmethod
     def at_mean(self) -> None:
@@ -117,10 +119,10 @@ class Backend(ABC):
         """Bring back parameters that are no longer where the backend keeps them (the
         fused backends' flat buffers), or raise where that cannot be done."""
 
-    def zero_grads(self) -> set:
+    def zero_grads(self) -> frozenset:
         """``zero_grad()`` for the ``.grad`` the backend handed out (views of its buffers):
         zeroed in place; returns the ids of the parameters handled (none here)."""
-        return set()
+        return frozenset()
 
     def unwritten(self) -> set:
         """``(bucket, index)`` of parameters whose ``.grad`` the backend handed out and no

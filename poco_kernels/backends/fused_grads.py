@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -22,16 +22,15 @@ from torch import Tensor
 from .._layout import alloc_flat, local
 
 
+#: ``p.grad`` and ``t._version`` as functions: ``map`` over a bucket's parameters runs the
+#: loop in C (these sweeps run in every call of an iteration)
+_grad = operator.attrgetter("grad")
+_version = operator.attrgetter("_version")
+
+
 def _capturing() -> bool:
     """A CUDA graph is being captured on the current stream."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _ids(b) -> frozenset:
-    """The ``id`` of each parameter of bucket ``b`` (made once)."""
-    if b.param_ids is None:
-        b.param_ids = frozenset(id(p) for p in b.params)
-    return b.param_ids
 
 
 def _refuse_sparse(g: Tensor) -> None:
@@ -63,7 +62,7 @@ class GradBuffer:
         self.clean = self._versions()
 
     def _versions(self) -> List[int]:
-        return [v._version for v in self.views]
+        return list(map(_version, self.views))
 
     def is_clean(self) -> bool:
         return self.clean is not None and self.clean == self._versions()
@@ -118,10 +117,11 @@ class GradsMixin:
             i = self._free_buffer(b, lent)
             gb = b.grad_bufs[i]
             gb.zero()
-            for p, v in zip(b.params, gb.views):
-                if p.grad is not v:
-                    p.grad = v
-            ids = _ids(b)
+            if not all(map(operator.is_, map(_grad, b.params), gb.views)):
+                for p, v in zip(b.params, gb.views):
+                    if p.grad is not v:
+                        p.grad = v
+            ids = b.ids()
             self.reached -= ids
             if not ids <= self._watched:
                 for p in b.params:
@@ -140,26 +140,26 @@ class GradsMixin:
         p.register_post_accumulate_grad_hook(hook)
         self._watched.add(id(p))
 
-    def zero_grads(self) -> set:
+    def zero_grads(self) -> frozenset:
         """``zero_grad()`` for the parameters whose ``.grad`` is a view handed out by
         :meth:`hand_out`: zero the buffer in place (nothing to do when it is known to be
         zero), keeping the views.  Returns the ids of the parameters handled."""
-        done = set()
         if torch.compiler.is_compiling():
-            return done
+            return frozenset()
         lent = self._lent()
+        done = []
         for b in self.view.buckets:
             if b.handed is None:
                 continue
             gb = b.grad_bufs[b.handed]
             if id(gb.flat) in lent:
                 continue
-            ours = list(map(operator.is_, [p.grad for p in b.params], gb.views))
+            ours = list(map(operator.is_, map(_grad, b.params), gb.views))
             if any(ours):
                 gb.zero()
-                done.update(_ids(b) if all(ours)      # (the usual case: one set operation)
-                            else (id(p) for p, o in zip(b.params, ours) if o))
-        return done
+                done.append(b.ids() if all(ours)      # (the usual case: the bucket's set)
+                            else frozenset(id(p) for p, o in zip(b.params, ours) if o))
+        return done[0] if len(done) == 1 else frozenset().union(*done)
 
     def unwritten(self) -> set:
         """``(bucket, index)`` of the parameters whose ``.grad`` is a view handed out by
@@ -175,7 +175,7 @@ class GradsMixin:
             return out
         cand = []
         for b in self.view.buckets:
-            if b.handed is None or _ids(b) <= self.reached:    # (every one reached)
+            if b.handed is None or b.ids() <= self.reached:    # (every one reached)
                 continue
             gb = b.grad_bufs[b.handed]
             for i, (p, v) in enumerate(zip(b.params, gb.views)):
@@ -186,17 +186,18 @@ class GradsMixin:
             out = {key for (key, _), nz in zip(cand, nonzero) if not nz}
         return out
 
-    def _gather_grads(self, b, lent: set) -> GradBuffer:
+    def _gather_grads(self, b, lent: set) -> Tuple[GradBuffer, bool]:
         """The bucket's gradients in one free flat buffer of the parameter dtype: free
         when the ``.grad`` are the views handed out, one foreach copy for those that are
         not (replaced, or made by autograd after ``zero_grad(set_to_none=True)``), zeros
-        for those that are None."""
+        for those that are None.  Also: whether every ``.grad`` was the view handed out
+        (nothing copied)."""
         compiling = torch.compiler.is_compiling()
         i = self._free_buffer(b, lent, b.handed)
         gb = b.grad_bufs[i]
-        grads = [p.grad for p in b.params]
+        grads = list(map(_grad, b.params))
         if not compiling and all(map(operator.is_, grads, gb.views)):
-            return gb                         # (the usual case: every one the view)
+            return gb, i == b.handed          # (the usual case: every one the view)
         srcs, dsts, zero = [], [], []
         for g, gview in zip(grads, gb.views):
             if g is None:
@@ -210,7 +211,7 @@ class GradsMixin:
             torch._foreach_copy_(dsts, srcs)
         if zero:
             torch._foreach_zero_(zero)
-        return gb
+        return gb, False
 
     def _shard_grads(self, b) -> List[Optional[Tensor]]:
         """The local gradients of a sharded bucket, one per launch of :meth:`_pieces`

@@ -18,6 +18,8 @@ from torch import Tensor
 from .._layout import alloc_flat
 from .fused_grads import GradBuffer
 
+_data_ptr = Tensor.data_ptr
+
 
 class LayoutMixin:
     """The flat buffers of :class:`~poco_kernels.backends.fused.FusedBackend`: flatten the
@@ -118,7 +120,7 @@ class LayoutMixin:
         if ptrs is None or ptrs[0] != b.flat_param.data_ptr():
             base, size = b.flat_param.data_ptr(), b.flat_param.element_size()
             b.flat_ptrs = ptrs = [base + off * size for off in b.offsets]
-        return [p.data_ptr() for p in b.params] == ptrs
+        return list(map(_data_ptr, b.params)) == ptrs     # (a loop in C)
 
     def check_layout(self) -> None:
         """Re-link parameters taken off the flat buffers (by another optimizer built over

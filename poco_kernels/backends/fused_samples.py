@@ -9,7 +9,7 @@ live in pool buffers allocated at first use and reused (:meth:`SamplesMixin._acc
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -145,13 +145,20 @@ class SamplesMixin:
         return _noise.stream_id(b.index, nk, nd), slot, float(sign)
 
     @torch.no_grad()
-    def accumulate(self, kind: int, draw: int, lend: bool = True) -> None:
+    def accumulate(self, kind: int, draw: int, lend: bool = True) -> FrozenSet[int]:
         view = self.view
         sums = view.pending.sums
         lent = self._lent()
         # gather every bucket first: a refused gradient (sparse) raises before a sum changes
-        bufs = [self._shard_grads(b) if b.segments is not None else self._gather_grads(b, lent)
-                for b in view.buckets]
+        bufs, in_place = [], []
+        for b in view.buckets:
+            if b.segments is not None:
+                bufs.append(self._shard_grads(b))
+                continue
+            gb, views = self._gather_grads(b, lent)
+            bufs.append(gb)
+            if views:
+                in_place.append(b.index)
         compiling = torch.compiler.is_compiling()
         for b, gb in zip(view.buckets, bufs):
             first = (kind, b.index, "g") not in sums
@@ -195,3 +202,4 @@ class SamplesMixin:
                     elif first:                # no gradient: a zero one
                         acc_g[lo:lo + n].zero_()
             sums[(kind, b.index, "g")] = acc_g
+        return frozenset(in_place)

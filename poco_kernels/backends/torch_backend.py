@@ -8,7 +8,7 @@ optimizer as it was.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, FrozenSet, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -63,7 +63,7 @@ class TorchBackend(Backend):
         self.active_eps = {}
         self.ahead = None
 
-    def accumulate(self, kind: int, draw: int, lend: bool = True) -> None:
+    def accumulate(self, kind: int, draw: int, lend: bool = True) -> FrozenSet[int]:
         view = self.view
         sums = view.pending.sums
         with torch.no_grad():
@@ -77,6 +77,7 @@ class TorchBackend(Backend):
                     key = (kind, b.index, "ge")
                     ge = g * eps
                     sums[key] = sums[key] + ge if key in sums else ge
+        return frozenset()
 
     def restore(self) -> None:
         with torch.no_grad():

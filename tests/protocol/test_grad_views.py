@@ -92,9 +92,16 @@ def test_backward_writes_into_the_buffers_the_kernels_read(fused, monkeypatch):
         for b in opt._buckets:
             assert len(b.grad_bufs) == n_bufs, cls.__name__
             gb = b.grad_bufs[b.handed]
-            for p, v in zip(b.params, gb.views):    # between steps: zeroed views
-                assert p.grad is v and not bool(v.any())
+            # between steps: the views, holding the last sample's gradient (as torch.optim
+            # leaves the last backward's); the next sample's hand-out zeroes them
+            assert bool(gb.flat.any())
+            for p, v in zip(b.params, gb.views):
+                assert p.grad is v
                 assert p.grad.untyped_storage().data_ptr() == gb.flat.untyped_storage().data_ptr()
+            opt.sample()
+            assert all(p.grad is v for p, v in zip(b.params, gb.views)) or cls is pk.IVONPoCoMo
+            assert not any(bool(p.grad.any()) for p in b.params)
+            opt.restore()
 
 
 @fused
@@ -106,11 +113,14 @@ def test_zero_grad_keeps_the_views_and_skips_a_buffer_known_to_be_zero(fused):
     b = opt._buckets[0]
     gb = b.grad_bufs[b.handed]
     v0 = gb.flat._version
+    assert bool(gb.flat.any())                      # the last sample's gradient
+    opt.zero_grad()                                 # one memset
+    assert gb.flat._version == v0 + 1
     opt.zero_grad()                                 # known zero: no memset
-    assert gb.flat._version == v0
+    assert gb.flat._version == v0 + 1
     prob.loss(m, 1).backward()                      # a backward outside the protocol
     opt.zero_grad()
-    assert gb.flat._version == v0 + 1               # one memset
+    assert gb.flat._version == v0 + 2               # one memset
     assert all(p.grad is v and not bool(v.any()) for p, v in zip(b.params, gb.views))
     opt.zero_grad(set_to_none=True)
     assert all(p.grad is None for p in m.parameters())

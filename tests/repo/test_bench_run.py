@@ -24,6 +24,7 @@ def bench_modules():
 
 @pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
                     reason="the CPU run benchmarks the C++ backend")
+@pytest.mark.long
 def test_run_writes_the_schema_and_tables(tmp_path, bench_modules):
     pytest.importorskip("ivon")
     common, _, run = bench_modules
@@ -131,6 +132,7 @@ def test_fused_steady_state_allocates_nothing(backend, bench_modules):
     assert memory.count_allocations(lambda: opt.refresh([closure])) == (0, 0)
 
 
+@pytest.mark.long
 def test_bench_gpu_smoke_runs_the_suite_on_triton(tmp_path, bench_modules):
     """bench_gpu.py hands its benchmark section to run.py's suite (here on the Triton
     interpreter, tiny, memory, training and the optimizer table skipped: the table on
@@ -169,6 +171,7 @@ def test_the_trajectory_gate_passes_the_kernels_and_fails_a_float32_beta2(bench_
     assert {("mean", 0), ("mean", 1), ("h", 0)} <= bad, fails
 
 
+@pytest.mark.long
 def test_bench_gpu_quick_smoke_runs_every_section(tmp_path, bench_modules):
     """``bench_gpu.py --quick --smoke``: every section of the GPU check runs on the CPU
     (the Triton interpreter, tiny sizes), passes, and is written to its own file as it
@@ -325,3 +328,32 @@ def test_compare_runs_takes_medians_per_side(tmp_path):
     assert "poco_kernels rows: 1, new / base median 2.000" in text
     assert "control rows (unchanged code): 1, new / base median 1.000" in text
     assert "copy" not in text
+
+
+@pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
+                    reason="measures the C++ backend")
+def test_host_calls_study_splits_every_public_call_into_kernels_and_host(tmp_path):
+    """The per-call host study at the 148 tiny tensors: every call of both protocols,
+    each split into the kernels' part and the rest, and the per-iteration sum."""
+    from benchmarks.studies import host_calls
+    assert host_calls.main(["--device", "cpu", "--scale", "tiny", "--iters", "4",
+                            "--warm", "1", "--refresh-every", "2",
+                            "--out", str(tmp_path / "hc")]) == 0
+    with open(tmp_path / "hc" / "host_calls.json") as f:
+        rows = json.load(f)["rows"]
+    assert set(rows) == {"ivon", "ivon_pocomo"}
+    assert rows["ivon"]["tensors"] == 148
+    for kind, r in rows.items():
+        calls = r["calls"]
+        want = {"zero_grad", "sample", "accumulate", "restore", "step", "step(closure)",
+                "sampled()+step"}
+        assert want <= set(calls), kind
+        for name, c in calls.items():
+            assert 0 <= c["kernel_us"] <= c["wall_us"], (kind, name)
+            assert c["host_us"] > 0, (kind, name)
+        assert calls["step"]["kernel_us"] > 0            # the step kernel ran
+        # (IVON-PoCoMo: the inner and the outer sample, and the refresh's every 2nd)
+        assert calls["restore"]["calls_per_iteration"] == (2.5 if kind == "ivon_pocomo" else 1)
+        assert r["protocol_host_us_per_iteration"] > calls["step"]["host_us"]
+    assert {"refresh", "refresh(closures)"} <= set(rows["ivon_pocomo"]["calls"])
+    assert "| step(closure) |" in (tmp_path / "hc" / "host_calls.md").read_text()

@@ -1,0 +1,200 @@
+"""The host time of each public call of an iteration, beyond the kernels: the measure of
+the optimizer's host work that its users pay on a GPU for every small or medium model.
+
+At the optimizer table's 148 GPT-2 shapes (``--scale``: ``host``, 41k parameters, or
+``tiny``, the same 148 tensors of 1 to 4 elements, where the kernels compute nothing),
+fused backend of this device, for IVON and IVON-PoCoMo (the correction active):
+
+* per public call of the protocol (``zero_grad``, ``sample``, ``accumulate``,
+  ``restore``, ``step``, and ``refresh`` once every ``--refresh-every`` iterations), its
+  wall time, the time spent inside the kernels' wrapper functions (``kernel_us``: the
+  operator dispatch and the kernel itself; on a GPU the launch), and the rest
+  (``host_us``: the Python work of the call);
+* the same for ``step(closure)`` (the closure's own time, its forward and backward,
+  subtracted) and for ``with opt.sampled():`` around the backward;
+* per iteration, the sum of ``host_us`` over the calls of one iteration.
+
+The backward passes run between the timed calls and are not counted (their host work,
+autograd's own, is the model's).  Medians over ``--iters`` iterations, after ``--warm``.
+Writes ``host_calls.json`` and ``host_calls.md`` to ``--out``::
+
+    python -m benchmarks.studies.host_calls --out /tmp/hc [--device cpu] [--scale tiny]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if __package__ in (None, ""):    # run as a script: the repository root, for ``benchmarks.*``
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))))
+
+from benchmarks.common import internals  # noqa: E402
+from benchmarks.common import optimizer_table as ot  # noqa: E402
+from benchmarks.common.device import device_info, sync  # noqa: E402
+from benchmarks.common.report import json_default, log  # noqa: E402
+
+KINDS = ("ivon", "ivon_pocomo")
+
+
+class _Split:
+    """Per named call: wall µs and µs inside the kernels' wrappers, one list entry per
+    call."""
+
+    def __init__(self, dev):
+        self.dev, self.kernel_s = dev, 0.0
+        self.rows = {}
+
+    def call(self, name, fn, *args):
+        sync(self.dev)
+        k0 = self.kernel_s
+        t0 = time.perf_counter()
+        out = fn(*args)
+        wall = time.perf_counter() - t0
+        kern = self.kernel_s - k0
+        self.rows.setdefault(name, []).append((wall * 1e6, kern * 1e6))
+        return out
+
+
+def _protocol(opt, ps, split, poco: bool, refresh: bool):
+    """One iteration by sample/accumulate/restore/step, each call timed."""
+    def backward():
+        sum(p.sum() for p in ps).backward()
+    split.call("zero_grad", opt.zero_grad)
+    kinds = ("inner", "outer") if poco else ("inner",)
+    for k in kinds:
+        split.call("sample", opt.sample, k)
+        backward()
+        split.call("accumulate", opt.accumulate)
+        split.call("restore", opt.restore)
+    split.call("step", opt.step)
+    if refresh:
+        split.call("zero_grad", opt.zero_grad)
+        split.call("sample", opt.sample, "refresh")
+        backward()
+        split.call("accumulate", opt.accumulate)
+        split.call("restore", opt.restore)
+        split.call("refresh", opt.refresh)
+
+
+def _closures(opt, ps, split, poco: bool, refresh: bool):
+    """One iteration by ``step(closure)`` and one by ``sampled()`` blocks (each timed
+    less the closure's own time)."""
+    closure_s = [0.0]
+
+    def closure():
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = sum(p.sum() for p in ps)
+        loss.backward()
+        closure_s[0] += time.perf_counter() - t0
+        return loss
+
+    def stepped():
+        closure_s[0] = 0.0
+        opt.step(closure)
+        return closure_s[0]
+
+    sync(split.dev)
+    k0 = split.kernel_s
+    t0 = time.perf_counter()
+    inside = stepped()
+    wall = time.perf_counter() - t0 - inside
+    split.rows.setdefault("step(closure)", []).append((wall * 1e6, (split.kernel_s - k0) * 1e6))
+    k0 = split.kernel_s
+    t0 = time.perf_counter()
+    inside = 0.0
+    for k in (("inner", "outer") if poco else ("inner",)):
+        with opt.sampled(k):
+            t1 = time.perf_counter()
+            opt.zero_grad()
+            sum(p.sum() for p in ps).backward()
+            inside += time.perf_counter() - t1
+    opt.step()
+    wall = time.perf_counter() - t0 - inside
+    split.rows.setdefault("sampled()+step", []).append((wall * 1e6, (split.kernel_s - k0) * 1e6))
+    if refresh:
+        closure_s[0] = 0.0
+        k0 = split.kernel_s
+        t0 = time.perf_counter()
+        opt.refresh([closure])
+        wall = time.perf_counter() - t0 - closure_s[0]
+        split.rows.setdefault("refresh(closures)", []).append(
+            (wall * 1e6, (split.kernel_s - k0) * 1e6))
+
+
+def measure(dev, kind: str, scale: str, iters: int, warm: int, refresh_every: int) -> dict:
+    _, _, opt, ps, _ = ot.make_row(kind, dev, scale)
+    split = _Split(dev)
+    internals.time_kernels(opt, split)
+    poco = kind.startswith("ivon_pocomo")
+    for i in range(warm + iters):
+        if i == warm:
+            split.rows = {}
+        r = poco and i % refresh_every == refresh_every - 1
+        _protocol(opt, ps, split, poco, r)
+        _closures(opt, ps, split, poco, r)
+    sync(dev)
+    calls = {}
+    for name, xs in split.rows.items():
+        per_iter = len(xs) / iters
+        wall = statistics.median(w for w, _ in xs)
+        kern = statistics.median(k for _, k in xs)
+        host = statistics.median(w - k for w, k in xs)
+        calls[name] = {"calls_per_iteration": per_iter, "wall_us": round(wall, 1),
+                       "kernel_us": round(kern, 1), "host_us": round(host, 1)}
+    proto = [n for n in ("zero_grad", "sample", "accumulate", "restore", "step")]
+    per_iter = sum(calls[n]["host_us"] * calls[n]["calls_per_iteration"] for n in proto
+                   if n != "zero_grad")
+    if "refresh" in calls:
+        per_iter += sum(calls[n]["host_us"] for n in ("refresh",)) / refresh_every
+    return {"calls": calls, "protocol_host_us_per_iteration": round(per_iter, 1),
+            "numel": sum(p.numel() for p in ps), "tensors": len(ps)}
+
+
+def _markdown(dev, rows, a) -> str:
+    out = [f"# Host time per public call, beyond the kernels ({a.scale} shapes)", "",
+           f"{device_info(dev)['name']}; {a.iters} iterations after {a.warm}; medians; "
+           f"refresh every {a.refresh_every} iterations (IVON-PoCoMo)", ""]
+    for kind, r in rows.items():
+        out += [f"## {kind}: {r['tensors']} tensors, {r['numel']} parameters", "",
+                "| call | per iteration | wall us | kernel us | host us |", "|---|---|---|---|---|"]
+        for name, c in r["calls"].items():
+            out.append(f"| {name} | {c['calls_per_iteration']:g} | {c['wall_us']} | "
+                       f"{c['kernel_us']} | {c['host_us']} |")
+        out += ["", f"sample/accumulate/restore/step, host us per iteration (zero_grad "
+                    f"apart, refresh amortised): **{r['protocol_host_us_per_iteration']}**", ""]
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--scale", default="host", choices=("host", "tiny"))
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS))
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--warm", type=int, default=20)
+    ap.add_argument("--refresh-every", type=int, default=10)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    os.makedirs(a.out, exist_ok=True)
+    rows = {k: measure(dev, k, a.scale, a.iters, a.warm, a.refresh_every) for k in a.kinds}
+    text = _markdown(dev, rows, a)
+    log(text)
+    with open(os.path.join(a.out, "host_calls.md"), "w") as fh:
+        fh.write(text + "\n")
+    with open(os.path.join(a.out, "host_calls.json"), "w") as fh:
+        json.dump({"device": device_info(dev), "scale": a.scale, "iters": a.iters,
+                   "rows": rows}, fh, indent=1, default=json_default)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
