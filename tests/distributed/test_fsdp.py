@@ -74,11 +74,13 @@ def _check_layout(sharded):
     assert sharded[1]["params"]["scale"].numel() == 0
 
 
+@pytest.mark.long
 def test_fsdp2_two_ranks_equal_one_process(runs):
     _check_layout(runs["fsdp"])
     _assert_same(runs["fsdp"], runs["single"])
 
 
+@pytest.mark.long
 def test_fsdp2_two_draws_and_bfloat16_state(tmp_path):
     """Two Monte-Carlo draws (the g * eps sums, fold_ge) and bfloat16 state (stochastic
     rounding at the shards' places)."""
@@ -91,6 +93,7 @@ def test_fsdp2_two_draws_and_bfloat16_state(tmp_path):
 
 @pytest.mark.parametrize("backend,check_finite", [("cpp", False), ("cpp", True),
                                                    ("torch", True)])
+@pytest.mark.long
 def test_a_nan_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path, backend,
                                                                 check_finite):
     """A NaN in an inner gradient that only rank 1's shard holds: every rank skips the
@@ -105,6 +108,7 @@ def test_a_nan_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path, backend
     _assert_same(sharded, single)
 
 
+@pytest.mark.long
 def test_dcp_checkpoints_reshard_2_1_2_bit_for_bit(tmp_path, runs):
     """torch.distributed.checkpoint through get_state_dict/set_state_dict: 2 FSDP2 ranks
     save mid-run (after a refresh, the correction active), one unsharded process loads
@@ -129,6 +133,7 @@ def _joined(ranks):
              "step": ranks[0]["step"]}]
 
 
+@pytest.mark.long
 def test_fsdp2_mixed_precision(tmp_path, runs):
     """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over float32 shards: the
     parameters and state stay float32 and 2 ranks equal 1 rank under the same policy."""

@@ -20,6 +20,7 @@ def quick(tmp_path_factory):
     return out, summary
 
 
+@pytest.mark.long
 def test_quick_study_writes_every_output(quick):
     out, summary = quick
     sc = S.SCALES["quick"]
@@ -75,6 +76,7 @@ def test_quick_study_writes_every_output(quick):
     assert "IVON 0," not in walls and "." in walls, walls
 
 
+@pytest.mark.long
 def test_a_rerun_reuses_the_saved_runs(quick, monkeypatch):
     out, summary = quick
 

@@ -236,6 +236,7 @@ def test_compile_and_bf16_autocast(tmp_path):
 
 
 # --------------------------------------------------------------------------- distributed
+@pytest.mark.long
 def test_ddp_two_ranks(tmp_path, stdlib):
     """torchrun, 2 processes, gloo: IVON-PoCoMo for 24 steps with 5 refreshes.  Both
     ranks end with bit-identical parameters and optimizer state, equal to one process
@@ -262,6 +263,7 @@ def test_ddp_two_ranks(tmp_path, stdlib):
     assert (one["model/blocks.0.fc.weight"] - w0).abs().max() > 1e-3
 
 
+@pytest.mark.long
 def test_fsdp2_two_ranks_and_resume(tmp_path):
     """FSDP2 (fully_shard) over 2 gloo processes ("auto": the C++ backend): each rank
     samples its shards at their places in the unsharded noise stream, so the run equals

@@ -317,6 +317,7 @@ def test_accelerate_train_step_is_the_step_an_lr_scheduler_sees():
     assert inner.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 3)
 
 
+@pytest.mark.long
 def test_accelerate_ddp_two_ranks_equal_one_process(tmp_path):
     pytest.importorskip("accelerate")
     env = dict(os.environ, OMP_NUM_THREADS="1",

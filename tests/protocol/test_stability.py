@@ -27,7 +27,8 @@ def test_one_sample_refresh_blows_up_at_beta2_0999(problem):
     assert r.status.startswith("blow-up"), r.status
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.long),
+                                  pytest.param(2, marks=pytest.mark.long)])
 def test_antithetic_pair_with_floor_is_stable_and_converges(problem, seed):
     prob, oracle = problem
     cfg = L.Config(**SHORT, seed=seed, refresh_samples=2, refresh_antithetic=True,

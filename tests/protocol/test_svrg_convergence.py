@@ -61,6 +61,7 @@ def _train(opt_cls, epochs, lr, refresh=True, **kw):
         return _objective(w, X, y).item()
 
 
+@pytest.mark.long
 def test_svrg_reaches_lbfgs_optimum_and_sgd_stalls():
     X, y = _data()
     f_star, w_star = _lbfgs(X, y)
