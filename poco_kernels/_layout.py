@@ -257,6 +257,11 @@ class Bucket:
     param_ids: Optional[frozenset] = field(default=None, init=False, repr=False,
                                            compare=False)
 
+    #: fused: ``(handed, other)`` while the memory of two gradient buffers is swapped
+    #: (backends/fused_grads.py, ``GradsMixin._swap_in``)
+    swapped: Optional[Tuple[int, int]] = field(default=None, init=False, repr=False,
+                                               compare=False)
+
     def ids(self) -> frozenset:
         """The ``id`` of each parameter (made once)."""
         if self.param_ids is None:

@@ -28,6 +28,11 @@ _grad = operator.attrgetter("grad")
 _version = operator.attrgetter("_version")
 
 
+#: the storages' memory can be swapped (torch's ``UntypedStorage._swap_data_ptr_``; else
+#: the views of another buffer are handed out, a ``.grad`` assignment per parameter)
+_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
 def _capturing() -> bool:
     """A CUDA graph is being captured on the current stream."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -115,6 +120,10 @@ class GradsMixin:
             # captured CUDA graph replays (alternating buffers would leave the graph
             # relying on a zeroing that only the next, uncaptured, iteration did)
             i = self._free_buffer(b, lent)
+            if (not cleared_only and b.handed is not None and i != b.handed and _SWAP
+                    and not b.swapped and all(map(operator.is_, map(_grad, b.params),
+                                                  b.grad_bufs[b.handed].views))):
+                i = self._swap_in(b, i)
             gb = b.grad_bufs[i]
             gb.zero()
             if not all(map(operator.is_, map(_grad, b.params), gb.views)):
@@ -128,6 +137,38 @@ class GradsMixin:
                     if id(p) not in self._watched:
                         self._watch(p)
             b.handed = i
+
+    def _swap_in(self, b, i: int) -> int:
+        """The ``.grad`` are the views of buffer ``b.handed``, which a pending sum holds
+        (``step(closure)`` keeps them through ``accumulate``): instead of handing out
+        the views of the free buffer ``i`` (a ``.grad`` assignment per parameter), swap
+        the two buffers' memory (one call), so the views handed out hold the free memory
+        and buffer ``i``'s tensor the sum.  :meth:`_swap_back` undoes it once the sums
+        are gone, so that every iteration uses the same memory in the same roles (what
+        a captured CUDA graph replays).  Returns ``b.handed``."""
+        h = b.handed
+        held, free = b.grad_bufs[h], b.grad_bufs[i]
+        zero = free.is_clean()
+        held.flat.untyped_storage()._swap_data_ptr_(free.flat.untyped_storage())
+        sums = self.view.pending.sums
+        for key, t in list(sums.items()):
+            if t is held.flat:
+                sums[key] = free.flat
+        held.clean = held._versions() if zero else None
+        free.clean = None                     # (the sum)
+        b.swapped = (h, i)
+        return h
+
+    def _swap_back(self) -> None:
+        """Undo :meth:`_swap_in` (the sums are gone): each buffer's tensors hold its own
+        memory again, neither known to be zero."""
+        for b in self.view.buckets:
+            if b.swapped:
+                h, i = b.swapped
+                held, free = b.grad_bufs[h], b.grad_bufs[i]
+                held.flat.untyped_storage()._swap_data_ptr_(free.flat.untyped_storage())
+                held.clean = free.clean = None
+                b.swapped = None
 
     def _watch(self, p) -> None:
         """Note in :attr:`reached` every gradient autograd accumulates into ``p``."""
@@ -237,6 +278,7 @@ class GradsMixin:
 
     def after_update(self) -> None:
         """The pending sums of an update are gone (consumed or dropped): the gradient
-        buffers lent to them are free, and parameters whose ``.grad`` ``accumulate``
-        cleared get views of a zeroed one again."""
+        buffers lent to them are free (swapped memory goes back), and parameters whose
+        ``.grad`` ``accumulate`` cleared get views of a zeroed one again."""
+        self._swap_back()
         self.hand_out(cleared_only=True)

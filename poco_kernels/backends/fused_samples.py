@@ -43,6 +43,7 @@ class SamplesMixin:
     def discard(self) -> None:
         for c in self.ctl.values():
             c[iface.CTL_BAD].zero_()
+        self._swap_back()
 
     @torch.no_grad()
     def sample(self, kind: int, draw: int) -> None:

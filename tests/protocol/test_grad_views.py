@@ -105,6 +105,35 @@ def test_backward_writes_into_the_buffers_the_kernels_read(fused, monkeypatch):
 
 
 @fused
+def test_both_samples_of_an_iteration_write_the_same_views_into_fixed_memory(fused):
+    """Inside step(closure) IVON-PoCoMo's inner and outer samples hand out the same
+    ``.grad`` tensors (the outer one swaps the free buffer's memory under them: no
+    ``.grad`` assignment per parameter), and every iteration's inner and outer gradients
+    land in the same memory (the roles a captured CUDA graph replays)."""
+    from poco_kernels.backends import fused_grads
+    prob = Problem()
+    m = mlp()
+    opt = _opt(m, fused)
+    opt.step(_closure(opt, m, prob, 0, "opt"))
+    opt.refresh(_closure(opt, m, prob, 1, "opt"))
+    seen = []
+
+    def c():
+        opt.zero_grad()
+        loss = prob.loss(m, 0)
+        loss.backward()
+        p = next(m.parameters())
+        seen.append((p.grad, p.grad.data_ptr()))
+        return loss
+    for _ in range(3):
+        opt.step(c)
+    ptrs = [a for _, a in seen]
+    assert ptrs[0::2] == [ptrs[0]] * 3 and ptrs[1::2] == [ptrs[1]] * 3 and ptrs[0] != ptrs[1]
+    if fused_grads._SWAP:
+        assert all(g is seen[0][0] for g, _ in seen)
+
+
+@fused
 def test_zero_grad_keeps_the_views_and_skips_a_buffer_known_to_be_zero(fused):
     prob = Problem()
     m = mlp()
