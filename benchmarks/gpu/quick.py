@@ -16,7 +16,10 @@ that would start past the time budget is skipped and says so):
 5. ``capture``: an iteration and a refresh captured in CUDA graphs, 20 replays with a
    scheduled learning rate equal to eager execution bit for bit; ``torch.compile`` of a
    step calling ``opt.step(closure)`` without recompilation (``capture.py``);
-6. ``optimizer_only``, ``end_to_end``, ``torch_backend``: the tables of ``tables.py``.
+6. ``optimizer_only``, ``end_to_end``, ``torch_backend``: the tables of ``tables.py``;
+7. ``host_calls``: the host time of each public call of IVON and IVON-PoCoMo beyond the
+   kernels (their launches) at GPT-2's 148 tensors shrunk to 1-4 elements
+   (``benchmarks/studies/host_calls.py``; ``host_calls.md`` beside ``quick.md``).
 
 Exit status: 0 when every check passed; 1 parity (sections 2-3), 2 steady state or
 capture (4-5), 4 a table raised, 16 a section was skipped for time.  ``--smoke`` runs
@@ -39,9 +42,9 @@ from benchmarks.common.report import dump, json_default, log
 BUDGET_S = 180.0
 #: seconds each section is expected to need at most on a GPU, to decide whether it starts
 NEEDS_S = {"openloop": 60, "trajectory": 30, "steady": 10, "capture": 35,
-           "optimizer_only": 45, "end_to_end": 20, "torch_backend": 5}
+           "optimizer_only": 45, "end_to_end": 20, "torch_backend": 5, "host_calls": 10}
 GROUP = {"openloop": 1, "trajectory": 1, "steady": 2, "capture": 2, "optimizer_only": 4,
-         "end_to_end": 4, "torch_backend": 4}
+         "end_to_end": 4, "torch_backend": 4, "host_calls": 4}
 
 
 def _copy_Bps(dev, smoke):
@@ -60,6 +63,16 @@ def _table(res):
     fails = [f"{k}: {r['error']}" for k, r in rows.items()
              if isinstance(r, dict) and "error" in r]
     return res, fails
+
+
+def _host_calls(dev, smoke, out_dir):
+    """Section 7: :mod:`benchmarks.studies.host_calls` at the tiny shapes."""
+    from benchmarks.studies import host_calls
+    iters, warm, every = (3, 1, 2) if smoke else (100, 10, 10)
+    rows = {k: host_calls.measure(dev, k, "tiny", iters, warm, every) for k in host_calls.KINDS}
+    with open(os.path.join(out_dir, "host_calls.md"), "w") as fh:
+        fh.write(host_calls.markdown(dev, rows, "tiny", iters, warm, every) + "\n")
+    return rows, []
 
 
 def _sections(dev, smoke, state):
@@ -93,6 +106,7 @@ def _sections(dev, smoke, state):
         ("optimizer_only", lambda: _table(gpu_tables.optimizer_only(dev, smoke, bw))),
         ("end_to_end", lambda: _table(gpu_tables.end_to_end(dev, smoke))),
         ("torch_backend", lambda: _table(gpu_tables.torch_backend_rows(dev, smoke, bw))),
+        ("host_calls", lambda: _host_calls(dev, smoke, state["out_dir"])),
     ]
 
 
@@ -108,7 +122,7 @@ def main(out_dir, smoke, budget_s=BUDGET_S, only=None):
         md.flush()
 
     info = device_info(dev)
-    state = {"copy_Bps": _copy_Bps(dev, smoke)}
+    state = {"copy_Bps": _copy_Bps(dev, smoke), "out_dir": out_dir}
     info["copy_GBps"] = round(state["copy_Bps"] / 1e9, 1)
     dump(os.path.join(out_dir, "device.json"), info)
     note(f"# bench_gpu --quick: {info['device']} | torch {info['torch']} | triton "

@@ -19,6 +19,8 @@ autograd's own, is the model's).  Medians over ``--iters`` iterations, after ``-
 Writes ``host_calls.json`` and ``host_calls.md`` to ``--out``::
 
     python -m benchmarks.studies.host_calls --out /tmp/hc [--device cpu] [--scale tiny]
+
+On a GPU it is also a section of the quick GPU check (``bench_gpu.py --quick``).
 """
 from __future__ import annotations
 
@@ -158,10 +160,11 @@ def measure(dev, kind: str, scale: str, iters: int, warm: int, refresh_every: in
             "numel": sum(p.numel() for p in ps), "tensors": len(ps)}
 
 
-def _markdown(dev, rows, a) -> str:
-    out = [f"# Host time per public call, beyond the kernels ({a.scale} shapes)", "",
-           f"{device_info(dev)['name']}; {a.iters} iterations after {a.warm}; medians; "
-           f"refresh every {a.refresh_every} iterations (IVON-PoCoMo)", ""]
+def markdown(dev, rows, scale: str, iters: int, warm: int, refresh_every: int) -> str:
+    """The rows of :func:`measure` per kind as markdown tables."""
+    out = [f"# Host time per public call, beyond the kernels ({scale} shapes)", "",
+           f"{device_info(dev)['name']}; {iters} iterations after {warm}; medians; "
+           f"refresh every {refresh_every} iterations (IVON-PoCoMo)", ""]
     for kind, r in rows.items():
         out += [f"## {kind}: {r['tensors']} tensors, {r['numel']} parameters", "",
                 "| call | per iteration | wall us | kernel us | host us |", "|---|---|---|---|---|"]
@@ -186,7 +189,7 @@ def main(argv=None):
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     os.makedirs(a.out, exist_ok=True)
     rows = {k: measure(dev, k, a.scale, a.iters, a.warm, a.refresh_every) for k in a.kinds}
-    text = _markdown(dev, rows, a)
+    text = markdown(dev, rows, a.scale, a.iters, a.warm, a.refresh_every)
     log(text)
     with open(os.path.join(a.out, "host_calls.md"), "w") as fh:
         fh.write(text + "\n")

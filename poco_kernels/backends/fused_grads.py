@@ -35,7 +35,7 @@ _SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 def _capturing() -> bool:
     """A CUDA graph is being captured on the current stream."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _refuse_sparse(g: Tensor) -> None:
