@@ -21,10 +21,11 @@ module with one function per operation, :mod:`poco_kernels.kernels.triton_ops` o
   host reads the step count when asked (``step_count``, ``state_dict``), and after each
   refresh whether it was taken: that decides whether the correction is active.
 * **Sharded parameters** (FSDP2's ``DTensor``, ``Bucket.segments``): FSDP2 owns the
-  storage of the local shards (it all-gathers from it), so they are not re-pointed: each
-  operation runs one launch per local shard, over that shard itself and its slice of the
-  bucket's flat state, with the shard's place in the unsharded bucket as the noise offset
-  (so every element draws the noise it draws unsharded).  Gradients are FSDP2's
+  storage of the local shards (it all-gathers from it), so they are not re-pointed: an
+  operation runs over each shard itself and its slice of the bucket's flat state, with
+  the shard's place in the unsharded bucket as the noise offset (so every element draws
+  the noise it draws unsharded): one launch per bucket on Triton (a table of the
+  shards, ``triton_ops.Tiles``), one per shard on the C++ backend.  Gradients are FSDP2's
   reduce-scattered ``.grad`` (no views handed out), read in place by ``accumulate``.
 * **No host synchronisation inside a step or a refresh** on a GPU, unless
   ``check_finite=True`` asks for the torch backend's error on non-finite gradients (one
@@ -104,6 +105,10 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
         #: has not started (:meth:`_momentum_first`); :meth:`counters` settles it
         self.mom_start: Dict[int, Tuple[Tensor, Tensor]] = {}
         self._watched: set = set()
+        #: sharded buckets: one launch over all the local shards (Triton), not one per
+        #: shard (:meth:`~.fused_layout.LayoutMixin._tiles`; False: per shard)
+        self.tiled = hasattr(ops, "Tiles")
+        self._tile_cache: Dict[int, dict] = {}
         self.flatten()
 
     # ------------------------------------------------------------------ updates
@@ -183,6 +188,12 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
             fi, gs = self._amp(b, found_inf, grad_scale)
             outs = [b.buffers.get(k) if c else None for k in ("g_out", "h_out", "m_out",
                                                                "sigma_out")]
+            tiles = self._tiles(b, [prm for _, _, _, prm in self._pieces(b)])
+            if tiles is not None:
+                self.ops.step_shards(tiles, b.buffers["mean"], b.local(0), t.s1, t.s2, g_in,
+                                     ge_in, g_at_out, ge_at_out, *outs, self._ctl(b), fi, gs,
+                                     streams, hyper, flags)
+                continue
             for lo, n, off, prm in self._pieces(b):
                 cut = self._cutter(b, lo, n)
                 self.ops.step(cut(b.buffers["mean"]), prm, cut(t.s1), cut(t.s2), cut(g_in),
@@ -214,6 +225,13 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
             fi, gs = self._amp(b, found_inf, grad_scale)
             hp = self.rows.row(b, "refresh", r.hp.counted(inv_n=1.0 / n))
             flags = iface.RefreshFlags(r.family, acc_ge is not None, noise is not None)
+            tiles = self._tiles(b)
+            if tiles is not None:
+                self.ops.refresh_shards(tiles, b.buffers["mean"], r.h, acc_g, acc_ge, r.g_out,
+                                        r.h_out, r.m_out, r.sigma_out, self._ctl(b), fi, gs,
+                                        view.seed, view.noise_version,
+                                        noise[0] if noise else 0, hp, flags)
+                continue
             for lo, m, off, _ in self._pieces(b):
                 cut = self._cutter(b, lo, m)
                 self.ops.refresh(cut(b.buffers["mean"]), cut(r.h), cut(acc_g), cut(acc_ge),

@@ -3,8 +3,10 @@
 The parameters of an unsharded bucket are views of one flat buffer of their dtype
 (:meth:`LayoutMixin.flatten`), re-linked where they were taken off it
 (:meth:`LayoutMixin.check_layout`).  A sharded bucket (FSDP2) keeps FSDP2's local shards:
-an operation runs one launch per shard over its slice of the bucket's flat buffers
-(:meth:`LayoutMixin._pieces`, :meth:`LayoutMixin._cutter`), and copies between the
+an operation runs over each shard and its slice of the bucket's flat buffers
+(:meth:`LayoutMixin._pieces`, :meth:`LayoutMixin._cutter`), in one launch for all of them
+where the kernels take a table of the shards (Triton: :meth:`LayoutMixin._tiles`), else
+one launch per shard; copies between the
 parameters and a flat buffer go shard by shard (:meth:`LayoutMixin._params_to`,
 :meth:`LayoutMixin._params_from`).
 """
@@ -65,6 +67,32 @@ class LayoutMixin:
             return ((0, b.numel, 0, b.flat_param),)
         return tuple((lo, n, start, b.local(i).view(-1))
                      for i, (lo, n, start) in enumerate(b.segments) if n > 0)
+
+    def _tiles(self, b, tensors=None):
+        """One launch over all of sharded bucket ``b``'s local shards, where the kernels
+        take one (Triton, eager: ``triton_ops.Tiles``), else None (one launch per shard,
+        :meth:`_pieces`).  ``tensors``: per piece, the tensor the kernel reads or writes
+        in the shard (the parameter's local shard, a gradient; None: that piece is left
+        out), or None for an operation on the flat buffers alone; they must share a
+        dtype (else None).  Made once per layout and set of addresses (the gradients'
+        change every backward)."""
+        if b.segments is None or not self.tiled or torch.compiler.is_compiling():
+            return None
+        pieces = self._pieces(b)
+        if tensors is not None and len({t.dtype for t in tensors if t is not None}) > 1:
+            return None
+        if tensors is None:
+            key = tuple((lo, n, off - lo, 0) for lo, n, off, _ in pieces)
+        else:
+            key = tuple((lo, n, off - lo, t.data_ptr())
+                        for (lo, n, off, _), t in zip(pieces, tensors) if t is not None)
+        cache = self._tile_cache.setdefault(b.index, {})
+        tiles = cache.get(key)
+        if tiles is None:
+            if len(cache) >= 8:                 # (gradients: new addresses each backward)
+                cache.clear()
+            tiles = cache[key] = self.ops.Tiles(key, b.device)
+        return tiles
 
     @staticmethod
     def _cutter(b, lo: int, n: int):

@@ -85,6 +85,13 @@ class SamplesMixin:
                 mode, h, sig, const = iface.SIGMA_CONST, None, None, spec.sigma
             row = self.rows.row(b, f"sample{kind}", iface.SampleHyper(
                 *(iface.hyper_value(v) for v in (spec.ess, spec.wd, const))))
+            tiles = self._tiles(b, [prm for _, _, _, prm in self._pieces(b)])
+            if tiles is not None:
+                self.ops.sample_shards(tiles, b.local(0), b.buffers["mean"] if sync else
+                                       spec.centre, b.buffers["mean"], h, sig, self._ctl(b),
+                                       view.seed, view.noise_version, stream, slot, row,
+                                       float(sign), mode, sync)
+                continue
             for lo, n, off, prm in self._pieces(b):
                 cut = self._cutter(b, lo, n)
                 self.ops.sample(prm, prm if sync else cut(spec.centre), cut(b.buffers["mean"]),
@@ -132,6 +139,11 @@ class SamplesMixin:
     def _fold_ge(self, b, acc_g: Tensor, acc_ge: Tensor, stream: int, slot: int,
                  sign: float) -> None:
         """``acc_ge = acc_g * eps`` of the given draw (per shard for a sharded bucket)."""
+        tiles = self._tiles(b)
+        if tiles is not None:
+            self.ops.fold_ge_shards(tiles, acc_g, acc_ge, self._ctl(b), self.view.seed,
+                                    self.view.noise_version, stream, slot, sign)
+            return
         for lo, n, off, _ in self._pieces(b):
             cut = self._cutter(b, lo, n)
             self.ops.fold_ge(cut(acc_g), cut(acc_ge), self._ctl(b), self.view.seed,
@@ -194,8 +206,18 @@ class SamplesMixin:
                                     view.noise_version, stream, slot, sign, first,
                                     acc_ge is not None)
             else:
+                tiles = self._tiles(b, gb)
+                if tiles is not None and tiles.count:
+                    g0 = next(g for g in gb if g is not None)
+                    self.ops.accumulate_shards(tiles, g0, acc_g, acc_ge, self._ctl(b), view.seed,
+                                               view.noise_version, stream, slot, sign, first,
+                                               acc_ge is not None)
                 for (lo, n, off, _), g in zip(self._pieces(b), gb):
                     cut = self._cutter(b, lo, n)
+                    if tiles is not None:
+                        if g is None and first:    # no gradient: a zero one
+                            acc_g[lo:lo + n].zero_()
+                        continue
                     if g is not None:
                         self.ops.accumulate(g, cut(acc_g), cut(acc_ge), self._ctl(b), view.seed,
                                             view.noise_version, stream, slot, sign, first,

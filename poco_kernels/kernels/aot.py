@@ -59,7 +59,11 @@ COMPILE_OPTIONS = {"enable_fp_fusion": False}
 # other ``*_ptr`` is float32 state, except the int64 control tensor.
 _PARAM_PTRS = {"param_ptr", "grad_ptr"}
 _PTR_TYPES = {"ctl_ptr": "*i64", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32",
-              "hp_ptr": "*fp64"}
+              "hp_ptr": "*fp64",
+              # (untiled launches pass the control tensor for both; _TILES: tiled ones)
+              "tiles_ptr": "*i64", "chunks_ptr": "*i64"}
+#: a launch over a sharded bucket's shards (triton_ops.Tiles): its constexprs and types
+_TILES = dict(padded=False, types={"chunks_ptr": "*i32"}, SHARD=2, TILED=True)
 _I64 = {"n", "seed", "offset"}
 _I32 = {"stream", "stream_at_out", "counter_slot", "slot", "counter"}
 _FP32 = {"sign"}
@@ -151,6 +155,8 @@ def variants() -> List[Variant]:
             constexprs.setdefault("NOISE", STREAM_VERSION)
         if "SHARD" in constexpr_names(kernel):      # a whole bucket (offset 0)
             constexprs.setdefault("SHARD", 0)
+        if "TILED" in constexpr_names(kernel):      # one buffer, not a bucket's shards
+            constexprs.setdefault("TILED", False)
         sig = signature(kernel, constexprs, dtype)
         sig.update(types or {})
         out.append(Variant(name, kernel, sig, constexprs, num_warps, padded))
@@ -184,6 +190,19 @@ def variants() -> List[Variant]:
         **dict(ivon_full, NEXT_SAMPLE=True, SHARD=1))
     add("step[ivon,full,next,fp32,shard-unaligned]", tk.step_kernel, "fp32", padded=False,
         **dict(ivon_full, NEXT_SAMPLE=True, SHARD=2))
+    # one launch over all the shards of a sharded bucket (triton_ops.Tiles: each program
+    # reads its shard's place and tensor from a table), the heaviest paths
+    add("sample[ivon,sync,fp32,tiles]", tk.sample_kernel, "fp32", SIGMA_MODE=iface.SIGMA_IVON,
+        SYNC=True, **_TILES)
+    add("accumulate[ge,bf16,tiles]", tk.accumulate_kernel, "bf16", FIRST=False, GE=True,
+        **_TILES)
+    add("step[ivon,full,next,lowstate,bf16,tiles]", tk.step_kernel, "bf16",
+        **dict(_TILES, types=dict(_LOW_STATE, chunks_ptr="*i32"),
+               **dict(ivon_full, NEXT_SAMPLE=True)))
+    add("refresh[ivon,lowstate,tiles]", tk.refresh_kernel, FAMILY=iface.FAMILY_IVON, GE=False,
+        NOISY=False, HAS_FOUND_INF=True, HAS_SCALE=True,
+        **dict(_TILES, types={"chunks_ptr": "*i32",
+                              **{k: v for k, v in _LOW_STATE.items() if k != "s1_ptr"}}))
     add("step[ivon,nocorr,bf16]", tk.step_kernel, "bf16",
         **dict(_STEP_OFF, FAMILY=iface.FAMILY_IVON, CLIP=True, DEBIAS=True))
     add("step[ivon,ge_in+ge_at_out,fp32]", tk.step_kernel, "fp32",

@@ -64,6 +64,17 @@ def _pow_steps(b, e):
 
 
 @triton.jit
+def _tile(tiles_ptr, chunks_ptr, pid, BLOCK: tl.constexpr):
+    """A program of a launch over a sharded bucket's shards (``TILED``,
+    :mod:`~poco_kernels.kernels.triton_kernels`): its elements' indices in the flat
+    buffers, their mask, its shard's noise offset, the elements' indices in the shard's
+    own tensor and that tensor's address (``triton_ops.Tiles``)."""
+    row = tiles_ptr + tl.load(chunks_ptr + pid).to(tl.int64) * 5
+    j = (pid - tl.load(row + 4)) * BLOCK + tl.arange(0, BLOCK)
+    return tl.load(row) + j, j < tl.load(row + 1), tl.load(row + 2), j, tl.load(row + 3)
+
+
+@triton.jit
 def _ivon_sigma(h, ess, wd):
     """Reference: ivon_sigma (``1.0f / sqrtf(ess * (h + wd))``)."""
     return tl.div_rn(1.0, tl.sqrt_rn(ess * (h + wd)))

@@ -34,6 +34,14 @@ Conventions shared by all kernels:
   skipped updates]``.  An update reads ``found_inf`` (AMP) and the bad flag and, when
   either is set, writes no state (the parameters get the old mean back);
   :func:`finish_kernel` then advances the counters and clears the flag;
+* ``TILED`` (sharded buckets, FSDP2): one launch covers every local shard of a bucket.
+  ``chunks_ptr`` (int32, one entry per program) names the shard a program works on and
+  ``tiles_ptr`` (int64, five per shard) holds that shard's first element in the flat
+  buffers, its length, its noise offset (its place in the unsharded bucket less its
+  place in the flat buffers), the address of its own tensor (the local shard of the
+  parameter, or its gradient), and its first program; a program covers ``BLOCK``
+  elements of one shard (``triton_ops.Tiles``).  The elements get exactly what the
+  launch per shard gives them (``SHARD`` 2: the noise of any offset);
 * hyperparameters are read from a float64 row on the device (``hp_ptr``: one value per
   field of ``StepHyper``, ``RefreshHyper`` or ``SampleHyper``,
   :mod:`poco_kernels.kernels.interface`): a new learning rate neither recompiles nor
@@ -52,27 +60,34 @@ from .triton_common import (  # noqa: F401
                             STEP_HP, S_ALPHA, S_BETA1, S_BETA2, S_CLIP, S_DAMPENING, S_EPS,
                             S_ESS, S_FLOOR, S_HESS_CORR, S_INV_N_IN, S_INV_N_AT_OUT, S_LR,
                             S_MOMENTUM, S_MOM_FIRST, S_SIGN_AT_OUT, S_WD, _NO_SPEC, _ivon_sigma,
-                            _noise, _skip_flag, _to_param)
+                            _noise, _skip_flag, _tile, _to_param)
 from .triton_step import refresh_kernel, step_kernel  # noqa: F401  (re-exported)
 
 
 # --------------------------------------------------------------------------- kernels
 @triton.jit(do_not_specialize=_NO_SPEC)
-def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, hp_ptr,
-                  n: tl.int64, offset: tl.int64, seed: tl.int64, stream,
+def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, tiles_ptr,
+                  chunks_ptr, hp_ptr, n: tl.int64, offset: tl.int64, seed: tl.int64, stream,
                   counter_slot, sign,
                   SIGMA_MODE: tl.constexpr, SYNC: tl.constexpr, NOISE: tl.constexpr,
-                  SHARD: tl.constexpr, BLOCK: tl.constexpr):
+                  SHARD: tl.constexpr, TILED: tl.constexpr, BLOCK: tl.constexpr):
     """Write the posterior sample ``theta = centre + sigma * sign * eps`` into the flat
     parameters, in their dtype (``hp_ptr``: the ``SampleHyper`` row).  ``SYNC``: the
     parameters hold the mean (float32 parameters, torch.optim convention) and are first
-    copied to the ``mean`` buffer, which is then the centre.  Reference: perturb,
-    ivon_sigma."""
+    copied to the ``mean`` buffer, which is then the centre.  ``TILED``: the parameters
+    are a sharded bucket's local shards, one launch for all (see ``TILED`` in the module
+    docstring).  Reference: perturb, ivon_sigma."""
     pid = tl.program_id(0).to(tl.int64)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
+    if TILED:
+        tl.static_assert(SHARD == 2, "tiles: the noise of any offset")
+        idx, mask, offset, j, addr = _tile(tiles_ptr, chunks_ptr, pid, BLOCK)
+        pp = addr.to(tl.pointer_type(param_ptr.dtype.element_ty)) + j
+    else:
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < n
+        pp = param_ptr + idx
     if SYNC:
-        centre = tl.load(param_ptr + idx, mask=mask).to(tl.float32)
+        centre = tl.load(pp, mask=mask).to(tl.float32)
         tl.store(mean_ptr + idx, centre, mask=mask)
     else:
         centre = tl.load(centre_ptr + idx, mask=mask).to(tl.float32)   # (bfloat16: m_out)
@@ -90,22 +105,30 @@ def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, hp
         counter = tl.load(ctl_ptr + counter_slot)
         eps = _noise(seed, idx, pid, offset, counter, stream, NOISE, SHARD, BLOCK) * sign
         theta = centre + sigma * eps
-    tl.store(param_ptr + idx, _to_param(theta, param_ptr), mask=mask)
+    tl.store(pp, _to_param(theta, param_ptr), mask=mask)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, n: tl.int64, offset: tl.int64,
+def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, tiles_ptr, chunks_ptr,
+                      n: tl.int64, offset: tl.int64,
                       seed: tl.int64, stream, counter_slot,
                       sign, FIRST: tl.constexpr, GE: tl.constexpr, NOISE: tl.constexpr,
-                      SHARD: tl.constexpr, BLOCK: tl.constexpr):
+                      SHARD: tl.constexpr, TILED: tl.constexpr, BLOCK: tl.constexpr):
     """Fold one gradient (flat, parameter dtype) into the running sums of its sample kind:
     ``acc_g (+)= g``; with ``GE`` (several draws of the kind) also ``acc_ge += g * eps``
     of the active draw.  A non-finite gradient sets the control tensor's bad flag (one
-    atomic per block that has one), so the update that follows is skipped on device."""
+    atomic per block that has one), so the update that follows is skipped on device.
+    ``TILED``: the gradients are a sharded bucket's local shards, one launch for all."""
     pid = tl.program_id(0).to(tl.int64)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
-    g = tl.load(grad_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    if TILED:
+        tl.static_assert(SHARD == 2, "tiles: the noise of any offset")
+        idx, mask, offset, j, addr = _tile(tiles_ptr, chunks_ptr, pid, BLOCK)
+        gp = addr.to(tl.pointer_type(grad_ptr.dtype.element_ty)) + j
+    else:
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < n
+        gp = grad_ptr + idx
+    g = tl.load(gp, mask=mask, other=0.0).to(tl.float32)
     nonfinite = tl.sum(((g != g) | (tl.abs(g) == float("inf"))).to(tl.int32), axis=0)
     if nonfinite > 0:
         tl.atomic_max(ctl_ptr + 2, 1)
@@ -133,14 +156,20 @@ def check_kernel(grad_ptr, ctl_ptr, n: tl.int64, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def fold_ge_kernel(acc_g_ptr, acc_ge_ptr, ctl_ptr, n: tl.int64, offset: tl.int64,
-                   seed: tl.int64, stream, counter_slot, sign,
-                   NOISE: tl.constexpr, SHARD: tl.constexpr, BLOCK: tl.constexpr):
+def fold_ge_kernel(acc_g_ptr, acc_ge_ptr, ctl_ptr, tiles_ptr, chunks_ptr, n: tl.int64,
+                   offset: tl.int64, seed: tl.int64, stream, counter_slot, sign,
+                   NOISE: tl.constexpr, SHARD: tl.constexpr, TILED: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """``acc_ge = acc_g * eps`` of draw 0: when a second draw of a kind starts, the sum of
-    ``g * eps`` that the update would otherwise regenerate is materialised."""
+    ``g * eps`` that the update would otherwise regenerate is materialised.  ``TILED``:
+    a sharded bucket's shards (their noise offsets), one launch for all."""
     pid = tl.program_id(0).to(tl.int64)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
+    if TILED:
+        tl.static_assert(SHARD == 2, "tiles: the noise of any offset")
+        idx, mask, offset, _, _ = _tile(tiles_ptr, chunks_ptr, pid, BLOCK)
+    else:
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < n
     g = tl.load(acc_g_ptr + idx, mask=mask)
     counter = tl.load(ctl_ptr + counter_slot)
     eps = _noise(seed, idx, pid, offset, counter, stream, NOISE, SHARD, BLOCK) * sign

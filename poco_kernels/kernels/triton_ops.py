@@ -25,11 +25,46 @@ from . import triton_kernels as tk
 from .interface import (RefreshFlags, RefreshHyper, SampleHyper, StepFlags, StepHyper,
                         StepStreams, hyper_row, require)
 
-__all__ = ["sample", "accumulate", "check", "fold_ge", "step", "refresh", "finish", "randn"]
+__all__ = ["sample", "accumulate", "check", "fold_ge", "step", "refresh", "finish", "randn",
+           "Tiles", "sample_shards", "accumulate_shards", "fold_ge_shards", "step_shards",
+           "refresh_shards"]
 
 
 def _grid(n: int):
     return (triton.cdiv(n, tk.BLOCK),)
+
+
+class Tiles:
+    """The local shards of a sharded bucket as the tiles of one launch (the kernels'
+    ``TILED``, :mod:`~poco_kernels.kernels.triton_kernels`): ``pieces``, per shard with
+    elements, ``(lo, n, noise_offset, address)``: its first element in the bucket's flat
+    buffers, its length, its place in the unsharded bucket less ``lo``, and the address of
+    its own tensor (the parameter's local shard, or its gradient; 0 where the kernel
+    reads none).  ``table`` (int64, five per shard: those four and its first program) and
+    ``chunks`` (int32, the shard of each program) live on ``device``; ``count`` programs
+    of ``BLOCK`` elements each."""
+
+    __slots__ = ("table", "chunks", "count")
+
+    def __init__(self, pieces, device):
+        rows, sizes = [], []
+        for lo, n, off, addr in pieces:
+            k = -(-n // tk.BLOCK)
+            rows.append((lo, n, off, addr, sum(sizes)))
+            sizes.append(k)
+        self.count = sum(sizes)
+        self.table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 5).to(device)
+        self.chunks = torch.repeat_interleave(
+            torch.arange(len(rows), dtype=torch.int32),
+            torch.tensor(sizes, dtype=torch.int64)).to(device)
+
+
+def _geometry(n: int, offset: int, tiles: Optional[Tiles], dummy: Tensor):
+    """A launch's grid, its tile arguments (``tiles_ptr``, ``chunks_ptr``: ``dummy`` when
+    untiled) and its ``SHARD``/``TILED`` constexprs."""
+    if tiles is None:
+        return _grid(n), (dummy, dummy), dict(SHARD=_shard(offset), TILED=False)
+    return (tiles.count,), (tiles.table, tiles.chunks), dict(SHARD=2, TILED=True)
 
 
 def _shard(offset: int) -> int:
@@ -51,27 +86,28 @@ _OPTS = dict(num_warps=tk.NUM_WARPS, enable_fp_fusion=False)
 def _sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
             sigma: Optional[Tensor], ctl: Tensor, seed: int, noise: int, stream: int,
             counter_slot: int, hp, sign: float, sigma_mode: int, sync: bool,
-            offset: int = 0) -> None:
-    n = launch_numel(param.numel(), param, centre, mean, h, sigma)
-    if n == 0:
+            offset: int = 0, tiles: Optional[Tiles] = None) -> None:
+    n = 0 if tiles is not None else launch_numel(param.numel(), param, centre, mean, h, sigma)
+    if (n if tiles is None else tiles.count) == 0:
         return
+    grid, targs, tc = _geometry(n, offset, tiles, ctl)
     row = hyper_row(hp, SampleHyper, param.device)
-    tk.sample_kernel[_grid(n)](
+    tk.sample_kernel[grid](
         param, centre, mean, h if h is not None else mean, sigma if sigma is not None else mean,
-        ctl, row, n, offset, seed, stream, counter_slot, sign,
-        SIGMA_MODE=sigma_mode, SYNC=sync, NOISE=noise, SHARD=_shard(offset), BLOCK=tk.BLOCK,
-        **_OPTS)
+        ctl, *targs, row, n, offset, seed, stream, counter_slot, sign,
+        SIGMA_MODE=sigma_mode, SYNC=sync, NOISE=noise, **tc, BLOCK=tk.BLOCK, **_OPTS)
 
 
 def _accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor, seed: int,
                 noise: int, stream: int, counter_slot: int, sign: float, first: bool,
-                ge: bool, offset: int = 0) -> None:
-    n = launch_numel(grad.numel(), grad, acc_g, acc_ge)
-    if n == 0:
+                ge: bool, offset: int = 0, tiles: Optional[Tiles] = None) -> None:
+    n = 0 if tiles is not None else launch_numel(grad.numel(), grad, acc_g, acc_ge)
+    if (n if tiles is None else tiles.count) == 0:
         return
-    tk.accumulate_kernel[_grid(n)](
-        grad, acc_g, acc_ge if acc_ge is not None else acc_g, ctl, n, offset, seed, stream,
-        counter_slot, sign, FIRST=first, GE=ge, NOISE=noise, SHARD=_shard(offset),
+    grid, targs, tc = _geometry(n, offset, tiles, ctl)
+    tk.accumulate_kernel[grid](
+        grad, acc_g, acc_ge if acc_ge is not None else acc_g, ctl, *targs, n, offset, seed,
+        stream, counter_slot, sign, FIRST=first, GE=ge, NOISE=noise, **tc,
         BLOCK=tk.BLOCK, **_OPTS)
 
 
@@ -83,12 +119,14 @@ def _check(grad: Tensor, ctl: Tensor) -> None:
 
 
 def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, stream: int,
-             counter_slot: int, sign: float, offset: int = 0) -> None:
-    n = launch_numel(acc_g.numel(), acc_g, acc_ge)
-    if n == 0:
+             counter_slot: int, sign: float, offset: int = 0,
+             tiles: Optional[Tiles] = None) -> None:
+    n = 0 if tiles is not None else launch_numel(acc_g.numel(), acc_g, acc_ge)
+    if (n if tiles is None else tiles.count) == 0:
         return
-    tk.fold_ge_kernel[_grid(n)](acc_g, acc_ge, ctl, n, offset, seed, stream, counter_slot, sign,
-                               NOISE=noise, SHARD=_shard(offset), BLOCK=tk.BLOCK, **_OPTS)
+    grid, targs, tc = _geometry(n, offset, tiles, ctl)
+    tk.fold_ge_kernel[grid](acc_g, acc_ge, ctl, *targs, n, offset, seed, stream, counter_slot,
+                            sign, NOISE=noise, **tc, BLOCK=tk.BLOCK, **_OPTS)
 
 
 def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
@@ -97,23 +135,24 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
           g_out: Optional[Tensor], h_out: Optional[Tensor], m_out: Optional[Tensor],
           sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
           grad_scale: Optional[Tensor], streams: StepStreams, hp, flags: StepFlags,
-          offset: int = 0) -> None:
-    n = launch_numel(mean.numel(), mean, param, s1, s2, g_in, ge_in, g_at_out, ge_at_out, g_out,
-                     h_out, m_out, sigma_out)
-    if n == 0:
+          offset: int = 0, tiles: Optional[Tiles] = None) -> None:
+    n = 0 if tiles is not None else launch_numel(mean.numel(), mean, param, s1, s2, g_in, ge_in, g_at_out,
+                                     ge_at_out, g_out, h_out, m_out, sigma_out)
+    if (n if tiles is None else tiles.count) == 0:
         return
+    grid, targs, tc = _geometry(n, offset, tiles, ctl)
     d = mean
     row = hyper_row(hp, StepHyper, mean.device)
-    tk.step_kernel[_grid(n)](
+    tk.step_kernel[grid](
         mean, param, s1 if s1 is not None else d, s2 if s2 is not None else d,
         g_in, ge_in if ge_in is not None else d, g_at_out if g_at_out is not None else d,
         ge_at_out if ge_at_out is not None else d, g_out if g_out is not None else d,
         h_out if h_out is not None else d, m_out if m_out is not None else d,
         sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
-        grad_scale if grad_scale is not None else ctl, row,
+        grad_scale if grad_scale is not None else ctl, *targs, row,
         n, offset, streams.seed, streams.stream, streams.stream_at_out,
-        **flags.constexprs(), NOISE=streams.noise, SHARD=_shard(offset),
+        **flags.constexprs(), NOISE=streams.noise, **tc,
         HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
         BLOCK=tk.BLOCK, **_OPTS)
 
@@ -121,19 +160,21 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
 def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
              g_out: Tensor, h_out: Optional[Tensor], m_out: Tensor, sigma_out: Optional[Tensor],
              ctl: Tensor, found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
-             noise: int, stream: int, hp, flags: RefreshFlags, offset: int = 0) -> None:
-    n = launch_numel(mean.numel(), mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out)
-    if n == 0:
+             noise: int, stream: int, hp, flags: RefreshFlags, offset: int = 0,
+             tiles: Optional[Tiles] = None) -> None:
+    n = 0 if tiles is not None else launch_numel(mean.numel(), mean, h, acc_g, acc_ge, g_out, h_out,
+                                     m_out, sigma_out)
+    if (n if tiles is None else tiles.count) == 0:
         return
+    grid, targs, tc = _geometry(n, offset, tiles, ctl)
     d = mean
     row = hyper_row(hp, RefreshHyper, mean.device)
-    tk.refresh_kernel[_grid(n)](
+    tk.refresh_kernel[grid](
         mean, h if h is not None else d, acc_g, acc_ge if acc_ge is not None else d, g_out,
         h_out if h_out is not None else d, m_out, sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
-        grad_scale if grad_scale is not None else ctl, row,
-        n, offset, seed, stream, **flags.constexprs(), NOISE=noise,
-        SHARD=_shard(offset),
+        grad_scale if grad_scale is not None else ctl, *targs, row,
+        n, offset, seed, stream, **flags.constexprs(), NOISE=noise, **tc,
         HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
         BLOCK=tk.BLOCK, **_OPTS)
 
@@ -265,3 +306,56 @@ step = _record_args(_step, _step_op, {"streams": StepStreams, "flags": StepFlags
                     {"hp": StepHyper})
 refresh = _record_args(_refresh, _refresh_op, {"flags": RefreshFlags}, {"hp": RefreshHyper})
 finish = _dispatch(_finish, _finish_op)
+
+
+# --------------------------------------------------------------------------- one launch per bucket
+# A sharded bucket's operation in one launch over all its local shards (eager only: the
+# engine launches per shard while torch.compile traces).  The arguments are the per-launch
+# functions' with the bucket's whole flat buffers, ``param`` (or ``grad``) any tensor of
+# the shards' dtype (the shards themselves are in ``tiles``), and ``tiles`` for ``offset``.
+def sample_shards(tiles: Tiles, param: Tensor, centre: Tensor, mean: Tensor,
+                  h: Optional[Tensor], sigma: Optional[Tensor], ctl: Tensor, seed: int,
+                  noise: int, stream: int, counter_slot: int, hp, sign: float,
+                  sigma_mode: int, sync: bool) -> None:
+    """:func:`sample` over every shard of ``tiles`` (the parameters' local shards)."""
+    _sample(param, centre, mean, h, sigma, ctl, seed, noise, stream, counter_slot, hp, sign,
+            sigma_mode, sync, 0, tiles)
+
+
+def accumulate_shards(tiles: Tiles, grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor],
+                      ctl: Tensor, seed: int, noise: int, stream: int, counter_slot: int,
+                      sign: float, first: bool, ge: bool) -> None:
+    """:func:`accumulate` of every shard's gradient in ``tiles``."""
+    _accumulate(grad, acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, sign, first, ge,
+                0, tiles)
+
+
+def fold_ge_shards(tiles: Tiles, acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int,
+                   noise: int, stream: int, counter_slot: int, sign: float) -> None:
+    """:func:`fold_ge` over every shard of ``tiles``."""
+    _fold_ge(acc_g, acc_ge, ctl, seed, noise, stream, counter_slot, sign, 0, tiles)
+
+
+def step_shards(tiles: Tiles, mean: Tensor, param: Tensor, s1: Optional[Tensor],
+                s2: Optional[Tensor], g_in: Tensor, ge_in: Optional[Tensor],
+                g_at_out: Optional[Tensor], ge_at_out: Optional[Tensor],
+                g_out: Optional[Tensor], h_out: Optional[Tensor], m_out: Optional[Tensor],
+                sigma_out: Optional[Tensor], ctl: Tensor, found_inf: Optional[Tensor],
+                grad_scale: Optional[Tensor], streams: StepStreams, hp,
+                flags: StepFlags) -> None:
+    """:func:`step` over every shard of ``tiles`` (the parameters' local shards)."""
+    require(streams, StepStreams, "streams")
+    require(flags, StepFlags, "flags")
+    _step(mean, param, s1, s2, g_in, ge_in, g_at_out, ge_at_out, g_out, h_out, m_out, sigma_out,
+          ctl, found_inf, grad_scale, streams, hp, flags, 0, tiles)
+
+
+def refresh_shards(tiles: Tiles, mean: Tensor, h: Optional[Tensor], acc_g: Tensor,
+                   acc_ge: Optional[Tensor], g_out: Tensor, h_out: Optional[Tensor],
+                   m_out: Tensor, sigma_out: Optional[Tensor], ctl: Tensor,
+                   found_inf: Optional[Tensor], grad_scale: Optional[Tensor], seed: int,
+                   noise: int, stream: int, hp, flags: RefreshFlags) -> None:
+    """:func:`refresh` over every shard of ``tiles``."""
+    require(flags, RefreshFlags, "flags")
+    _refresh(mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out, ctl, found_inf,
+             grad_scale, seed, noise, stream, hp, flags, 0, tiles)

@@ -6,7 +6,7 @@ import triton.language as tl
 from .triton_common import (FAMILY_IVON, FAMILY_SGD, R_ESS, R_INV_N, R_RHO1, R_RHO2, R_SIGMA,
                             R_WD, S_INV_N_IN, S_INV_N_AT_OUT, S_MOM_FIRST, S_SIGN_AT_OUT, _NO_SPEC,
                             _inv_scale, _ivon_sigma, _noise, _skip_flag, _step_constants,
-                            _store_state, _to_param)
+                            _store_state, _tile, _to_param)
 
 
 @triton.jit
@@ -23,8 +23,9 @@ def step_kernel(
         g_in_ptr, ge_in_ptr, g_at_out_ptr, ge_at_out_ptr,
         # outer state (read)
         g_out_ptr, h_out_ptr, m_out_ptr, sigma_out_ptr,
-        # control; the StepHyper row (poco_kernels/kernels/interface.py)
-        ctl_ptr, found_inf_ptr, grad_scale_ptr, hp_ptr,
+        # control; a sharded bucket's shards (TILED: triton_kernels' module docstring); the
+        # StepHyper row (poco_kernels/kernels/interface.py)
+        ctl_ptr, found_inf_ptr, grad_scale_ptr, tiles_ptr, chunks_ptr, hp_ptr,
         # StepStreams
         n: tl.int64, offset: tl.int64, seed: tl.int64, stream, stream_at_out,
         # StepFlags
@@ -33,7 +34,7 @@ def step_kernel(
         FLOOR: tl.constexpr,
         CLIP: tl.constexpr, DEBIAS: tl.constexpr, MOMENTUM: tl.constexpr,
         NESTEROV: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr,
-        NOISE: tl.constexpr, SHARD: tl.constexpr, BLOCK: tl.constexpr):
+        NOISE: tl.constexpr, SHARD: tl.constexpr, TILED: tl.constexpr, BLOCK: tl.constexpr):
     """One inner step of every optimizer of the diagonal family, in one pass: ``step_ivon``,
     ``step_sgd`` and ``step_adamw`` of csrc/kernels_impl.h, operation for operation.  The
     switches are the fields of ``StepFlags``, the scalars those of the ``StepHyper`` row
@@ -66,8 +67,14 @@ def step_kernel(
     tl.static_assert(not (SHARED_NOISE and GE_IN), "shared noise is regenerated, not summed")
     tl.static_assert(not NEXT_SAMPLE or FAMILY == FAMILY_IVON, "the next sample is IVON's")
     pid = tl.program_id(0).to(tl.int64)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
+    if TILED:
+        tl.static_assert(SHARD == 2, "tiles: the noise of any offset")
+        idx, mask, offset, j, addr = _tile(tiles_ptr, chunks_ptr, pid, BLOCK)
+        pp = addr.to(tl.pointer_type(param_ptr.dtype.element_ty)) + j
+    else:
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < n
+        pp = param_ptr + idx
     skip = _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF)
     wmask = mask & ((idx * 0 + skip) == 0)   # (a scalar mask, broadcast explicitly)
     steps = tl.load(ctl_ptr + 0)
@@ -166,17 +173,17 @@ def step_kernel(
         eps_next = _noise(seed, idx, pid, offset, steps + 1 - skip, stream, NOISE, SHARD,
                           BLOCK)
         m_param = m_param + _ivon_sigma(h_param, ess, wd) * eps_next
-    tl.store(param_ptr + idx, _to_param(m_param, param_ptr), mask=mask)
+    tl.store(pp, _to_param(m_param, param_ptr), mask=mask)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr, m_out_ptr,
-                   sigma_out_ptr, ctl_ptr, found_inf_ptr, grad_scale_ptr, hp_ptr,
-                   n: tl.int64, offset: tl.int64, seed: tl.int64, stream,
+                   sigma_out_ptr, ctl_ptr, found_inf_ptr, grad_scale_ptr, tiles_ptr, chunks_ptr,
+                   hp_ptr, n: tl.int64, offset: tl.int64, seed: tl.int64, stream,
                    # RefreshFlags
                    FAMILY: tl.constexpr, GE: tl.constexpr, NOISY: tl.constexpr,
                    HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr, NOISE: tl.constexpr,
-                   SHARD: tl.constexpr, BLOCK: tl.constexpr):
+                   SHARD: tl.constexpr, TILED: tl.constexpr, BLOCK: tl.constexpr):
     """The outer refresh, one pass: ``refresh_ivon`` and ``refresh_sgd`` of
     csrc/kernels_impl.h, operation for operation (``hp_ptr``: the ``RefreshHyper`` row).
 
@@ -188,11 +195,16 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
 
     ``FAMILY_SGD``/``FAMILY_ADAMW``: ``g_out = gM`` and the refresh point
     ``theta_out = m (+ sigma eps)`` (``m_out_ptr``; ``sigma`` the constant of VSGD-PoCo).
-    Reference: perturb.
+    Reference: perturb.  ``TILED``: a sharded bucket's shards (their noise offsets), one
+    launch for all.
     """
     pid = tl.program_id(0).to(tl.int64)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
+    if TILED:
+        tl.static_assert(SHARD == 2, "tiles: the noise of any offset")
+        idx, mask, offset, _, _ = _tile(tiles_ptr, chunks_ptr, pid, BLOCK)
+    else:
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < n
     skip = _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF)
     wmask = mask & ((idx * 0 + skip) == 0)   # (a scalar mask, broadcast explicitly)
     scale = tl.load(hp_ptr + R_INV_N).to(tl.float32) * _inv_scale(grad_scale_ptr, HAS_SCALE)

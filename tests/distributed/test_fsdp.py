@@ -91,6 +91,20 @@ def test_fsdp2_two_draws_and_bfloat16_state(tmp_path):
     _assert_same(sharded, single)
 
 
+@pytest.mark.long
+def test_fsdp2_two_ranks_on_triton_equal_one_process(tmp_path):
+    """The Triton kernels (under the interpreter), one launch per sharded bucket over
+    uneven shards at places that are not multiples of 4, rank 1 holding an empty one: 2
+    ranks equal one process bit for bit, through a refresh, with bfloat16 state."""
+    if "triton" not in available_backends():
+        pytest.skip("Triton is not here")
+    spec = dict(backend="triton", steps=4, refresh_at=[1], state_dtype="bfloat16")
+    single = _ranks(tmp_path, "single", world=1, fsdp=False, **spec)
+    sharded = _ranks(tmp_path, "fsdp", **spec)
+    _check_layout(sharded)
+    _assert_same(sharded, single)
+
+
 @pytest.mark.parametrize("backend,check_finite", [("cpp", False), ("cpp", True),
                                                    ("torch", True)])
 @pytest.mark.long
@@ -279,3 +293,58 @@ def test_a_state_dict_that_lost_its_pending_gradients_is_refused(mesh1):
         opt.load_state_dict(drawn)
     opt.load_state_dict(sd)
     assert opt.step_count == 1 and torch.equal(ps[0].to_local(), src.param_groups[0]["params"][0].to_local())
+
+
+def test_triton_launches_once_per_sharded_bucket_as_the_launches_per_shard_do(mesh1):
+    """Triton: every operation on a sharded bucket is one launch over all its local shards
+    (``triton_ops.Tiles``), where one launch per shard was (the engine's ``tiled`` off):
+    the same parameters and state bit for bit, through refreshes, two Monte-Carlo draws
+    (the ``g * eps`` sums and their fold) and bfloat16 state (rounding at each element's
+    place)."""
+    if "triton" not in available_backends():
+        pytest.skip("Triton is not here")
+    import types
+
+    import poco_kernels as pk
+    from poco_kernels._layout import local
+    g = torch.Generator().manual_seed(1)
+    ts = [torch.randn(7, 5, generator=g), torch.randn(3, generator=g),
+          torch.randn(2, 600, generator=g)]
+    runs, counts = {}, {}
+    for tiled in (True, False):
+        ps = _sharded(mesh1, ts)
+        opt = pk.IVONPoCoMo(ps, backend="triton", lr=0.1, ess=1e4, hess_init=1.0, seed=0,
+                            mc_samples=2, state_dtype=torch.bfloat16)
+        eng = opt._runner
+        eng.tiled = tiled
+        calls = counts[tiled] = {}
+        real = eng.ops
+
+        def counted(name, fn):
+            def run(*a, **k):
+                calls[name] = calls.get(name, 0) + 1
+                return fn(*a, **k)
+            return run
+        eng.ops = types.SimpleNamespace(**{n: counted(n, getattr(real, n)) if callable(
+            getattr(real, n)) and not n[0].isupper() else getattr(real, n)
+            for n in dir(real) if not n.startswith("__")})
+
+        def closure():
+            opt.zero_grad()
+            loss = sum((p ** 3).sum() for p in ps)
+            loss.backward()
+            return loss
+        for i in range(3):
+            if i == 1:
+                opt.refresh([closure, closure])
+            opt.step(closure)
+        runs[tiled] = ([local(p.detach()).clone() for p in ps],
+                       [dict(opt.state[p]) for p in ps])
+    for x, y in zip(runs[True][0], runs[False][0]):
+        assert torch.equal(x, y)
+    for x, y in zip(runs[True][1], runs[False][1]):
+        assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
+    shards = len(ts)
+    for op in ("sample", "accumulate", "fold_ge", "step", "refresh"):
+        assert counts[True].get(op, 0) == 0, op
+        assert counts[True][f"{op}_shards"] * shards == counts[False][op], op
