@@ -151,9 +151,8 @@ def measure(dev, kind: str, scale: str, iters: int, warm: int, refresh_every: in
         host = statistics.median(w - k for w, k in xs)
         calls[name] = {"calls_per_iteration": per_iter, "wall_us": round(wall, 1),
                        "kernel_us": round(kern, 1), "host_us": round(host, 1)}
-    proto = [n for n in ("zero_grad", "sample", "accumulate", "restore", "step")]
-    per_iter = sum(calls[n]["host_us"] * calls[n]["calls_per_iteration"] for n in proto
-                   if n != "zero_grad")
+    per_iter = sum(calls[n]["host_us"] * calls[n]["calls_per_iteration"]
+                   for n in ("sample", "accumulate", "restore", "step"))
     if "refresh" in calls:
         per_iter += sum(calls[n]["host_us"] for n in ("refresh",)) / refresh_every
     return {"calls": calls, "protocol_host_us_per_iteration": round(per_iter, 1),

@@ -188,7 +188,7 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
             fi, gs = self._amp(b, found_inf, grad_scale)
             outs = [b.buffers.get(k) if c else None for k in ("g_out", "h_out", "m_out",
                                                                "sigma_out")]
-            tiles = self._tiles(b, [prm for _, _, _, prm in self._pieces(b)])
+            tiles = self._tiles(b, params=True)
             if tiles is not None:
                 self.ops.step_shards(tiles, b.buffers["mean"], b.local(0), t.s1, t.s2, g_in,
                                      ge_in, g_at_out, ge_at_out, *outs, self._ctl(b), fi, gs,

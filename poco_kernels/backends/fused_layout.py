@@ -68,17 +68,19 @@ class LayoutMixin:
         return tuple((lo, n, start, b.local(i).view(-1))
                      for i, (lo, n, start) in enumerate(b.segments) if n > 0)
 
-    def _tiles(self, b, tensors=None):
+    def _tiles(self, b, tensors=None, params: bool = False):
         """One launch over all of sharded bucket ``b``'s local shards, where the kernels
         take one (Triton, eager: ``triton_ops.Tiles``), else None (one launch per shard,
         :meth:`_pieces`).  ``tensors``: per piece, the tensor the kernel reads or writes
-        in the shard (the parameter's local shard, a gradient; None: that piece is left
-        out), or None for an operation on the flat buffers alone; they must share a
+        in the shard (a gradient; None: that piece is left out; ``params``: the
+        parameters' local shards), or None for an operation on the flat buffers alone; they must share a
         dtype (else None).  Made once per layout and set of addresses (the gradients'
         change every backward)."""
         if b.segments is None or not self.tiled or torch.compiler.is_compiling():
             return None
         pieces = self._pieces(b)
+        if params:
+            tensors = [prm for _, _, _, prm in pieces]
         if tensors is not None and len({t.dtype for t in tensors if t is not None}) > 1:
             return None
         if tensors is None:

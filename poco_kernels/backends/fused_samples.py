@@ -85,7 +85,7 @@ class SamplesMixin:
                 mode, h, sig, const = iface.SIGMA_CONST, None, None, spec.sigma
             row = self.rows.row(b, f"sample{kind}", iface.SampleHyper(
                 *(iface.hyper_value(v) for v in (spec.ess, spec.wd, const))))
-            tiles = self._tiles(b, [prm for _, _, _, prm in self._pieces(b)])
+            tiles = self._tiles(b, params=True)
             if tiles is not None:
                 self.ops.sample_shards(tiles, b.local(0), b.buffers["mean"] if sync else
                                        spec.centre, b.buffers["mean"], h, sig, self._ctl(b),
