@@ -67,13 +67,16 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
         an update on the device and count it in ``skipped_updates`` (``False``).  ``None``: True
         on the torch and C++ backends, False on Triton, where the check costs a device-to-host
         read per update.""")
-    grad_views: bool = option(default=True, doc="""\
+    grad_views: Optional[bool] = option(default=None, doc="""\
         on the fused backends, each sample hands the trainable parameters a ``.grad`` that is a
         view of a zeroed flat gradient buffer, so the backward pass accumulates straight into
         what the kernels read (no copy), and ``zero_grad()`` zeroes those buffers in place,
         keeping the views.  A ``.grad`` replaced since (``p.grad = t``,
-        ``zero_grad(set_to_none=True)``, a hook) still works: it is copied in once.  False:
-        ``.grad`` is left to autograd and always copied in.""")
+        ``zero_grad(set_to_none=True)``, a hook) still works: it is read once.  False:
+        ``.grad`` is left to autograd; Triton reads those tensors in place (one launch over a
+        table of their addresses), C++ copies them in.  ``None``: False on Triton (autograd
+        hands over its own tensors instead of adding into a view, one kernel launch less per
+        parameter per backward), True on C++.""")
 
     #: the algorithm, stated once (:mod:`poco_kernels.rules`)
     rule: ClassVar[Rule]
@@ -106,7 +109,7 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
 
     def _initialise(self, params, defaults: Dict[str, Any], *, seed: Optional[int] = None,
                     backend: str = "auto", check_finite: Optional[bool] = None,
-                    grad_views: bool = True, sample_ahead: bool = False,
+                    grad_views: Optional[bool] = None, sample_ahead: bool = False,
                     state_dtype: Optional[torch.dtype] = None):
         """The constructor every generated ``__init__`` calls: ``defaults`` are the
         per-group hyperparameters, the keywords the options."""
@@ -117,9 +120,11 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
               f"{backend!r}")
         check(check_finite is None or isinstance(check_finite, bool),
               f"check_finite must be None or a bool, got {check_finite!r}")
-        check(isinstance(grad_views, bool), f"grad_views must be a bool, got {grad_views!r}")
+        check(grad_views is None or isinstance(grad_views, bool),
+              f"grad_views must be None or a bool, got {grad_views!r}")
         #: fused backends: the parameters' ``.grad`` are views of the flat gradient buffers
-        #: the kernels read (see ``zero_grad``); False: autograd's own tensors, copied in
+        #: the kernels read (see ``zero_grad``); False: autograd's own tensors, read in
+        #: place or copied in (None until the backend resolves it, below)
         self.grad_views = grad_views
         check(isinstance(sample_ahead, bool),
               f"sample_ahead must be a bool, got {sample_ahead!r}")
@@ -171,6 +176,8 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
         #: flag is free), False for 'triton'.
         self.check_finite = (self._runner.check_finite_default if check_finite is None
                              else check_finite)
+        if grad_views is None:
+            self.grad_views = self._runner.grad_views_default
 
     @property
     def uses_hessian(self) -> bool:

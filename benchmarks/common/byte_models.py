@@ -143,27 +143,38 @@ def b_zero(P):
     return P
 
 
-def b_iteration(name, provider, P=S):
+def b_direct(P):
+    """Autograd's own ``.grad`` read in place by the accumulate kernel (Triton without
+    views): reads .grad (P), writes the flat buffer (P), the non-finite check fused."""
+    return 2 * P
+
+
+def b_iteration(name, provider, P=S, backend="triton"):
     """One training iteration, optimizer side (``studies/iteration.py``), float32, the closure
     zeroing with the optimizer's ``zero_grad()``:
     AdamW: its step (the closure's zero_grad sets .grad to None: nothing moves);
-    ours, ``.grad`` views of the flat buffers (grad_views=True): per gradient a check
-    of the adopted buffer and a zeroing of it after the update; IVON: inner sample
+    ours, ``.grad`` views of the flat buffers (``grad_views`` True, C++'s default, or
+    ``grad_views`` in ``provider``): per gradient a check of the adopted buffer and a
+    zeroing of it after the update; without views (Triton's default, or ``no_grad_views``),
+    autograd's own tensors: read in place on Triton (``backend``), gathered and checked
+    on C++; IVON: inner sample
     (float32 parameters hold the mean: sync) + step; IVON-PoCoMo: inner sample + outer
     sample + step with the correction.  ``sample_ahead`` in ``provider``: no inner
     sample (the step wrote it; its parameter write is the step's); ``bf16_state``:
-    state_dtype=bfloat16 (momentum and outer buffers 2 bytes); ``no_grad_views``:
-    grad_views=False, autograd's own ``.grad`` gathered into the buffer (one copy) and
-    checked, nothing to zero (the in-place add the views cost autograd is the closure's,
-    not counted here)."""
+    state_dtype=bfloat16 (momentum and outer buffers 2 bytes).  Nothing to zero without
+    views; the in-place add the views cost autograd is the closure's, not counted here."""
     if name == "AdamW":
         return b_adamw(P)
     L = 2 if "bf16_state" in provider else S
     grads = 1 if name == "IVON" else 2
-    if "no_grad_views" in provider:
-        total = grads * (b_gather(P) + b_check(P))
-    else:
+    views = ("no_grad_views" not in provider
+             and ("grad_views" in provider or backend != "triton"))
+    if views:
         total = grads * (b_check(P) + b_zero(P))
+    elif backend == "triton":
+        total = grads * b_direct(P)
+    else:
+        total = grads * (b_gather(P) + b_check(P))
     if "sample_ahead" not in provider:
         total += b_sample_inner(P, P == S)
     if name == "IVON":
@@ -174,4 +185,4 @@ def b_iteration(name, provider, P=S):
 BYTE_MODELS = (b_step_poco, b_step_ivon, b_sample_inner, b_sample_outer, b_accumulate,
                b_gather, b_restore, b_refresh_kernel, b_poco_cycle, b_ivon_cycle, b_refresh,
                b_accumulate_restore, b_adamw, b_ivonopt_step, b_ivonopt_sample,
-               b_ivonopt_restore, b_ivonopt_cycle, b_check, b_zero, b_iteration)
+               b_ivonopt_restore, b_ivonopt_cycle, b_check, b_zero, b_direct, b_iteration)

@@ -6,8 +6,9 @@ GPU).
 Rows: fused and foreach AdamW (``closure(); step()``), ivon-opt's IVON (a closure inside
 ``sampled_params(train=True)``, then ``step()``), and this package's IVON and IVON-PoCoMo
 (``step(closure)``; IVON-PoCoMo with the correction active), each of ours also with
-``sample_ahead=True``, with bfloat16 state and with ``grad_views=False`` (autograd's own
-``.grad`` tensors, copied in, instead of views it adds into).  The closure is what
+``sample_ahead=True``, with bfloat16 state, and with the ``grad_views`` setting that is
+not the device's default (``is_default``: views the backward adds into on Triton;
+autograd's own ``.grad`` tensors, copied in, on C++).  The closure is what
 training does to the gradients: zero them (the optimizer's ``zero_grad()``), the
 backward pass of ``sum(p * c)`` (one gradient tensor per parameter, through autograd).
 
@@ -45,8 +46,18 @@ from benchmarks.common.report import log
 
 #: the rows, in the table's order
 KINDS = ("adamw_fused", "adamw_foreach", "ivon_opt", "ivon", "ivon_sample_ahead",
-         "ivon_bf16_state", "ivon_no_grad_views", "ivon_pocomo", "ivon_pocomo_sample_ahead",
-         "ivon_pocomo_bf16_state", "ivon_pocomo_no_grad_views")
+         "ivon_bf16_state", "ivon_grad_views", "ivon_no_grad_views", "ivon_pocomo",
+         "ivon_pocomo_sample_ahead", "ivon_pocomo_bf16_state", "ivon_pocomo_grad_views",
+         "ivon_pocomo_no_grad_views")
+
+
+def is_default(kind: str, dev) -> bool:
+    """A ``*_grad_views`` or ``*_no_grad_views`` row that is the default row on ``dev``'s
+    fused backend (``grad_views`` is False on Triton, True on C++): not run twice."""
+    views_default = fused_backend(dev) != "triton"
+    if kind.endswith("_no_grad_views"):
+        return not views_default
+    return kind.endswith("_grad_views") and views_default
 
 #: (d, vocab, context, layers) of the shape sets
 SCALES = {"gpt2": (768, 50304, 1024, 12),      # GPT-2 124M: 124.4M parameters
@@ -127,14 +138,14 @@ def fused_backend(dev) -> str:
     return "cpp" if cpp_status(dev) is None else "triton"
 
 
-def model_bytes(kind: str) -> float:
-    """Bytes per parameter the iteration must move (float32 parameters)."""
+def model_bytes(kind: str, backend: str = "triton") -> float:
+    """Bytes per parameter the iteration must move (float32 parameters) on ``backend``."""
     if kind.startswith("adamw"):
         return b_adamw(S)
     if kind == "ivon_opt":
         return b_ivonopt_cycle(S)
     name = "IVON-PoCoMo" if kind.startswith("ivon_pocomo") else "IVON"
-    return b_iteration(name, kind, S)
+    return b_iteration(name, kind, S, backend)
 
 
 class _ClosureClock:
@@ -184,8 +195,8 @@ def _make(kind, dev, shapes, cs, g, ivon_mod, clock, options=None):
     kw = dict(lr=0.1, ess=1e6, hess_init=1e-3, backend=fused_backend(dev),
               sample_ahead=kind.endswith("sample_ahead"),
               state_dtype=torch.bfloat16 if kind.endswith("bf16_state") else None)
-    if kind.endswith("no_grad_views"):
-        kw["grad_views"] = False
+    if kind.endswith("grad_views"):
+        kw["grad_views"] = not kind.endswith("no_grad_views")
     kw.update(options or {})
     poco = kind.startswith("ivon_pocomo")
     opt = pk.IVONPoCoMo(ps, alpha=0.7, **kw) if poco else pk.IVON(ps, **kw)
@@ -231,7 +242,7 @@ def measure(dev, scale: str, reps: int, warm: int, ivon_mod=None,
             p.grad = None
         sum((p * c).sum() for p, c in zip(cl_ps, cs)).backward()
     rows, closures = {}, []
-    for kind in kinds:
+    for kind in (k for k in kinds if not is_default(k, dev)):
         f = opt = ps = None
         try:
             release(dev)
@@ -269,7 +280,7 @@ def table(dev, copy_Bps: Optional[float], *, scale: str = "gpt2", reps: int = 5,
         row = dict(r)
         if "optimizer_ms" in r:
             own = r["optimizer_ms"]
-            model = model_bytes(kind)
+            model = model_bytes(kind, fused_backend(dev))
             at_bw = own * 1e-3 * copy_Bps / n if copy_Bps else None
             row.update(cycle_ms=round(r["cycle_ms"], 3), optimizer_ms=round(own, 3),
                        ratio_to_fused_adamw=round(own / ref, 2) if ref else None,

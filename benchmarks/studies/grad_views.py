@@ -91,7 +91,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--kinds", nargs="+", default=list(DEFAULT_KINDS),
-                    choices=[k for k in ot.KINDS if not k.endswith("no_grad_views")])
+                    choices=[k for k in ot.KINDS if not k.endswith("grad_views")])
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -30,6 +30,9 @@ class Backend(ABC):
     #: ``check_finite`` when the user leaves it None: True where reading the non-finite
     #: flag costs nothing (torch, C++), False where it is a device-to-host read (Triton)
     check_finite_default: bool = True
+    #: ``grad_views`` when the user leaves it None (fused backends: whether the ``.grad``
+    #: are views of the flat gradient buffers)
+    grad_views_default: bool = True
 
     def __init__(self, view):
         #: the optimizer as this backend sees it (:class:`poco_kernels._view.OptimizerView`)

@@ -26,6 +26,8 @@ from .._layout import alloc_flat, local
 #: loop in C (these sweeps run in every call of an iteration)
 _grad = operator.attrgetter("grad")
 _version = operator.attrgetter("_version")
+_dtype = operator.attrgetter("dtype")
+_data_ptr = Tensor.data_ptr
 
 
 #: the storages' memory can be swapped (torch's ``UntypedStorage._swap_data_ptr_``; else
@@ -42,7 +44,9 @@ def _refuse_sparse(g: Tensor) -> None:
     """A sparse gradient is refused (before any sum changes)."""
     if g.is_sparse:
         raise RuntimeError("poco_kernels optimizers do not support sparse gradients "
-                           "(e.g. nn.Embedding(sparse=True)): nothing was accumulated")
+                           "(e.g. nn.Embedding(sparse=True)), except unsharded ones with "
+                           "grad_views=True (autograd adds them into dense views): nothing "
+                           "was accumulated")
 
 
 class GradBuffer:
@@ -77,6 +81,17 @@ class GradBuffer:
         if not self.is_clean():
             self.flat.zero_()
             self.clean = self._versions()
+
+
+class DirectGrads(list):
+    """A bucket's gradients read in place (:meth:`GradsMixin._direct_grads`), one per
+    parameter (None: no gradient), and ``tiles``, the table of their addresses."""
+
+    __slots__ = ("tiles",)
+
+    def __init__(self, grads, tiles):
+        super().__init__(grads)
+        self.tiles = tiles
 
 
 class GradsMixin:
@@ -253,6 +268,46 @@ class GradsMixin:
         if zero:
             torch._foreach_zero_(zero)
         return gb, False
+
+    def _direct_grads(self, b) -> Optional["DirectGrads"]:
+        """The gradients of unsharded bucket ``b``, one per parameter (None: no gradient),
+        with the table of their addresses that the kernels read them through in place
+        (one launch; ``_tiles``), instead of a gather copy: Triton, eager and not capturing
+        a CUDA graph (a table is copied to the device when the addresses change), no
+        ``.grad`` a view handed out, every one dense and contiguous.  Else None
+        (:meth:`_gather_grads`).  Per call only C-speed sweeps run (the addresses, the
+        layout); a set of addresses not seen before is checked in full (the parameter's
+        dtype and size, which torch's ``.grad`` keeps anyway)."""
+        if not self.tiled or torch.compiler.is_compiling() or _capturing():
+            return None
+        grads = list(map(_grad, b.params))
+        if b.handed is not None and any(map(operator.is_, grads, b.grad_bufs[b.handed].views)):
+            return None
+        try:
+            key = tuple(map(_data_ptr, grads))
+            present = grads
+        except (TypeError, RuntimeError):     # (a None; a sparse one has no data pointer)
+            present = [g for g in grads if g is not None]
+            if not present:
+                return None
+            for g in present:
+                _refuse_sparse(g)
+            key = tuple(None if g is None else g.data_ptr() for g in grads)
+        if not all(map(Tensor.is_contiguous, present)):
+            return None
+        cache = self._tile_cache.setdefault(b.index, {})
+        tiles = cache.get(key)
+        if tiles is None:
+            if (set(map(_dtype, present)) != {b.param_dtype}
+                    or any(g is not None and g.numel() != p.numel()
+                           for g, p in zip(grads, b.params))):
+                return None
+            if len(cache) >= 8:               # (new addresses with the allocator's choices)
+                cache.clear()
+            tiles = cache[key] = self.ops.Tiles(
+                [(off, g.numel(), 0, a) for off, g, a in zip(b.offsets, grads, key)
+                 if g is not None], b.device)
+        return DirectGrads(grads, tiles)
 
     def _shard_grads(self, b) -> List[Optional[Tensor]]:
         """The local gradients of a sharded bucket, one per launch of :meth:`_pieces`

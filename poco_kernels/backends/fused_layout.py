@@ -75,7 +75,8 @@ class LayoutMixin:
         in the shard (a gradient; None: that piece is left out; ``params``: the
         parameters' local shards), or None for an operation on the flat buffers alone; they must share a
         dtype (else None).  Made once per layout and set of addresses (the gradients'
-        change every backward)."""
+        change every backward).  (An unsharded bucket's gradients read in place have
+        theirs: :meth:`~.fused_grads.GradsMixin._direct_grads`.)"""
         if b.segments is None or not self.tiled or torch.compiler.is_compiling():
             return None
         pieces = self._pieces(b)
@@ -86,7 +87,7 @@ class LayoutMixin:
         if tensors is None:
             key = tuple((lo, n, off - lo, 0) for lo, n, off, _ in pieces)
         else:
-            key = tuple((lo, n, off - lo, t.data_ptr())
+            key = tuple((lo, n, off - lo, _data_ptr(t))
                         for (lo, n, off, _), t in zip(pieces, tensors) if t is not None)
         cache = self._tile_cache.setdefault(b.index, {})
         tiles = cache.get(key)

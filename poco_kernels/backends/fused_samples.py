@@ -157,6 +157,21 @@ class SamplesMixin:
         nk, nd, slot, sign = spec.noise
         return _noise.stream_id(b.index, nk, nd), slot, float(sign)
 
+    def _accumulate_direct(self, b, grads, acc_g: Tensor, acc_ge: Optional[Tensor],
+                           stream: int, slot: int, sign: float, first: bool) -> None:
+        """Accumulate unsharded bucket ``b``'s gradients read in place (``grads``, one per
+        parameter, :meth:`~.fused_grads.GradsMixin._direct_grads`) in one launch; a
+        parameter without one adds zero (its slice of the first sum is zeroed)."""
+        tiles = grads.tiles
+        g0 = next(g for g in grads if g is not None)
+        if tiles.count:
+            self.ops.accumulate_shards(tiles, g0, acc_g, acc_ge, self._ctl(b), self.view.seed,
+                                       self.view.noise_version, stream, slot, sign, first,
+                                       acc_ge is not None)
+        if first and len(tiles.table) < len(grads):
+            torch._foreach_zero_([acc_g[off:off + p.numel()] for p, off, g
+                                  in zip(b.params, b.offsets, grads) if g is None])
+
     @torch.no_grad()
     def accumulate(self, kind: int, draw: int, lend: bool = True) -> FrozenSet[int]:
         view = self.view
@@ -167,6 +182,10 @@ class SamplesMixin:
         for b in view.buckets:
             if b.segments is not None:
                 bufs.append(self._shard_grads(b))
+                continue
+            direct = self._direct_grads(b)
+            if direct is not None:
+                bufs.append(direct)
                 continue
             gb, views = self._gather_grads(b, lent)
             bufs.append(gb)
@@ -180,14 +199,22 @@ class SamplesMixin:
             ge_live = (kind, b.index, "ge") in sums
             needs_ge = want_ge and (draw >= 1 or ge_live)
             sharded = b.segments is not None
-            if not sharded:
+            listed = isinstance(gb, list)      # (one gradient tensor per piece)
+            if not listed:
                 grad = gb.flat
                 gb.clean = None                # it holds a gradient now
             if (first and not needs_ge and b.param_dtype == b.dtype and lend and not compiling
                     and not sharded):
                 # the sum of one gradient is the gradient: the buffer itself becomes the
-                # pending sum (lent until the update), checked for non-finite values
-                self.ops.check(grad, self._ctl(b))
+                # pending sum (lent until the update), checked for non-finite values;
+                # gradients read in place are copied into a free buffer by that check
+                if listed:
+                    free = b.grad_bufs[self._free_buffer(b, lent, b.handed)]
+                    free.clean = None
+                    grad = free.flat
+                    self._accumulate_direct(b, gb, grad, None, 0, 0, 1.0, True)
+                else:
+                    self.ops.check(grad, self._ctl(b))
                 sums[(kind, b.index, "g")] = grad
                 continue
             acc_g = self._acc(kind, b, "g")
@@ -201,7 +228,9 @@ class SamplesMixin:
                         self._fold_ge(b, acc_g, acc_ge, *self.noise_of(kind, b, 0))
                     sums[(kind, b.index, "ge")] = acc_ge
             stream, slot, sign = noise if noise is not None else (0, 0, 1.0)
-            if not sharded:
+            if listed and not sharded:
+                self._accumulate_direct(b, gb, acc_g, acc_ge, stream, slot, sign, first)
+            elif not sharded:
                 self.ops.accumulate(grad, acc_g, acc_ge, self._ctl(b), view.seed,
                                     view.noise_version, stream, slot, sign, first,
                                     acc_ge is not None)

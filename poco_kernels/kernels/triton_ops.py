@@ -53,10 +53,15 @@ class Tiles:
             rows.append((lo, n, off, addr, sum(sizes)))
             sizes.append(k)
         self.count = sum(sizes)
-        self.table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 5).to(device)
-        self.chunks = torch.repeat_interleave(
-            torch.arange(len(rows), dtype=torch.int32),
-            torch.tensor(sizes, dtype=torch.int64)).to(device)
+        table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 5)
+        chunks = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32),
+                                         torch.tensor(sizes, dtype=torch.int64))
+        if torch.device(device).type == "cuda":
+            # pinned and asynchronous: a pageable copy would wait for the queued kernels
+            # (the pinned blocks are kept by torch's host allocator until the copy is done)
+            table, chunks = table.pin_memory(), chunks.pin_memory()
+        self.table = table.to(device, non_blocking=True)
+        self.chunks = chunks.to(device, non_blocking=True)
 
 
 def _geometry(n: int, offset: int, tiles: Optional[Tiles], dummy: Tensor):

@@ -397,27 +397,32 @@ def test_launch_length_is_padded_only_for_padded_buffers():
 
 
 @pytest.mark.skipif("triton" not in FUSED_BACKENDS, reason="triton not available")
-def test_gradient_padding_stays_zero_though_lent_sums_are_written():
+@pytest.mark.parametrize("views", [True, False])
+def test_gradient_padding_stays_zero_though_lent_sums_are_written(views):
     """The non-finite check reads the gradient buffers over their padded length, so their
     padding must stay zero: with two draws per step, a gradient buffer lent as the pending
     sum is written by ``accumulate`` (checked: it happens), a NaN gradient's step is
     skipped, and every gradient buffer's padding is still zero, every bucket's length not
-    a multiple of 16."""
+    a multiple of 16.  With views and with autograd's gradients read in place."""
     from poco_kernels._layout import PAD
     from poco_kernels.kernels import triton_ops
     written = []
-    real = triton_ops.accumulate
 
-    def spy(grad, acc_g, *args):
-        written.append(id(acc_g))
-        return real(grad, acc_g, *args)
+    def spy(name, at):
+        real = getattr(triton_ops, name)
+
+        def call(*args):
+            written.append(id(args[at]))           # (the sum written)
+            return real(*args)
+        return call
     prob = Problem()
     m = mlp()
     opt = pk.IVONPoCo(m.parameters(), lr=0.05, ess=200.0, alpha=0.5, mc_samples=2,
-                      backend="triton", seed=1)
+                      backend="triton", seed=1, grad_views=views)
     assert all(b.numel % PAD for b in opt._buckets)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_ops, "accumulate", spy)
+        mp.setattr(triton_ops, "accumulate", spy("accumulate", 1))
+        mp.setattr(triton_ops, "accumulate_shards", spy("accumulate_shards", 2))
         run(opt, m, prob, 3, refresh_every=2, warmup=0)
 
         def nan_closure():

@@ -15,7 +15,7 @@ fused = pytest.mark.parametrize("fused", FUSED_BACKENDS)
 
 
 def _opt(model, fused, cls=pk.IVONPoCoMo, **kw):
-    kw = dict(dict(lr=0.05, ess=200.0, seed=5, backend=fused), **kw)
+    kw = dict(dict(lr=0.05, ess=200.0, seed=5, backend=fused, grad_views=True), **kw)
     return cls(model.parameters(), **kw)
 
 
@@ -53,12 +53,13 @@ def _train(fused, zero, grad_views=True, steps=7, cls=pk.IVONPoCoMo, **kw):
 
 @pytest.mark.parametrize("fused,zero", [(f, z) for f in FUSED_BACKENDS
                                          for z in ("opt", "model", "assign", "none")
-                                         if f == "cpp" or z == "model"])
+                                         if f == "cpp" or z == "opt"])
 def test_every_way_of_producing_gradients_takes_the_same_steps(fused, zero):
     """Views zeroed by the optimizer's zero_grad, autograd's own tensors after
     model.zero_grad(), .grad replaced by new tensors, a closure that zeroes nothing (the
     optimizer clears between samples), and grad_views=False: bit-identical parameters
-    and state (Triton: the engine is shared, one of the ways, for CI time)."""
+    and state (Triton: the engine is shared; the views against autograd's tensors read
+    in place, for CI time)."""
     ref_m, ref_o = _train(fused, "opt", grad_views=False)
     m, o = _train(fused, zero)
     for a, b in zip(params_of(m), params_of(ref_m)):
@@ -202,11 +203,12 @@ def test_a_closure_without_backward_is_still_an_error_that_changes_nothing(fused
     assert all(torch.equal(p.detach(), q) for p, q in zip(m.parameters(), before))
 
 
-@fused
-def test_a_non_finite_gradient_in_a_view_is_refused_with_nothing_changed(fused):
+@pytest.mark.parametrize("fused,views", [(f, v) for f in FUSED_BACKENDS for v in (True, False)])
+def test_a_non_finite_gradient_in_a_view_is_refused_with_nothing_changed(fused, views):
+    """(Also autograd's own tensors, ``grad_views=False``: Triton reads them in place.)"""
     prob = Problem()
     m = mlp()
-    opt = _opt(m, fused, pk.IVONPoCoMo, check_finite=True)
+    opt = _opt(m, fused, pk.IVONPoCoMo, check_finite=True, grad_views=views)
     opt.step(_closure(opt, m, prob, 0, "opt"))
     opt.refresh(_closure(opt, m, prob, 1, "opt"))
     opt.step(_closure(opt, m, prob, 2, "opt"))
@@ -300,3 +302,56 @@ def test_accumulate_keeping_grads_lends_no_buffer():
         opt.refresh()
         outs.append(torch.cat(opt.flat_state("g_out")))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif("triton" not in FUSED_BACKENDS, reason="no Triton backend")
+@pytest.mark.parametrize("cls,kw,dtype", [(pk.IVON, dict(mc_samples=2), torch.float32),
+                                          (pk.IVONPoCoMo, {}, torch.float32),
+                                          (pk.IVONPoCoMo, {}, torch.bfloat16)],
+                         ids=["ivon-mc2", "pocomo", "pocomo-bf16"])
+def test_gradients_read_in_place_take_the_steps_of_a_gather(cls, kw, dtype, monkeypatch):
+    """Triton reads autograd's own gradients (``grad_views=False``) in place, one launch
+    over a table of their addresses: the same steps, bit for bit, as gathering them into
+    a flat buffer first, with a parameter the backward reaches once and then never (None:
+    a zero gradient), several draws (the noise-weighted sums) and bfloat16 parameters."""
+    from poco_kernels.backends import fused as fused_mod
+    from poco_kernels.kernels import triton_ops
+
+    def run(direct):
+        prob = Problem()
+        m = mlp(dtype=dtype)
+        unused = torch.nn.Parameter(torch.randn(7, dtype=dtype))
+        opt = cls(list(m.parameters()) + [unused], lr=0.05, ess=200.0, seed=5,
+                  backend="triton", grad_views=False, **kw)
+        launches = []
+        with monkeypatch.context() as mp:
+            if not direct:
+                mp.setattr(fused_mod.FusedBackend, "_direct_grads", lambda self, b: None)
+            real = triton_ops.accumulate_shards
+            mp.setattr(triton_ops, "accumulate_shards",
+                       lambda *a, **k: (launches.append(1), real(*a, **k)))
+            def closure(t):
+                def c():
+                    m.zero_grad()
+                    unused.grad = None
+                    loss = prob.loss(m, t % 3)
+                    if t == 0:           # (a gradient first, then none: a stale one shows)
+                        loss = loss + unused.float().square().sum()
+                    loss.backward()
+                    return loss
+                return c
+            for t in range(5):
+                if cls is not pk.IVON and t in (1, 3):
+                    opt.refresh(closure(t + 1))
+                opt.step(closure(t))
+        assert bool(launches) == direct
+        return [p.detach() for p in list(m.parameters()) + [unused]], opt
+
+    ps, o = run(True)
+    ref_ps, ref_o = run(False)
+    for a, b in zip(ps, ref_ps):
+        assert torch.equal(a, b)
+    names = ("mean", "h") + (("momentum", "g_out", "h_out") if cls is not pk.IVON else ())
+    for name in names:
+        for a, b in zip(o.flat_state(name), ref_o.flat_state(name)):
+            assert torch.equal(a, b), name

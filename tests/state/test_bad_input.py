@@ -242,7 +242,7 @@ def test_sparse_gradient_into_a_grad_view(fused):
         torch.manual_seed(0)
         emb = torch.nn.Embedding(10, 3, sparse=sparse)
         o = pk.SVRG(emb.parameters(), lr=0.1, momentum=0.9,
-                    **({"backend": fused} if sparse else kw))
+                    **({"backend": fused, "grad_views": True} if sparse else kw))
 
         def closure():
             o.zero_grad()
