@@ -115,7 +115,8 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
         k, draw = self._active
         unwritten = self._runner.unwritten()
         views = self._runner.accumulate(k, draw, lend=clear_grads)
-        missing = frozenset({(b.index, i) for b in self._buckets if b.index not in views
+        present = views | self._runner.complete()       # (buckets with no None .grad)
+        missing = frozenset({(b.index, i) for b in self._buckets if b.index not in present
                              for i, p in enumerate(b.params) if p.grad is None} | unwritten)
         self._pending.note_grads(k, missing)
         self._pending.count[k] += 1

@@ -81,6 +81,11 @@ class Backend(ABC):
         whose ``.grad`` were all views the backend handed out (none is None; the next
         sample hands out zeroed ones, so inside ``step(closure)`` they may stay)."""
 
+    def complete(self) -> FrozenSet[int]:
+        """The indices of the buckets whose every ``.grad`` the last :meth:`accumulate`
+        found present (none None), beyond those it returned: the caller need not look."""
+        return frozenset()
+
     @abstractmethod
     def at_mean(self) -> None:
         """The next :meth:`accumulate` folds gradients taken at the mean, not at a sample

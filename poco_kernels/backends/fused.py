@@ -112,6 +112,11 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
         #: shard (:meth:`~.fused_layout.LayoutMixin._tiles`; False: per shard)
         self.tiled = hasattr(ops, "Tiles")
         self._tile_cache: Dict[int, dict] = {}
+        #: per unsharded bucket whose gradients are read in place: (the bucket, the
+        #: tables the kernels read them through by their addresses, the parameters' sizes)
+        self._direct_tables: Dict[int, tuple] = {}
+        #: the buckets whose every gradient the last ``accumulate`` read in place
+        self._complete: frozenset = frozenset()
         self.flatten()
 
     # ------------------------------------------------------------------ updates

@@ -29,6 +29,9 @@ _version = operator.attrgetter("_version")
 _dtype = operator.attrgetter("dtype")
 _data_ptr = Tensor.data_ptr
 
+#: address tables kept per bucket whose gradients are read in place (every one present)
+_TABLES = 4
+
 
 #: the storages' memory can be swapped (torch's ``UntypedStorage._swap_data_ptr_``; else
 #: the views of another buffer are handed out, a ``.grad`` assignment per parameter)
@@ -85,13 +88,15 @@ class GradBuffer:
 
 class DirectGrads(list):
     """A bucket's gradients read in place (:meth:`GradsMixin._direct_grads`), one per
-    parameter (None: no gradient), and ``tiles``, the table of their addresses."""
+    parameter (None: no gradient), ``tiles``, the table of their addresses, and ``whole``:
+    none is None."""
 
-    __slots__ = ("tiles",)
+    __slots__ = ("tiles", "whole")
 
-    def __init__(self, grads, tiles):
+    def __init__(self, grads, tiles, whole: bool):
         super().__init__(grads)
         self.tiles = tiles
+        self.whole = whole                    # (none None)
 
 
 class GradsMixin:
@@ -295,19 +300,37 @@ class GradsMixin:
             key = tuple(None if g is None else g.data_ptr() for g in grads)
         if not all(map(Tensor.is_contiguous, present)):
             return None
-        cache = self._tile_cache.setdefault(b.index, {})
-        tiles = cache.get(key)
+        whole = present is grads
+        # a few tables per bucket, the least recently used one re-addressed (one copy)
+        # when every gradient is present and the addresses are new; the inner and outer
+        # samples' gradients of IVON-PoCo(Mo) usually keep two sets of addresses
+        # (entries name their bucket: a rebuilt bucket of the same index is another)
+        entry = self._direct_tables.get(b.index)
+        if entry is None or entry[0] is not b:
+            entry = self._direct_tables[b.index] = (b, {}, list(map(Tensor.numel, b.params)))
+        _, tables, numels = entry
+        tiles = tables.pop(key, None)
         if tiles is None:
-            if (set(map(_dtype, present)) != {b.param_dtype}
-                    or any(g is not None and g.numel() != p.numel()
-                           for g, p in zip(grads, b.params))):
+            if set(map(_dtype, present)) != {b.param_dtype}:
                 return None
-            if len(cache) >= 8:               # (new addresses with the allocator's choices)
-                cache.clear()
-            tiles = cache[key] = self.ops.Tiles(
-                [(off, g.numel(), 0, a) for off, g, a in zip(b.offsets, grads, key)
-                 if g is not None], b.device)
-        return DirectGrads(grads, tiles)
+            if whole:
+                if list(map(Tensor.numel, grads)) != numels:
+                    return None
+            elif any(g is not None and g.numel() != n for g, n in zip(grads, numels)):
+                return None
+            old = (next((k for k in tables if None not in k), None)
+                   if whole and len(tables) >= _TABLES else None)
+            if old is not None:
+                tiles = tables.pop(old)
+                tiles.readdress(key)
+            else:
+                tiles = self.ops.Tiles([(off, g.numel(), 0, a) for off, g, a
+                                        in zip(b.offsets, grads, key) if g is not None],
+                                       b.device)
+                if len(tables) >= 2 * _TABLES:
+                    del tables[next(iter(tables))]
+        tables[key] = tiles                   # (the most recently used last)
+        return DirectGrads(grads, tiles, whole)
 
     def _shard_grads(self, b) -> List[Optional[Tensor]]:
         """The local gradients of a sharded bucket, one per launch of :meth:`_pieces`

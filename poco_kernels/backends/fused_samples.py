@@ -178,7 +178,8 @@ class SamplesMixin:
         sums = view.pending.sums
         lent = self._lent()
         # gather every bucket first: a refused gradient (sparse) raises before a sum changes
-        bufs, in_place = [], []
+        bufs, in_place, whole = [], [], []
+        self._complete = frozenset()
         for b in view.buckets:
             if b.segments is not None:
                 bufs.append(self._shard_grads(b))
@@ -186,6 +187,8 @@ class SamplesMixin:
             direct = self._direct_grads(b)
             if direct is not None:
                 bufs.append(direct)
+                if direct.whole:
+                    whole.append(b.index)
                 continue
             gb, views = self._gather_grads(b, lent)
             bufs.append(gb)
@@ -254,4 +257,8 @@ class SamplesMixin:
                     elif first:                # no gradient: a zero one
                         acc_g[lo:lo + n].zero_()
             sums[(kind, b.index, "g")] = acc_g
+        self._complete = frozenset(whole)
         return frozenset(in_place)
+
+    def complete(self) -> FrozenSet[int]:
+        return self._complete

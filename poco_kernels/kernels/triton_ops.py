@@ -47,21 +47,34 @@ class Tiles:
     __slots__ = ("table", "chunks", "count")
 
     def __init__(self, pieces, device):
-        rows, sizes = [], []
+        rows, sizes, first = [], [], 0
         for lo, n, off, addr in pieces:
             k = -(-n // tk.BLOCK)
-            rows.append((lo, n, off, addr, sum(sizes)))
+            rows.append((lo, n, off, addr, first))
             sizes.append(k)
-        self.count = sum(sizes)
+            first += k
+        self.count = first
         table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 5)
         chunks = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32),
                                          torch.tensor(sizes, dtype=torch.int64))
-        if torch.device(device).type == "cuda":
-            # pinned and asynchronous: a pageable copy would wait for the queued kernels
-            # (the pinned blocks are kept by torch's host allocator until the copy is done)
-            table, chunks = table.pin_memory(), chunks.pin_memory()
-        self.table = table.to(device, non_blocking=True)
-        self.chunks = chunks.to(device, non_blocking=True)
+        self.table = _to_device(table, device)
+        self.chunks = _to_device(chunks, device)
+
+    def readdress(self, addresses) -> None:
+        """Point the rows at new tensors of the same sizes (``addresses``, one per row, in
+        order): one asynchronous copy into the table, ordered after the launches already
+        queued on the stream that read it."""
+        self.table[:, 3].copy_(_to_device(torch.tensor(addresses, dtype=torch.int64),
+                                          self.table.device))
+
+
+def _to_device(t: Tensor, device) -> Tensor:
+    """``t`` (a new CPU tensor) on ``device``: on CUDA from pinned memory, asynchronously
+    (a pageable copy would wait for the queued kernels; torch's host allocator keeps a
+    pinned block until its copy is done)."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _geometry(n: int, offset: int, tiles: Optional[Tiles], dummy: Tensor):

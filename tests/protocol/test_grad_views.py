@@ -313,7 +313,8 @@ def test_gradients_read_in_place_take_the_steps_of_a_gather(cls, kw, dtype, monk
     """Triton reads autograd's own gradients (``grad_views=False``) in place, one launch
     over a table of their addresses: the same steps, bit for bit, as gathering them into
     a flat buffer first, with a parameter the backward reaches once and then never (None:
-    a zero gradient), several draws (the noise-weighted sums) and bfloat16 parameters."""
+    a zero gradient), several draws (the noise-weighted sums), bfloat16 parameters, and gradients at
+    new addresses every backward (the table's addresses rewritten)."""
     from poco_kernels.backends import fused as fused_mod
     from poco_kernels.kernels import triton_ops
 
@@ -323,19 +324,23 @@ def test_gradients_read_in_place_take_the_steps_of_a_gather(cls, kw, dtype, monk
         unused = torch.nn.Parameter(torch.randn(7, dtype=dtype))
         opt = cls(list(m.parameters()) + [unused], lr=0.05, ess=200.0, seed=5,
                   backend="triton", grad_views=False, **kw)
-        launches = []
+        launches, moved, held = [], [], []
         with monkeypatch.context() as mp:
             if not direct:
                 mp.setattr(fused_mod.FusedBackend, "_direct_grads", lambda self, b: None)
             real = triton_ops.accumulate_shards
             mp.setattr(triton_ops, "accumulate_shards",
                        lambda *a, **k: (launches.append(1), real(*a, **k)))
+            readdress = triton_ops.Tiles.readdress
+            mp.setattr(triton_ops.Tiles, "readdress",
+                       lambda self, a: (moved.append(1), readdress(self, a)))
             def closure(t):
                 def c():
+                    held.append([p.grad for p in m.parameters()])   # (new addresses next)
                     m.zero_grad()
                     unused.grad = None
                     loss = prob.loss(m, t % 3)
-                    if t == 0:           # (a gradient first, then none: a stale one shows)
+                    if t in (0, 4):      # (a gradient, none (a stale one shows), one again)
                         loss = loss + unused.float().square().sum()
                     loss.backward()
                     return loss
@@ -345,6 +350,7 @@ def test_gradients_read_in_place_take_the_steps_of_a_gather(cls, kw, dtype, monk
                     opt.refresh(closure(t + 1))
                 opt.step(closure(t))
         assert bool(launches) == direct
+        assert bool(moved) == direct                # (a table's addresses rewritten)
         return [p.detach() for p in list(m.parameters()) + [unused]], opt
 
     ps, o = run(True)
