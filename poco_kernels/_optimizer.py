@@ -74,9 +74,9 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
         keeping the views.  A ``.grad`` replaced since (``p.grad = t``,
         ``zero_grad(set_to_none=True)``, a hook) still works: it is read once.  False:
         ``.grad`` is left to autograd; Triton reads those tensors in place (one launch over a
-        table of their addresses), C++ copies them in.  ``None``: False on Triton (autograd
-        hands over its own tensors instead of adding into a view, one kernel launch less per
-        parameter per backward), True on C++.""")
+        table of their addresses), C++ copies them in.  ``None``: False on Triton on a GPU
+        (autograd hands over its own tensors instead of adding into a view, one kernel launch
+        less per parameter per backward), True elsewhere (C++, the Triton interpreter).""")
 
     #: the algorithm, stated once (:mod:`poco_kernels.rules`)
     rule: ClassVar[Rule]
@@ -126,6 +126,7 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
         #: the kernels read (see ``zero_grad``); False: autograd's own tensors, read in
         #: place or copied in (None until the backend resolves it, below)
         self.grad_views = grad_views
+        self._grad_views_requested = grad_views
         check(isinstance(sample_ahead, bool),
               f"sample_ahead must be a bool, got {sample_ahead!r}")
         #: the step leaves the next step's inner sample in the parameters (IVON family)

@@ -50,9 +50,12 @@ class StateDictMixin:
         if self.check_finite != (self._runner.check_finite_default if check_finite is None
                                  else check_finite):
             check_finite = self.check_finite        # set by hand since
+        grad_views = self.grad_views             # (None: the copy's backend decides)
+        if self._grad_views_requested is None and grad_views == self._runner.grad_views_default:
+            grad_views = None
         return {"poco_copy": 1, "param_groups": self.param_groups, "defaults": self.defaults,
                 "seed": self.seed, "backend": backend, "check_finite": check_finite,
-                "grad_views": self.grad_views, "sample_ahead": self.sample_ahead,
+                "grad_views": grad_views, "sample_ahead": self.sample_ahead,
                 "state_dtype": self.state_dtype,
                 "ahead": not self._runner.params_hold_mean, "state_dict": sd, "skipped": self._read_counters()[2],
                 "attributes": {k: v for k, v in self.__dict__.items()

@@ -149,15 +149,15 @@ def b_direct(P):
     return 2 * P
 
 
-def b_iteration(name, provider, P=S, backend="triton"):
+def b_iteration(name, provider, P=S, views_default=False, direct=True):
     """One training iteration, optimizer side (``studies/iteration.py``), float32, the closure
     zeroing with the optimizer's ``zero_grad()``:
     AdamW: its step (the closure's zero_grad sets .grad to None: nothing moves);
-    ours, ``.grad`` views of the flat buffers (``grad_views`` True, C++'s default, or
-    ``grad_views`` in ``provider``): per gradient a check of the adopted buffer and a
-    zeroing of it after the update; without views (Triton's default, or ``no_grad_views``),
-    autograd's own tensors: read in place on Triton (``backend``), gathered and checked
-    on C++; IVON: inner sample
+    ours, ``.grad`` views of the flat buffers (``views_default``, or ``grad_views`` in
+    ``provider``): per gradient a check of the adopted buffer and a zeroing of it after
+    the update; without views (Triton's default on a GPU, or ``no_grad_views``), autograd's
+    own tensors: read in place where the backend can (``direct``: Triton), else gathered
+    and checked (C++); IVON: inner sample
     (float32 parameters hold the mean: sync) + step; IVON-PoCoMo: inner sample + outer
     sample + step with the correction.  ``sample_ahead`` in ``provider``: no inner
     sample (the step wrote it; its parameter write is the step's); ``bf16_state``:
@@ -167,11 +167,10 @@ def b_iteration(name, provider, P=S, backend="triton"):
         return b_adamw(P)
     L = 2 if "bf16_state" in provider else S
     grads = 1 if name == "IVON" else 2
-    views = ("no_grad_views" not in provider
-             and ("grad_views" in provider or backend != "triton"))
+    views = "no_grad_views" not in provider and ("grad_views" in provider or views_default)
     if views:
         total = grads * (b_check(P) + b_zero(P))
-    elif backend == "triton":
+    elif direct:
         total = grads * b_direct(P)
     else:
         total = grads * (b_gather(P) + b_check(P))

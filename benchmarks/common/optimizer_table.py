@@ -51,13 +51,19 @@ KINDS = ("adamw_fused", "adamw_foreach", "ivon_opt", "ivon", "ivon_sample_ahead"
          "ivon_pocomo_no_grad_views")
 
 
+def views_default(dev) -> bool:
+    """``grad_views`` left to the default on ``dev``'s fused backend: False on Triton on a
+    GPU, True elsewhere (C++, the Triton interpreter)."""
+    return not (dev.type == "cuda" and fused_backend(dev) == "triton")
+
+
 def is_default(kind: str, dev) -> bool:
-    """A ``*_grad_views`` or ``*_no_grad_views`` row that is the default row on ``dev``'s
-    fused backend (``grad_views`` is False on Triton, True on C++): not run twice."""
-    views_default = fused_backend(dev) != "triton"
+    """A ``*_grad_views`` or ``*_no_grad_views`` row that is the default row on ``dev``:
+    not run twice."""
+    views_default_ = views_default(dev)
     if kind.endswith("_no_grad_views"):
-        return not views_default
-    return kind.endswith("_grad_views") and views_default
+        return not views_default_
+    return kind.endswith("_grad_views") and views_default_
 
 #: (d, vocab, context, layers) of the shape sets
 SCALES = {"gpt2": (768, 50304, 1024, 12),      # GPT-2 124M: 124.4M parameters
@@ -138,14 +144,15 @@ def fused_backend(dev) -> str:
     return "cpp" if cpp_status(dev) is None else "triton"
 
 
-def model_bytes(kind: str, backend: str = "triton") -> float:
-    """Bytes per parameter the iteration must move (float32 parameters) on ``backend``."""
+def model_bytes(kind: str, dev=torch.device("cuda")) -> float:
+    """Bytes per parameter the iteration must move (float32 parameters) on ``dev``'s fused
+    backend."""
     if kind.startswith("adamw"):
         return b_adamw(S)
     if kind == "ivon_opt":
         return b_ivonopt_cycle(S)
     name = "IVON-PoCoMo" if kind.startswith("ivon_pocomo") else "IVON"
-    return b_iteration(name, kind, S, backend)
+    return b_iteration(name, kind, S, views_default(dev), fused_backend(dev) == "triton")
 
 
 class _ClosureClock:
@@ -280,7 +287,7 @@ def table(dev, copy_Bps: Optional[float], *, scale: str = "gpt2", reps: int = 5,
         row = dict(r)
         if "optimizer_ms" in r:
             own = r["optimizer_ms"]
-            model = model_bytes(kind, fused_backend(dev))
+            model = model_bytes(kind, dev)
             at_bw = own * 1e-3 * copy_Bps / n if copy_Bps else None
             row.update(cycle_ms=round(r["cycle_ms"], 3), optimizer_ms=round(own, 3),
                        ratio_to_fused_adamw=round(own / ref, 2) if ref else None,

@@ -91,9 +91,12 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
         self.name = name
         self.ops = ops
         self.check_finite_default = name != "triton"   # a host read per update on a GPU
-        #: Triton reads autograd's own gradients in place (``_direct_grads``): the backward
-        #: then hands its tensors over instead of adding each into a view, a launch each
-        self.grad_views_default = not hasattr(ops, "Tiles")
+        #: Triton on a GPU reads autograd's own gradients in place (``_direct_grads``):
+        #: the backward then hands its tensors over instead of adding each into a view, a
+        #: kernel launch each.  Elsewhere (C++; Triton interpreted on the CPU, where a
+        #: launch costs no more than the Python around it) the views
+        self.grad_views_default = not (hasattr(ops, "Tiles") and view.buckets and all(
+            b.device.type == "cuda" for b in view.buckets))
         self.ctl: Dict[torch.device, Tensor] = {}
         self.pool: Dict[Tuple[int, int], List[Optional[Tensor]]] = {}
         self.active_noise: Dict[int, Optional[Tuple[int, int, float]]] = {}

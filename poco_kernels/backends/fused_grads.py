@@ -297,7 +297,10 @@ class GradsMixin:
                 return None
             for g in present:
                 _refuse_sparse(g)
-            key = tuple(None if g is None else g.data_ptr() for g in grads)
+            try:
+                key = tuple(None if g is None else g.data_ptr() for g in grads)
+            except RuntimeError:              # (no storage of its own: gathered instead)
+                return None
         if not all(map(Tensor.is_contiguous, present)):
             return None
         whole = present is grads
@@ -306,12 +309,14 @@ class GradsMixin:
         # samples' gradients of IVON-PoCo(Mo) usually keep two sets of addresses
         # (entries name their bucket: a rebuilt bucket of the same index is another)
         entry = self._direct_tables.get(b.index)
-        if entry is None or entry[0] is not b:
-            entry = self._direct_tables[b.index] = (b, {}, list(map(Tensor.numel, b.params)))
+        if entry is None or entry[0]() is not b:
+            entry = self._direct_tables[b.index] = (weakref.ref(b), {},
+                                                    list(map(Tensor.numel, b.params)))
         _, tables, numels = entry
         tiles = tables.pop(key, None)
         if tiles is None:
-            if set(map(_dtype, present)) != {b.param_dtype}:
+            if (set(map(_dtype, present)) != {b.param_dtype}
+                    or any(map(Tensor.is_neg, present))):
                 return None
             if whole:
                 if list(map(Tensor.numel, grads)) != numels:

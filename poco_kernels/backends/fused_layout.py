@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .._layout import alloc_flat
-from .fused_grads import GradBuffer
+from .fused_grads import GradBuffer, _capturing
 
 _data_ptr = Tensor.data_ptr
 
@@ -92,6 +92,8 @@ class LayoutMixin:
         cache = self._tile_cache.setdefault(b.index, {})
         tiles = cache.get(key)
         if tiles is None:
+            if _capturing():                  # (a new table's copy would be captured)
+                return None
             if len(cache) >= 8:                 # (gradients: new addresses each backward)
                 cache.clear()
             tiles = cache[key] = self.ops.Tiles(key, b.device)

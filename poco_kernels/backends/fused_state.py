@@ -108,7 +108,13 @@ class StateMixin:
         self.rows.clear()
         self.pool.clear()
         self.active_noise.clear()
+        self._forget_tables()
         self.flatten()
+
+    def _forget_tables(self) -> None:
+        """The launch tables name the buckets' tensors: none survives a new layout."""
+        self._tile_cache.clear()
+        self._direct_tables.clear()
 
     def set_skipped(self, skipped: int) -> None:
         for c in self.ctl.values():
@@ -116,6 +122,7 @@ class StateMixin:
 
     def rebuilt(self, old_buckets) -> None:
         self.ahead = None
+        self._forget_tables()
         for b_new, b_old in zip(self.view.buckets, old_buckets):
             for attr in ("flat_param", "grad_flat", "grad_views", "grad_bufs", "handed"):
                 if hasattr(b_old, attr):

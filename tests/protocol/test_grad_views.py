@@ -336,13 +336,13 @@ def test_gradients_read_in_place_take_the_steps_of_a_gather(cls, kw, dtype, monk
                        lambda self, a: (moved.append(1), readdress(self, a)))
             def closure(t):
                 def c():
-                    held.append([p.grad for p in m.parameters()])   # (new addresses next)
                     m.zero_grad()
                     unused.grad = None
                     loss = prob.loss(m, t % 3)
                     if t in (0, 4):      # (a gradient, none (a stale one shows), one again)
                         loss = loss + unused.float().square().sum()
                     loss.backward()
+                    held.append([p.grad for p in m.parameters()])   # (new addresses next)
                     return loss
                 return c
             for t in range(5):
