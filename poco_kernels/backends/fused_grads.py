@@ -12,6 +12,7 @@ a pending sum is lent until the update that consumes it.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from typing import List, Optional, Tuple
@@ -28,6 +29,7 @@ _grad = operator.attrgetter("grad")
 _version = operator.attrgetter("_version")
 _dtype = operator.attrgetter("dtype")
 _data_ptr = Tensor.data_ptr
+_NONES = itertools.repeat(None)
 
 #: address tables kept per bucket whose gradients are read in place (every one present)
 _TABLES = 4
@@ -133,7 +135,7 @@ class GradsMixin:
         for b in self.view.buckets:
             if b.segments is not None:        # FSDP2 hands out the sharded gradients
                 continue
-            if cleared_only and any(p.grad is not None for p in b.params):
+            if cleared_only and any(map(operator.is_not, map(_grad, b.params), _NONES)):
                 continue
             # the first free buffer, not the one handed last: each iteration then uses
             # the same buffers in the same roles (inner sample, outer sample), which a
