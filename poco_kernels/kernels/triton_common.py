@@ -64,14 +64,24 @@ def _pow_steps(b, e):
 
 
 @triton.jit
-def _tile(tiles_ptr, chunks_ptr, pid, BLOCK: tl.constexpr):
-    """A program of a launch over a sharded bucket's shards (``TILED``,
-    :mod:`~poco_kernels.kernels.triton_kernels`): its elements' indices in the flat
-    buffers, their mask, its shard's noise offset, the elements' indices in the shard's
-    own tensor and that tensor's address (``triton_ops.Tiles``)."""
-    row = tiles_ptr + tl.load(chunks_ptr + pid).to(tl.int64) * 5
-    j = (pid - tl.load(row + 4)) * BLOCK + tl.arange(0, BLOCK)
-    return tl.load(row) + j, j < tl.load(row + 1), tl.load(row + 2), j, tl.load(row + 3)
+def _place(own_ptr, tiles_ptr, chunks_ptr, pid, n, offset, SHARD: tl.constexpr,
+           TILED: tl.constexpr, BLOCK: tl.constexpr):
+    """Where program ``pid`` works: its elements' indices in the flat buffers, their mask,
+    the noise offset, and a pointer to those elements in their own tensor (``own_ptr``'s
+    dtype).  Untiled: the block ``pid`` of ``n`` elements, ``offset`` as given, the
+    pointer into ``own_ptr``.  ``TILED`` (:mod:`~poco_kernels.kernels.triton_kernels`):
+    a piece of one tensor of the table (``triton_ops.Tiles``: a sharded bucket's local
+    shards, or gradients read in place), its row's offset, the pointer into the tensor at
+    its row's address (unused where the table holds none)."""
+    if TILED:
+        tl.static_assert(SHARD == 2, "tiles: the noise of any offset")
+        row = tiles_ptr + tl.load(chunks_ptr + pid).to(tl.int64) * 5
+        j = (pid - tl.load(row + 4)) * BLOCK + tl.arange(0, BLOCK)
+        own = tl.load(row + 3).to(tl.pointer_type(own_ptr.dtype.element_ty)) + j
+        return tl.load(row) + j, j < tl.load(row + 1), tl.load(row + 2), own
+    else:
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
+        return idx, idx < n, offset, own_ptr + idx
 
 
 @triton.jit

@@ -34,7 +34,9 @@ Conventions shared by all kernels:
   skipped updates]``.  An update reads ``found_inf`` (AMP) and the bad flag and, when
   either is set, writes no state (the parameters get the old mean back);
   :func:`finish_kernel` then advances the counters and clears the flag;
-* ``TILED`` (sharded buckets, FSDP2): one launch covers every local shard of a bucket.
+* ``TILED`` (sharded buckets, FSDP2; the accumulation of autograd's own gradients, read
+  in place, each a "shard" at its parameter's offset): one launch covers every local
+  shard of a bucket (``_place``).
   ``chunks_ptr`` (int32, one entry per program) names the shard a program works on and
   ``tiles_ptr`` (int64, five per shard) holds that shard's first element in the flat
   buffers, its length, its noise offset (its place in the unsharded bucket less its
@@ -60,7 +62,7 @@ from .triton_common import (  # noqa: F401
                             STEP_HP, S_ALPHA, S_BETA1, S_BETA2, S_CLIP, S_DAMPENING, S_EPS,
                             S_ESS, S_FLOOR, S_HESS_CORR, S_INV_N_IN, S_INV_N_AT_OUT, S_LR,
                             S_MOMENTUM, S_MOM_FIRST, S_SIGN_AT_OUT, S_WD, _NO_SPEC, _ivon_sigma,
-                            _noise, _skip_flag, _tile, _to_param)
+                            _noise, _skip_flag, _place, _to_param)
 from .triton_step import refresh_kernel, step_kernel  # noqa: F401  (re-exported)
 
 
@@ -78,14 +80,8 @@ def sample_kernel(param_ptr, centre_ptr, mean_ptr, h_ptr, sigma_ptr, ctl_ptr, ti
     are a sharded bucket's local shards, one launch for all (see ``TILED`` in the module
     docstring).  Reference: perturb, ivon_sigma."""
     pid = tl.program_id(0).to(tl.int64)
-    if TILED:
-        tl.static_assert(SHARD == 2, "tiles: the noise of any offset")
-        idx, mask, offset, j, addr = _tile(tiles_ptr, chunks_ptr, pid, BLOCK)
-        pp = addr.to(tl.pointer_type(param_ptr.dtype.element_ty)) + j
-    else:
-        idx = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < n
-        pp = param_ptr + idx
+    idx, mask, offset, pp = _place(param_ptr, tiles_ptr, chunks_ptr, pid, n, offset, SHARD,
+                                   TILED, BLOCK)
     if SYNC:
         centre = tl.load(pp, mask=mask).to(tl.float32)
         tl.store(mean_ptr + idx, centre, mask=mask)
@@ -118,16 +114,11 @@ def accumulate_kernel(grad_ptr, acc_g_ptr, acc_ge_ptr, ctl_ptr, tiles_ptr, chunk
     ``acc_g (+)= g``; with ``GE`` (several draws of the kind) also ``acc_ge += g * eps``
     of the active draw.  A non-finite gradient sets the control tensor's bad flag (one
     atomic per block that has one), so the update that follows is skipped on device.
-    ``TILED``: the gradients are a sharded bucket's local shards, one launch for all."""
+    ``TILED``: the gradients are a sharded bucket's local shards, or an unsharded bucket's
+    gradients where autograd left them, one launch for all."""
     pid = tl.program_id(0).to(tl.int64)
-    if TILED:
-        tl.static_assert(SHARD == 2, "tiles: the noise of any offset")
-        idx, mask, offset, j, addr = _tile(tiles_ptr, chunks_ptr, pid, BLOCK)
-        gp = addr.to(tl.pointer_type(grad_ptr.dtype.element_ty)) + j
-    else:
-        idx = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < n
-        gp = grad_ptr + idx
+    idx, mask, offset, gp = _place(grad_ptr, tiles_ptr, chunks_ptr, pid, n, offset, SHARD,
+                                   TILED, BLOCK)
     g = tl.load(gp, mask=mask, other=0.0).to(tl.float32)
     nonfinite = tl.sum(((g != g) | (tl.abs(g) == float("inf"))).to(tl.int32), axis=0)
     if nonfinite > 0:
@@ -164,12 +155,8 @@ def fold_ge_kernel(acc_g_ptr, acc_ge_ptr, ctl_ptr, tiles_ptr, chunks_ptr, n: tl.
     ``g * eps`` that the update would otherwise regenerate is materialised.  ``TILED``:
     a sharded bucket's shards (their noise offsets), one launch for all."""
     pid = tl.program_id(0).to(tl.int64)
-    if TILED:
-        tl.static_assert(SHARD == 2, "tiles: the noise of any offset")
-        idx, mask, offset, _, _ = _tile(tiles_ptr, chunks_ptr, pid, BLOCK)
-    else:
-        idx = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < n
+    idx, mask, offset, _ = _place(acc_g_ptr, tiles_ptr, chunks_ptr, pid, n, offset, SHARD,
+                                  TILED, BLOCK)
     g = tl.load(acc_g_ptr + idx, mask=mask)
     counter = tl.load(ctl_ptr + counter_slot)
     eps = _noise(seed, idx, pid, offset, counter, stream, NOISE, SHARD, BLOCK) * sign

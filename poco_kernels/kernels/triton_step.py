@@ -6,7 +6,7 @@ import triton.language as tl
 from .triton_common import (FAMILY_IVON, FAMILY_SGD, R_ESS, R_INV_N, R_RHO1, R_RHO2, R_SIGMA,
                             R_WD, S_INV_N_IN, S_INV_N_AT_OUT, S_MOM_FIRST, S_SIGN_AT_OUT, _NO_SPEC,
                             _inv_scale, _ivon_sigma, _noise, _skip_flag, _step_constants,
-                            _store_state, _tile, _to_param)
+                            _store_state, _place, _to_param)
 
 
 @triton.jit
@@ -67,14 +67,8 @@ def step_kernel(
     tl.static_assert(not (SHARED_NOISE and GE_IN), "shared noise is regenerated, not summed")
     tl.static_assert(not NEXT_SAMPLE or FAMILY == FAMILY_IVON, "the next sample is IVON's")
     pid = tl.program_id(0).to(tl.int64)
-    if TILED:
-        tl.static_assert(SHARD == 2, "tiles: the noise of any offset")
-        idx, mask, offset, j, addr = _tile(tiles_ptr, chunks_ptr, pid, BLOCK)
-        pp = addr.to(tl.pointer_type(param_ptr.dtype.element_ty)) + j
-    else:
-        idx = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < n
-        pp = param_ptr + idx
+    idx, mask, offset, pp = _place(param_ptr, tiles_ptr, chunks_ptr, pid, n, offset, SHARD,
+                                   TILED, BLOCK)
     skip = _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF)
     wmask = mask & ((idx * 0 + skip) == 0)   # (a scalar mask, broadcast explicitly)
     steps = tl.load(ctl_ptr + 0)
@@ -199,12 +193,8 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
     launch for all.
     """
     pid = tl.program_id(0).to(tl.int64)
-    if TILED:
-        tl.static_assert(SHARD == 2, "tiles: the noise of any offset")
-        idx, mask, offset, _, _ = _tile(tiles_ptr, chunks_ptr, pid, BLOCK)
-    else:
-        idx = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < n
+    idx, mask, offset, _ = _place(mean_ptr, tiles_ptr, chunks_ptr, pid, n, offset, SHARD,
+                                  TILED, BLOCK)
     skip = _skip_flag(ctl_ptr, found_inf_ptr, HAS_FOUND_INF)
     wmask = mask & ((idx * 0 + skip) == 0)   # (a scalar mask, broadcast explicitly)
     scale = tl.load(hp_ptr + R_INV_N).to(tl.float32) * _inv_scale(grad_scale_ptr, HAS_SCALE)
