@@ -246,6 +246,9 @@ class Bucket:
     #: index in ``grad_bufs`` of the buffer whose views the parameters were handed as
     #: ``.grad`` (fused: backends/fused_grads.py, hand_out; None: none handed out)
     handed: Optional[int] = field(default=None, init=False, repr=False, compare=False)
+    #: which parameters autograd reached since the views were handed out, a byte each
+    #: set by a hook (fused: backends/fused_presence.py, Presence; made by hand_out)
+    presence: Optional[object] = field(default=None, init=False, repr=False, compare=False)
     #: the first gradient buffer's flat tensor, ``grad_bufs[0].flat`` (fused: flatten)
     grad_flat: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
     #: the first gradient buffer's per-parameter views, whose shapes are the parameters'

@@ -14,6 +14,8 @@ so that a change of the package's internals is followed in one file:
 """
 from __future__ import annotations
 
+import ctypes
+
 
 def bucket_buffer_names(opt, names):
     """Those of ``names`` that the first bucket of ``opt`` holds a buffer for."""
@@ -77,10 +79,11 @@ def engine_calls(opt):
     check of which views no backward reached (with every one reached), and
     ``accumulate``'s gathering of every bucket's gradients."""
     eng = opt._runner
-    ids = {id(p) for b in opt._buckets for p in b.params}
 
     def unwritten():
-        eng.reached.update(ids)
+        for b in opt._buckets:        # (every one reached)
+            if b.presence is not None:
+                ctypes.memset(b.presence.addr, 1, b.presence.n)
         eng.unwritten()
 
     def gather():

@@ -12,10 +12,16 @@ fused backend of this device, for IVON and IVON-PoCoMo (the correction active):
   (``host_us``: the Python work of the call);
 * the same for ``step(closure)`` (the closure's own time, its forward and backward,
   subtracted) and for ``with opt.sampled():`` around the backward;
-* per iteration, the sum of ``host_us`` over the calls of one iteration.
+* ``hooks in a backward``: what the optimizer's hooks on the parameters add to each
+  backward pass (the ``.grad`` views' hooks that note which parameters autograd reached:
+  ``backends/fused_presence.py``), the backward over the optimizer's parameters less
+  the same backward over twins without hooks (also accumulating into existing
+  ``.grad``), interleaved, best of ``--hook-rounds``: optimizer host time that runs
+  inside autograd, and so inside the closure;
+* per iteration, the sum of ``host_us`` over the calls of one iteration, the hooks'
+  share of its backward passes included.
 
-The backward passes run between the timed calls and are not counted (their host work,
-autograd's own, is the model's).  Medians over ``--iters`` iterations, after ``--warm``.
+The backward passes' own host work (autograd's, the model's) is not counted.  Medians over ``--iters`` iterations, after ``--warm``.
 Writes ``host_calls.json`` and ``host_calls.md`` to ``--out``::
 
     python -m benchmarks.studies.host_calls --out /tmp/hc [--device cpu] [--scale tiny]
@@ -131,7 +137,32 @@ def _closures(opt, ps, split, poco: bool, refresh: bool):
             (wall * 1e6, (split.kernel_s - k0) * 1e6))
 
 
-def measure(dev, kind: str, scale: str, iters: int, warm: int, refresh_every: int) -> dict:
+def hook_us(ps, dev, rounds: int = 15, n: int = 20) -> float:
+    """µs the optimizer's hooks on ``ps`` add to a backward pass (see the module doc)."""
+    twins = [torch.nn.Parameter(torch.zeros_like(p)) for p in ps]
+    for t in twins:
+        t.grad = torch.zeros_like(t)
+    with torch.no_grad():
+        for p in ps:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def per_backward(xs):
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            sum(x.sum() for x in xs).backward()
+        sync(dev)
+        return (time.perf_counter() - t0) / n * 1e6
+    best = {"ours": [], "twins": []}
+    for _ in range(rounds):
+        best["ours"].append(per_backward(ps))
+        best["twins"].append(per_backward(twins))
+    return round(max(0.0, min(best["ours"]) - min(best["twins"])), 1)
+
+
+def measure(dev, kind: str, scale: str, iters: int, warm: int, refresh_every: int,
+            hook_rounds: int = 15) -> dict:
     _, _, opt, ps, _ = ot.make_row(kind, dev, scale)
     split = _Split(dev)
     internals.time_kernels(opt, split)
@@ -151,8 +182,12 @@ def measure(dev, kind: str, scale: str, iters: int, warm: int, refresh_every: in
         host = statistics.median(w - k for w, k in xs)
         calls[name] = {"calls_per_iteration": per_iter, "wall_us": round(wall, 1),
                        "kernel_us": round(kern, 1), "host_us": round(host, 1)}
+    # (one backward per sample; after the timed iterations, with the views handed out)
+    calls["hooks in a backward"] = {
+        "calls_per_iteration": calls["accumulate"]["calls_per_iteration"],
+        "wall_us": None, "kernel_us": 0.0, "host_us": hook_us(ps, dev, hook_rounds)}
     per_iter = sum(calls[n]["host_us"] * calls[n]["calls_per_iteration"]
-                   for n in ("sample", "accumulate", "restore", "step"))
+                   for n in ("sample", "accumulate", "restore", "step", "hooks in a backward"))
     if "refresh" in calls:
         per_iter += sum(calls[n]["host_us"] for n in ("refresh",)) / refresh_every
     return {"calls": calls, "protocol_host_us_per_iteration": round(per_iter, 1),
@@ -168,10 +203,12 @@ def markdown(dev, rows, scale: str, iters: int, warm: int, refresh_every: int) -
         out += [f"## {kind}: {r['tensors']} tensors, {r['numel']} parameters", "",
                 "| call | per iteration | wall us | kernel us | host us |", "|---|---|---|---|---|"]
         for name, c in r["calls"].items():
-            out.append(f"| {name} | {c['calls_per_iteration']:g} | {c['wall_us']} | "
+            wall = "-" if c["wall_us"] is None else c["wall_us"]
+            out.append(f"| {name} | {c['calls_per_iteration']:g} | {wall} | "
                        f"{c['kernel_us']} | {c['host_us']} |")
-        out += ["", f"sample/accumulate/restore/step, host us per iteration (zero_grad "
-                    f"apart, refresh amortised): **{r['protocol_host_us_per_iteration']}**", ""]
+        out += ["", f"sample/accumulate/restore/step and the hooks in the backward passes, "
+                    f"host us per iteration (zero_grad apart, refresh amortised): "
+                    f"**{r['protocol_host_us_per_iteration']}**", ""]
     return "\n".join(out)
 
 
@@ -183,11 +220,13 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warm", type=int, default=20)
     ap.add_argument("--refresh-every", type=int, default=10)
+    ap.add_argument("--hook-rounds", type=int, default=15)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     os.makedirs(a.out, exist_ok=True)
-    rows = {k: measure(dev, k, a.scale, a.iters, a.warm, a.refresh_every) for k in a.kinds}
+    rows = {k: measure(dev, k, a.scale, a.iters, a.warm, a.refresh_every, a.hook_rounds)
+            for k in a.kinds}
     text = markdown(dev, rows, a.scale, a.iters, a.warm, a.refresh_every)
     log(text)
     with open(os.path.join(a.out, "host_calls.md"), "w") as fh:

@@ -51,6 +51,7 @@ from ..kernels import cpp_status, triton_status
 from ..kernels import interface as iface
 from .base import Backend
 from .fused_grads import GradBuffer, GradsMixin
+from .fused_presence import Watcher
 from .fused_layout import LayoutMixin
 from .fused_samples import SamplesMixin
 from .fused_state import StateMixin
@@ -102,15 +103,14 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
         self.active_noise: Dict[int, Optional[Tuple[int, int, float]]] = {}
         #: the hyperparameter rows the kernels read (per bucket and record)
         self.rows = HyperRows()
-        #: ids of the parameters autograd accumulated a gradient into since the last
-        #: hand-out (a post-accumulate-grad hook on each parameter given a view)
-        self.reached: set = set()
         #: per bucket index, a momentum buffer (SGD family) made by a step that only the
         #: device knows whether it took (no ``check_finite``): (the steps-taken counter
         #: before that step, on the device; the buffer).  Until a step is taken the buffer
         #: has not started (:meth:`_momentum_first`); :meth:`counters` settles it
         self.mom_start: Dict[int, Tuple[Tensor, Tensor]] = {}
-        self._watched: set = set()
+        #: the hooks that mark, per bucket, the parameters autograd reached since the
+        #: views were handed out (``Bucket.presence``)
+        self._watcher = Watcher()
         #: sharded buckets: one launch over all the local shards (Triton), not one per
         #: shard (:meth:`~.fused_layout.LayoutMixin._tiles`; False: per shard)
         self.tiled = hasattr(ops, "Tiles")

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .._layout import alloc_flat, local
+from .fused_presence import Presence
 
 
 #: ``p.grad`` and ``t._version`` as functions: ``map`` over a bucket's parameters runs the
@@ -152,12 +153,10 @@ class GradsMixin:
                 for p, v in zip(b.params, gb.views):
                     if p.grad is not v:
                         p.grad = v
-            ids = b.ids()
-            self.reached -= ids
-            if not ids <= self._watched:
-                for p in b.params:
-                    if id(p) not in self._watched:
-                        self._watch(p)
+            if b.presence is None:
+                b.presence = Presence(len(b.params))
+                self._watcher.watch(b.params, b.presence)
+            b.presence.clear()
             b.handed = i
 
     def _swap_in(self, b, i: int) -> int:
@@ -192,17 +191,6 @@ class GradsMixin:
                 held.clean = free.clean = None
                 b.swapped = None
 
-    def _watch(self, p) -> None:
-        """Note in :attr:`reached` every gradient autograd accumulates into ``p``."""
-        ref = weakref.ref(self)
-
-        def hook(param, ref=ref):
-            eng = ref()
-            if eng is not None:
-                eng.reached.add(id(param))
-        p.register_post_accumulate_grad_hook(hook)
-        self._watched.add(id(p))
-
     def zero_grads(self) -> frozenset:
         """``zero_grad()`` for the parameters whose ``.grad`` is a view handed out by
         :meth:`hand_out`: zero the buffer in place (nothing to do when it is known to be
@@ -227,7 +215,7 @@ class GradsMixin:
     def unwritten(self) -> set:
         """``(bucket, index)`` of the parameters whose ``.grad`` is a view handed out by
         :meth:`hand_out` that received no gradient: autograd accumulated nothing into it
-        since (:attr:`reached`) and it still holds zeros (a gradient written another way,
+        since (the bucket's :class:`~.fused_presence.Presence`) and it still holds zeros (a gradient written another way,
         e.g. a collective into ``p.grad.data``, counts; clipping a zero one does not).
         They are skipped, as a ``.grad`` of None is with ``torch.optim``.  Reads the
         data of those parameters only (usually none), in one device read; none while a
@@ -238,12 +226,16 @@ class GradsMixin:
             return out
         cand = []
         for b in self.view.buckets:
-            if b.handed is None or b.ids() <= self.reached:    # (every one reached)
+            pres = b.presence
+            if b.handed is None or pres is None or pres.all():    # (every one reached)
                 continue
             gb = b.grad_bufs[b.handed]
             for i, (p, v) in enumerate(zip(b.params, gb.views)):
-                if p.grad is v and id(p) not in self.reached:
+                if p.grad is v and not pres.reached(i):
                     cand.append(((b.index, i), v))
+            # (a hook removed by other code, e.g. one resetting the parameter's hooks,
+            # is back for the next backward)
+            self._watcher.watch(b.params, pres)
         if cand:
             nonzero = torch.stack([v.ne(0).any() for _, v in cand]).tolist()
             out = {key for (key, _), nz in zip(cand, nonzero) if not nz}

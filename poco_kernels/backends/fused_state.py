@@ -124,7 +124,8 @@ class StateMixin:
         self.ahead = None
         self._forget_tables()
         for b_new, b_old in zip(self.view.buckets, old_buckets):
-            for attr in ("flat_param", "grad_flat", "grad_views", "grad_bufs", "handed"):
+            for attr in ("flat_param", "grad_flat", "grad_views", "grad_bufs", "handed",
+                         "presence"):
                 if hasattr(b_old, attr):
                     setattr(b_new, attr, getattr(b_old, attr))
         self.flatten()

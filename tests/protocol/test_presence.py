@@ -1,0 +1,127 @@
+"""Which handed-out ``.grad`` views a backward reached (``backends/fused_presence.py``): a
+hook per parameter sets its byte, in C++ with the extension and in Python without it,
+beside the user's own post-accumulate-grad hooks; a view it marks counts as a gradient
+even when it holds zeros, as autograd's own tensor would."""
+import pytest
+import torch
+
+import poco_kernels as pk
+from helpers import FUSED_BACKENDS
+from poco_kernels.backends import fused_presence
+from poco_kernels.backends.fused_presence import Presence, Watcher
+from poco_kernels.kernels import cpp_status
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not FUSED_BACKENDS, reason="no fused backend here")]
+
+HOOKS = ["cpp", "python"] if cpp_status() is None else ["python"]
+
+
+@pytest.fixture(params=HOOKS)
+def hooks(request, monkeypatch):
+    """The C++ hooks, or the Python ones the package falls back to without the extension."""
+    if request.param == "python":
+        monkeypatch.setattr(fused_presence, "_cpp_watch", lambda: None)
+    return request.param
+
+
+def _params(n):
+    return [torch.nn.Parameter(torch.randn(3)) for _ in range(n)]
+
+
+def _backward(ps):
+    sum(p.sum() for p in ps).backward()
+
+
+def test_the_bytes_name_the_parameters_a_backward_reached(hooks):
+    ps = _params(4)
+    w = Watcher()
+    assert (w._op is not None) == (hooks == "cpp")
+    pr = Presence(4)
+    w.watch(ps, pr)
+    assert list(pr.mem) == [0, 0, 0, 0] and not pr.all()
+    _backward([ps[1], ps[3]])
+    assert list(pr.mem) == [0, 1, 0, 1] and not pr.all()
+    _backward(ps)
+    assert pr.all()
+    pr.clear()
+    assert list(pr.mem) == [0, 0, 0, 0]
+    # a new layout of the same owner: the hooks follow (not stacked on the old ones)
+    new = Presence(3)
+    w.watch([ps[3], ps[2], ps[0]], new)
+    _backward([ps[0], ps[1]])
+    assert list(new.mem) == [0, 0, 1]
+    # (one left out of the new layout marks the old bytes, which go with the old buckets)
+    assert list(pr.mem) == [0, 1, 0, 0]
+
+
+def test_owners_keep_their_own_bytes_and_the_users_hooks_still_run(hooks):
+    ps = _params(2)
+    ran = []
+    ps[0].register_post_accumulate_grad_hook(lambda p: ran.append(0))    # before ours
+    a, b = Watcher(), Watcher()
+    pa, pb = Presence(2), Presence(2)
+    a.watch(ps, pa)
+    b.watch(ps[::-1], pb)
+    ps[1].register_post_accumulate_grad_hook(lambda p: ran.append(1))    # after ours
+    _backward(ps[:1])
+    assert ran == [0] and list(pa.mem) == [1, 0] and list(pb.mem) == [0, 1]
+    _backward(ps[1:])
+    assert ran == [0, 1] and pa.mem[1] in (0, 1) and pb.mem[0] in (0, 1)
+    a.watch(ps, pa)                  # (a hook a new Python one displaced is put back)
+    b.watch(ps[::-1], pb)
+    pa.clear()
+    pb.clear()
+    _backward(ps)
+    assert sorted(ran) == [0, 0, 1, 1] and pa.all() and pb.all()
+    # an owner gone: its hooks do nothing, and a new owner re-uses them
+    del a, pa
+    c, pc = Watcher(), Presence(2)
+    c.watch(ps, pc)
+    _backward(ps)
+    assert pc.all() and pb.all()
+
+
+class _ThreeHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(4, 2)
+        self.zero = torch.nn.Linear(4, 2)       # reached, with a gradient of zeros
+        self.unused = torch.nn.Linear(4, 2)     # never reached
+
+    def forward(self, x):
+        return self.used(x).pow(2).mean() + 0.0 * self.zero(x).sum()
+
+
+def _tensors(opt, model):
+    out = [p.detach().clone() for p in model.parameters()]
+    for _, st in sorted(opt.state_dict()["state"].items()):
+        out += [v.clone() for _, v in sorted(st.items()) if isinstance(v, torch.Tensor)]
+    return out
+
+
+@pytest.mark.skipif("cpp" not in FUSED_BACKENDS, reason="no C++ backend")
+def test_a_zero_gradient_autograd_reached_is_a_gradient_without_views_too(hooks):
+    """The steps with views equal those without, bit for bit: the zero gradient is
+    accumulated (it moves the Hessian estimate), the unreached parameter is left out;
+    also after the buckets are laid out again (a parameter frozen)."""
+    X = torch.randn(16, 4)
+    runs = []
+    for gv in (False, True):
+        torch.manual_seed(0)
+        m = _ThreeHeads()
+        opt = pk.IVON(m.parameters(), lr=0.1, ess=100.0, seed=1, backend="cpp",
+                      grad_views=gv)
+        h0 = [p.detach().clone() for p in m.zero.parameters()]
+        for i in range(3):
+            if i == 2:
+                m.used.bias.requires_grad_(False)
+            with opt.sampled():
+                m(X).backward()
+            opt.step()
+        moved = [not torch.equal(a, p.detach()) for a, p in zip(h0, m.zero.parameters())]
+        assert all(moved)
+        runs.append(_tensors(opt, m))
+    assert len(runs[0]) == len(runs[1]) > 6
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
