@@ -604,9 +604,4 @@ TORCH_LIBRARY_IMPL(poco_kernels_cpp, CPU, m) {
   m.impl("randn", &poco::randn_op);
 }
 
-// `import poco_kernels._C` loads this library, which registers the operators above.
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C",
-                              "poco_kernels' C++ CPU kernels: torch.ops.poco_kernels_cpp.*",
-                              -1, nullptr};
-
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kModule); }
+// The Python module `poco_kernels._C` that loads this library: sweeps.cpp.

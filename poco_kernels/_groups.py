@@ -5,12 +5,12 @@ buckets laid out over them, groups added later, and the trainable set following
 from __future__ import annotations
 
 import operator
-from itertools import chain
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import Tensor
 
+from . import _sweeps
 from . import noise as _noise
 from ._layout import Bucket, build_buckets, expose, padded_copy
 from ._validation import check, check_group_keys
@@ -216,12 +216,12 @@ class ParamGroupsMixin:
     def _trainable_changed(self) -> bool:
         """A parameter's ``requires_grad`` changed since the buckets were laid out (one
         sweep over the parameters, in C, when every one is trainable)."""
-        flags = list(map(_requires_grad, chain.from_iterable(g["params"] for g in self._groups)))
-        n = flags.count(True)
-        if n != sum(len(b.params) for b in self._buckets):
+        n = sum(_sweeps.trainable(g["params"]) for g in self._groups)
+        nb = sum(len(b.params) for b in self._buckets)
+        if n != nb:
             return True
-        return n != len(flags) and not all(
-            map(_requires_grad, chain.from_iterable(b.params for b in self._buckets)))
+        return (n != sum(len(g["params"]) for g in self._groups)
+                and sum(_sweeps.trainable(b.params) for b in self._buckets) != nb)
 
     def _check_trainable(self) -> None:
         """Follow the parameters' ``requires_grad`` (freezing or unfreezing layers between

@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Optional, Set
 import torch
 from torch import Tensor
 
+from . import _sweeps
 from . import noise as _noise
 from ._groups import _from_lightning, as_closures
 from ._optimizer import BucketedOptimizer
@@ -126,7 +127,10 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
         if keep_views and views:
             sets = [self._buckets[i].ids() for i in views]
             kept = sets[0] if len(sets) == 1 else frozenset().union(*sets)
-        if len(kept) != sum(len(g["params"]) for g in self._groups):
+        if not kept:
+            for group in self._groups:
+                _sweeps.set_grads(group["params"], None)
+        elif len(kept) != sum(len(g["params"]) for g in self._groups):
             for group in self._groups:
                 for p in group["params"]:
                     if id(p) not in kept:

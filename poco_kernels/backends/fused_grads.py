@@ -12,7 +12,6 @@ a pending sum is lent until the update that consumes it.
 """
 from __future__ import annotations
 
-import itertools
 import operator
 import weakref
 from typing import List, Optional, Tuple
@@ -20,17 +19,15 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .. import _sweeps
 from .._layout import alloc_flat, local
 from .fused_presence import Presence
 
 
-#: ``p.grad`` and ``t._version`` as functions: ``map`` over a bucket's parameters runs the
-#: loop in C (these sweeps run in every call of an iteration)
+#: ``p.grad`` and ``t.dtype`` as functions (``map`` runs the loop in C; the sweeps of every
+#: call of an iteration are in ``poco_kernels/_sweeps.py``)
 _grad = operator.attrgetter("grad")
-_version = operator.attrgetter("_version")
 _dtype = operator.attrgetter("dtype")
-_data_ptr = Tensor.data_ptr
-_NONES = itertools.repeat(None)
 
 #: address tables kept per bucket whose gradients are read in place (every one present)
 _TABLES = 4
@@ -77,7 +74,7 @@ class GradBuffer:
         self.clean = self._versions()
 
     def _versions(self) -> List[int]:
-        return list(map(_version, self.views))
+        return _sweeps.versions(self.views)
 
     def is_clean(self) -> bool:
         return self.clean is not None and self.clean == self._versions()
@@ -136,7 +133,7 @@ class GradsMixin:
         for b in self.view.buckets:
             if b.segments is not None:        # FSDP2 hands out the sharded gradients
                 continue
-            if cleared_only and any(map(operator.is_not, map(_grad, b.params), _NONES)):
+            if cleared_only and _sweeps.grads(b.params, None)[0]:
                 continue
             # the first free buffer, not the one handed last: each iteration then uses
             # the same buffers in the same roles (inner sample, outer sample), which a
@@ -144,15 +141,13 @@ class GradsMixin:
             # relying on a zeroing that only the next, uncaptured, iteration did)
             i = self._free_buffer(b, lent)
             if (not cleared_only and b.handed is not None and i != b.handed and _SWAP
-                    and not b.swapped and all(map(operator.is_, map(_grad, b.params),
-                                                  b.grad_bufs[b.handed].views))):
+                    and not b.swapped
+                    and _sweeps.grads(b.params, b.grad_bufs[b.handed].views)[1] == len(b.params)):
                 i = self._swap_in(b, i)
             gb = b.grad_bufs[i]
             gb.zero()
-            if not all(map(operator.is_, map(_grad, b.params), gb.views)):
-                for p, v in zip(b.params, gb.views):
-                    if p.grad is not v:
-                        p.grad = v
+            if _sweeps.grads(b.params, gb.views)[1] != len(b.params):
+                _sweeps.set_grads(b.params, gb.views)
             if b.presence is None:
                 b.presence = Presence(len(b.params))
                 self._watcher.watch(b.params, b.presence)
@@ -205,11 +200,12 @@ class GradsMixin:
             gb = b.grad_bufs[b.handed]
             if id(gb.flat) in lent:
                 continue
-            ours = list(map(operator.is_, map(_grad, b.params), gb.views))
-            if any(ours):
+            k = _sweeps.grads(b.params, gb.views)[1]
+            if k:
                 gb.zero()
-                done.append(b.ids() if all(ours)      # (the usual case: the bucket's set)
-                            else frozenset(id(p) for p, o in zip(b.params, ours) if o))
+                done.append(b.ids() if k == len(b.params)     # (the usual case: all)
+                            else frozenset(id(p) for p, v in zip(b.params, gb.views)
+                                           if p.grad is v))
         return done[0] if len(done) == 1 else frozenset().union(*done)
 
     def unwritten(self) -> set:
@@ -250,9 +246,9 @@ class GradsMixin:
         compiling = torch.compiler.is_compiling()
         i = self._free_buffer(b, lent, b.handed)
         gb = b.grad_bufs[i]
-        grads = list(map(_grad, b.params))
-        if not compiling and all(map(operator.is_, grads, gb.views)):
+        if not compiling and _sweeps.grads(b.params, gb.views)[1] == len(b.params):
             return gb, i == b.handed          # (the usual case: every one the view)
+        grads = list(map(_grad, b.params))
         srcs, dsts, zero = [], [], []
         for g, gview in zip(grads, gb.views):
             if g is None:
@@ -279,13 +275,11 @@ class GradsMixin:
         dtype and size, which torch's ``.grad`` keeps anyway)."""
         if not self.tiled or torch.compiler.is_compiling() or _capturing():
             return None
-        grads = list(map(_grad, b.params))
-        if b.handed is not None and any(map(operator.is_, grads, b.grad_bufs[b.handed].views)):
+        if b.handed is not None and _sweeps.grads(b.params, b.grad_bufs[b.handed].views)[1]:
             return None
-        try:
-            key = tuple(map(_data_ptr, grads))
-            present = grads
-        except (TypeError, RuntimeError):     # (a None; a sparse one has no data pointer)
+        grads, key = _sweeps.dense_grads(b.params)
+        present = grads
+        if key is None:                       # (a None, a sparse or strided one)
             present = [g for g in grads if g is not None]
             if not present:
                 return None
@@ -295,8 +289,8 @@ class GradsMixin:
                 key = tuple(None if g is None else g.data_ptr() for g in grads)
             except RuntimeError:              # (no storage of its own: gathered instead)
                 return None
-        if not all(map(Tensor.is_contiguous, present)):
-            return None
+            if not all(map(Tensor.is_contiguous, present)):
+                return None
         whole = present is grads
         # a few tables per bucket, the least recently used one re-addressed (one copy)
         # when every gradient is present and the addresses are new; the inner and outer

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import _sweeps
 from .._layout import alloc_flat
 from .fused_grads import GradBuffer, _capturing
 
@@ -153,7 +154,7 @@ class LayoutMixin:
         if ptrs is None or ptrs[0] != b.flat_param.data_ptr():
             base, size = b.flat_param.data_ptr(), b.flat_param.element_size()
             b.flat_ptrs = ptrs = [base + off * size for off in b.offsets]
-        return list(map(_data_ptr, b.params)) == ptrs     # (a loop in C)
+        return _sweeps.same_addresses(b.params, ptrs)
 
     def check_layout(self) -> None:
         """Re-link parameters taken off the flat buffers (by another optimizer built over

@@ -337,7 +337,7 @@ def test_host_calls_study_splits_every_public_call_into_kernels_and_host(tmp_pat
     each split into the kernels' part and the rest, and the per-iteration sum."""
     from benchmarks.studies import host_calls
     assert host_calls.main(["--device", "cpu", "--scale", "tiny", "--iters", "4",
-                            "--warm", "1", "--refresh-every", "2",
+                            "--warm", "1", "--refresh-every", "2", "--hook-rounds", "1",
                             "--out", str(tmp_path / "hc")]) == 0
     with open(tmp_path / "hc" / "host_calls.json") as f:
         rows = json.load(f)["rows"]
@@ -348,6 +348,9 @@ def test_host_calls_study_splits_every_public_call_into_kernels_and_host(tmp_pat
         want = {"zero_grad", "sample", "accumulate", "restore", "step", "step(closure)",
                 "sampled()+step"}
         assert want <= set(calls), kind
+        hooks = calls.pop("hooks in a backward")         # (inside autograd: no wall time)
+        assert hooks["host_us"] >= 0 and hooks["calls_per_iteration"] == \
+            calls["accumulate"]["calls_per_iteration"]
         for name, c in calls.items():
             assert 0 <= c["kernel_us"] <= c["wall_us"], (kind, name)
             assert c["host_us"] > 0, (kind, name)
@@ -357,3 +360,23 @@ def test_host_calls_study_splits_every_public_call_into_kernels_and_host(tmp_pat
         assert r["protocol_host_us_per_iteration"] > calls["step"]["host_us"]
     assert {"refresh", "refresh(closures)"} <= set(rows["ivon_pocomo"]["calls"])
     assert "| step(closure) |" in (tmp_path / "hc" / "host_calls.md").read_text()
+
+
+@pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
+                    reason="measures the C++ backend")
+def test_host_step_study_times_each_optimizer_less_its_gradient_writing(tmp_path):
+    """The backward-free host study: every row, its gradient writing subtracted as many
+    times as the closure runs, and the ratio to fused AdamW."""
+    from benchmarks.studies import host_step
+    assert host_step.main(["--device", "cpu", "--iters", "3", "--rounds", "1",
+                           "--out", str(tmp_path / "hs")]) == 0
+    with open(tmp_path / "hs" / "host_step.json") as f:
+        rows = json.load(f)["rows"]
+    assert set(rows) == {"adamw_fused", "ivon", "ivon_pocomo"}
+    assert rows["ivon_pocomo"]["closure_calls"] == 2 and rows["ivon"]["closure_calls"] == 1
+    for kind, r in rows.items():
+        assert r["host_us"] == pytest.approx(
+            r["iteration_us"] - r["closure_calls"] * r["gradient_writing_us"], abs=0.2), kind
+        assert r["iteration_us"] > 0 and r["gradient_writing_us"] > 0
+    assert rows["adamw_fused"]["x_fused_adamw"] == 1.0
+    assert "| ivon_pocomo |" in (tmp_path / "hs" / "host_step.md").read_text()

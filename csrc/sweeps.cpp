@@ -1,0 +1,250 @@
+// The Python module `poco_kernels._C`: importing it loads this library, whose other files
+// register the operators `torch.ops.poco_kernels_cpp.*` (ops.cpp, presence.cpp).  Its
+// functions are the engine's sweeps over a bucket's parameters, which run in every public
+// call of an iteration (poco_kernels/_sweeps.py has the Python twin of each, used without
+// the extension): a Python sweep over GPT-2's 148 tensors costs 11-17 us on this
+// project's CPUs (an attribute read and a comparison per tensor in the interpreter);
+// these read the same fields of the C++ tensors, with no Python object made per tensor.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+
+namespace poco {
+namespace {
+
+// A sequence of tensors (a list or a tuple), borrowed.
+struct Tensors {
+  PyObject* fast = nullptr;
+  Py_ssize_t n = 0;
+  explicit Tensors(PyObject* seq) {
+    fast = PySequence_Fast(seq, "expected a list or tuple of tensors");
+    if (fast != nullptr) n = PySequence_Fast_GET_SIZE(fast);
+  }
+  ~Tensors() { Py_XDECREF(fast); }
+  bool ok() const { return fast != nullptr; }
+  PyObject* item(Py_ssize_t i) const { return PySequence_Fast_ITEMS(fast)[i]; }
+  // the tensor at i (a TypeError if it is not one: nullptr)
+  const at::Tensor* tensor(Py_ssize_t i) const {
+    PyObject* o = item(i);
+    if (!THPVariable_Check(o)) {
+      PyErr_Format(PyExc_TypeError, "item %zd is not a tensor", i);
+      return nullptr;
+    }
+    return &THPVariable_Unpack(o);
+  }
+};
+
+// same_addresses(tensors, addresses) -> bool: tensors[i].data_ptr() == addresses[i] for
+// every i (and as many of each).
+PyObject* same_addresses(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *ts, *addrs;
+  if (!PyArg_ParseTuple(args, "OO", &ts, &addrs)) return nullptr;
+  Tensors t(ts), a(addrs);
+  if (!t.ok() || !a.ok()) return nullptr;
+  if (t.n != a.n) Py_RETURN_FALSE;
+  for (Py_ssize_t i = 0; i < t.n; ++i) {
+    const at::Tensor* x = t.tensor(i);
+    if (x == nullptr) return nullptr;
+    const unsigned long long want = PyLong_AsUnsignedLongLong(a.item(i));
+    if (PyErr_Occurred()) return nullptr;
+    if (reinterpret_cast<uintptr_t>(x->data_ptr()) != want) Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
+// versions(tensors) -> list: each tensor's version counter (``t._version``).
+PyObject* versions(PyObject* /*self*/, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  Tensors t(arg);
+  if (!t.ok()) return nullptr;
+  PyObject* out = PyList_New(t.n);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < t.n; ++i) {
+    const at::Tensor* x = t.tensor(i);
+    if (x == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, i, PyLong_FromLongLong(x->_version()));
+  }
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
+// grads(params, views) -> (defined, matching): how many params[i].grad are not None, and
+// how many are views[i] itself (views None: 0).
+PyObject* grads(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *ps, *vs;
+  if (!PyArg_ParseTuple(args, "OO", &ps, &vs)) return nullptr;
+  Tensors p(ps);
+  if (!p.ok()) return nullptr;
+  Tensors v(vs == Py_None ? ps : vs);        // (unused when None)
+  if (!v.ok()) return nullptr;
+  if (vs != Py_None && v.n != p.n) {
+    PyErr_SetString(PyExc_ValueError, "grads: as many views as parameters expected");
+    return nullptr;
+  }
+  Py_ssize_t defined = 0, matching = 0;
+  for (Py_ssize_t i = 0; i < p.n; ++i) {
+    const at::Tensor* x = p.tensor(i);
+    if (x == nullptr) return nullptr;
+    const at::Tensor& g = x->grad();
+    if (!g.defined()) continue;
+    ++defined;
+    if (vs != Py_None) {
+      const at::Tensor* w = v.tensor(i);
+      if (w == nullptr) return nullptr;
+      if (g.unsafeGetTensorImpl() == w->unsafeGetTensorImpl()) ++matching;
+    }
+  }
+  return Py_BuildValue("(nn)", defined, matching);
+  END_HANDLE_TH_ERRORS
+}
+
+// dense_grads(params) -> (grads, addresses): each params[i].grad (None where there is
+// none), and the tuple of their data pointers when every one is there, dense (strided,
+// with storage) and contiguous (else None).
+PyObject* dense_grads(PyObject* /*self*/, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  Tensors p(arg);
+  if (!p.ok()) return nullptr;
+  PyObject* gs = PyList_New(p.n);
+  if (gs == nullptr) return nullptr;
+  PyObject* addrs = PyTuple_New(p.n);
+  if (addrs == nullptr) {
+    Py_DECREF(gs);
+    return nullptr;
+  }
+  bool dense = true;
+  for (Py_ssize_t i = 0; i < p.n; ++i) {
+    const at::Tensor* x = p.tensor(i);
+    if (x == nullptr) {
+      Py_DECREF(gs);
+      Py_DECREF(addrs);
+      return nullptr;
+    }
+    const at::Tensor& g = x->grad();
+    if (!g.defined()) {
+      Py_INCREF(Py_None);
+      PyList_SET_ITEM(gs, i, Py_None);
+      dense = false;
+      continue;
+    }
+    PyList_SET_ITEM(gs, i, THPVariable_Wrap(g));
+    if (dense && g.layout() == at::kStrided && g.has_storage() && g.is_contiguous()) {
+      PyTuple_SET_ITEM(addrs, i, PyLong_FromVoidPtr(const_cast<void*>(g.const_data_ptr())));
+    } else {
+      dense = false;
+    }
+  }
+  PyObject* key = addrs;
+  if (!dense) {
+    Py_DECREF(addrs);                       // (its unset items are NULL: allowed)
+    Py_INCREF(Py_None);
+    key = Py_None;
+  }
+  return Py_BuildValue("(NN)", gs, key);
+  END_HANDLE_TH_ERRORS
+}
+
+// torch.nn.Parameter (set when the module is imported): with torch.Tensor, the types whose
+// `.grad` setter is torch's own (no __torch_function__ of a subclass to honour)
+PyObject* parameter_type = nullptr;
+
+bool plain(PyObject* o) {
+  return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
+         (parameter_type != nullptr && Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(parameter_type));
+}
+
+// set_grads(params, grads) -> None: params[i].grad = grads[i] (grads None: every one None).
+// Plain tensors and parameters given a plain tensor that torch's setter accepts (the same
+// dtype, device, type and sizes) or None are set here; anything else goes through
+// `setattr`, and so through torch's setter, its checks and its errors.
+PyObject* set_grads(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *ps, *gs;
+  if (!PyArg_ParseTuple(args, "OO", &ps, &gs)) return nullptr;
+  Tensors p(ps);
+  if (!p.ok()) return nullptr;
+  Tensors g(gs == Py_None ? ps : gs);
+  if (!g.ok()) return nullptr;
+  if (gs != Py_None && g.n != p.n) {
+    PyErr_SetString(PyExc_ValueError, "set_grads: as many gradients as parameters expected");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < p.n; ++i) {
+    PyObject* o = p.item(i);
+    PyObject* v = gs == Py_None ? Py_None : g.item(i);
+    if (plain(o)) {
+      const at::Tensor& var = THPVariable_Unpack(o);
+      if (v == Py_None) {
+        var.mutable_grad().reset();
+        continue;
+      }
+      if (v != o && plain(v)) {
+        const at::Tensor& grad = THPVariable_Unpack(v);
+        if (grad.layout() == at::kStrided && grad.options().type_equal(var.options()) &&
+            grad.device() == var.device() && grad.sym_sizes().equals(var.sym_sizes())) {
+          var.mutable_grad() = grad;
+          continue;
+        }
+      }
+    }
+    if (PyObject_SetAttrString(o, "grad", v) != 0) return nullptr;
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// trainable(tensors) -> int: how many require grad.
+PyObject* trainable(PyObject* /*self*/, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  Tensors t(arg);
+  if (!t.ok()) return nullptr;
+  Py_ssize_t n = 0;
+  for (Py_ssize_t i = 0; i < t.n; ++i) {
+    const at::Tensor* x = t.tensor(i);
+    if (x == nullptr) return nullptr;
+    n += x->requires_grad() ? 1 : 0;
+  }
+  return PyLong_FromSsize_t(n);
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef kMethods[] = {
+    {"same_addresses", same_addresses, METH_VARARGS,
+     "same_addresses(tensors, addresses) -> bool: every tensors[i].data_ptr() == addresses[i]"},
+    {"versions", versions, METH_O, "versions(tensors) -> list: each tensor's _version"},
+    {"grads", grads, METH_VARARGS,
+     "grads(params, views) -> (defined, matching): .grad not None, .grad is views[i]"},
+    {"dense_grads", dense_grads, METH_O,
+     "dense_grads(params) -> (grads, addresses): the .grad, and their data pointers when "
+     "every one is dense and contiguous (else None)"},
+    {"set_grads", set_grads, METH_VARARGS,
+     "set_grads(params, grads) -> None: params[i].grad = grads[i] (grads None: None)"},
+    {"trainable", trainable, METH_O, "trainable(tensors) -> int: how many require grad"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C",
+                       "poco_kernels' C++ extension: the CPU kernels (torch.ops.poco_kernels_cpp.*) "
+                       "and the engine's sweeps over parameters",
+                       -1, kMethods};
+
+}  // namespace
+}  // namespace poco
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* nn = PyImport_ImportModule("torch.nn.parameter");
+  if (nn == nullptr) return nullptr;
+  poco::parameter_type = PyObject_GetAttrString(nn, "Parameter");     // (kept: a strong ref)
+  Py_DECREF(nn);
+  if (poco::parameter_type == nullptr) return nullptr;
+  return PyModule_Create(&poco::kModule);
+}

@@ -1,0 +1,172 @@
+"""The engine's sweeps over parameters (``poco_kernels/_sweeps.py``): the C++ functions
+(``csrc/sweeps.cpp``) give what their Python twins give, on every kind of input the
+engine passes them and on what it must refuse."""
+import pytest
+import torch
+
+from poco_kernels import _sweeps
+from poco_kernels.kernels import cpp_status
+
+needs_cpp = pytest.mark.skipif(cpp_status() is not None, reason="no C++ extension")
+
+
+def _case(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 40, (1,), generator=g))
+    ps = [torch.nn.Parameter(torch.randn(int(torch.randint(1, 5, (1,), generator=g)),
+                                         generator=g)) for _ in range(n)]
+    views = [torch.zeros_like(p) for p in ps]
+    for p, v in zip(ps, views):
+        r = int(torch.randint(0, 3, (1,), generator=g))
+        p.grad = v if r == 0 else (torch.zeros_like(p) if r == 1 else None)
+        if int(torch.randint(0, 4, (1,), generator=g)) == 0:
+            p.requires_grad_(False)
+        for _ in range(int(torch.randint(0, 3, (1,), generator=g))):
+            v.add_(1.0)                      # (version counters that differ)
+    return ps, views
+
+
+@needs_cpp
+def test_the_implementation_in_use_is_the_extensions():
+    assert _sweeps.IMPLEMENTATION == "cpp"
+
+
+@needs_cpp
+@pytest.mark.parametrize("seed", range(8))
+def test_cpp_and_python_sweeps_agree(seed):
+    from poco_kernels import _C
+    ps, views = _case(seed)
+    addrs = [p.data_ptr() for p in ps]
+    for seq in (ps, tuple(ps)):
+        assert _C.grads(seq, views) == _sweeps.py_grads(seq, views)
+        assert _C.grads(seq, None) == _sweeps.py_grads(seq, None)
+        assert _C.trainable(seq) == _sweeps.py_trainable(seq)
+        assert _C.versions(seq) == _sweeps.py_versions(seq)
+        assert _C.same_addresses(seq, addrs) is _sweeps.py_same_addresses(seq, addrs) is True
+    moved = list(addrs)
+    moved[-1] += 4
+    for other in (moved, addrs[:-1], addrs + [0]):
+        assert _C.same_addresses(ps, other) is _sweeps.py_same_addresses(ps, other) is False
+    assert _C.versions(views) == _sweeps.py_versions(views)
+    _same_dense_grads(_C, ps)
+
+
+def _same_dense_grads(c, ps):
+    (ga, ka), (gb, kb) = c.dense_grads(ps), _sweeps.py_dense_grads(ps)
+    assert list(map(id, ga)) == list(map(id, gb)) and ka == kb
+    return ka
+
+
+@needs_cpp
+def test_dense_grads_gives_addresses_only_when_every_gradient_is_dense_and_contiguous():
+    from poco_kernels import _C
+    ps = [torch.nn.Parameter(torch.randn(3, 2)) for _ in range(3)]
+    for p in ps:
+        p.grad = torch.randn(3, 2)
+    assert _same_dense_grads(_C, ps) == tuple(p.grad.data_ptr() for p in ps)
+    ps[1].grad = torch.randn(2, 3).t()                   # strided
+    assert _same_dense_grads(_C, ps) is None
+    ps[1].grad = torch.randn(3, 2).to_sparse()           # sparse
+    assert _same_dense_grads(_C, ps) is None
+    ps[1].grad = None
+    assert _same_dense_grads(_C, ps) is None
+    assert _same_dense_grads(_C, []) == ()
+
+
+@needs_cpp
+def test_cpp_sweeps_refuse_what_python_refuses():
+    from poco_kernels import _C
+    ps, views = _case(0)
+    for fn, args in ((_C.grads, ([1.0], None)), (_C.versions, ([ps[0], "x"],)),
+                     (_C.trainable, ([None],)), (_C.same_addresses, ([2], [0]))):
+        with pytest.raises(TypeError):
+            fn(*args)
+    with pytest.raises(TypeError):
+        _C.versions(5)                       # (not a sequence)
+    with pytest.raises(ValueError):
+        _C.grads(ps, views[:-1])
+    with pytest.raises(ValueError):
+        _sweeps.py_grads(ps, views[:-1])
+
+
+class _Logged(torch.nn.Parameter):
+    """A parameter subclass whose ``.grad`` assignments go through Python (counted)."""
+    sets = 0
+
+    def __setattr__(self, name, value):
+        if name == "grad":
+            type(self).sets += 1
+        super().__setattr__(name, value)
+
+
+@needs_cpp
+@pytest.mark.parametrize("fn", ["cpp", "python"])
+def test_set_grads_sets_what_setattr_sets_and_refuses_what_it_refuses(fn):
+    from poco_kernels import _C
+    set_grads = _C.set_grads if fn == "cpp" else _sweeps.py_set_grads
+    ps = [torch.nn.Parameter(torch.randn(2, 3)), torch.randn(4, requires_grad=True),
+          _Logged(torch.randn(3))]
+    gs = [torch.randn(2, 3), torch.randn(4), torch.randn(3)]
+    before = _Logged.sets
+    set_grads(ps, gs)
+    assert all(p.grad is g for p, g in zip(ps, gs)) and _Logged.sets == before + 1
+    set_grads(ps, None)
+    assert all(p.grad is None for p in ps) and _Logged.sets == before + 2
+    for bad, err in (([torch.randn(2, 3), torch.randn(4).double(), torch.randn(3)], "dtype"),
+                     ([torch.randn(2, 3), torch.randn(5), torch.randn(3)], "size"),
+                     ([torch.randn(2, 3), ps[1], torch.randn(3)], "own grad")):
+        with pytest.raises(RuntimeError, match=err):
+            set_grads(ps, bad)
+    with pytest.raises(ValueError):
+        set_grads(ps, gs[:2])
+
+
+def _train(monkeypatch, impl):
+    """A few IVON-PoCoMo iterations that take every sweep's branches: views kept and
+    replaced, a .grad set to None, a parameter re-pointed (``p.data = ...``), one frozen."""
+    if impl == "python":
+        for name in ("same_addresses", "versions", "grads", "dense_grads", "set_grads",
+                     "trainable"):
+            monkeypatch.setattr(_sweeps, name, getattr(_sweeps, "py_" + name))
+    import poco_kernels as pk
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    X, y = torch.randn(32, 5), torch.randn(32, 1)
+    opt = pk.IVONPoCoMo(m.parameters(), lr=0.05, ess=100.0, seed=3, alpha=0.5, backend="cpp")
+
+    def closure():
+        opt.zero_grad()
+        loss = (m(X) - y).pow(2).mean()
+        loss.backward()
+        return loss
+    opt.refresh([closure])
+    for i in range(6):
+        if i == 1:
+            m[0].bias.grad = None
+        if i == 2:
+            with torch.no_grad():
+                m[2].weight.data = m[2].weight.data.clone()
+        if i == 3:
+            m[0].bias.requires_grad_(False)
+        if i == 4:
+            with opt.sampled("inner"):
+                m.zero_grad(set_to_none=True)           # autograd's own tensors
+                (m(X) - y).pow(2).mean().backward()
+            with opt.sampled("outer"):
+                (m(X) - y).pow(2).mean().backward()
+            opt.step()
+            continue
+        opt.step(closure)
+    out = [p.detach().clone() for p in m.parameters()]
+    for _, st in sorted(opt.state_dict()["state"].items()):
+        out += [v.clone() for _, v in sorted(st.items()) if isinstance(v, torch.Tensor)]
+    return out
+
+
+@needs_cpp
+def test_the_engine_takes_the_same_steps_on_either_sweeps(monkeypatch):
+    a = _train(monkeypatch, "cpp")
+    b = _train(monkeypatch, "python")
+    assert len(a) == len(b) > 4
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
