@@ -127,9 +127,9 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
         if keep_views and views:
             sets = [self._buckets[i].ids() for i in views]
             kept = sets[0] if len(sets) == 1 else frozenset().union(*sets)
-        if not kept:
+        if not kept and not torch.compiler.is_compiling():
             for group in self._groups:
-                _sweeps.set_grads(group["params"], None)
+                _sweeps.set_grads(group["params"], None)     # (in C)
         elif len(kept) != sum(len(g["params"]) for g in self._groups):
             for group in self._groups:
                 for p in group["params"]:

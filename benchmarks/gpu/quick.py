@@ -19,7 +19,9 @@ that would start past the time budget is skipped and says so):
 6. ``optimizer_only``, ``end_to_end``, ``torch_backend``: the tables of ``tables.py``;
 7. ``host_calls``: the host time of each public call of IVON and IVON-PoCoMo beyond the
    kernels (their launches) at GPT-2's 148 tensors shrunk to 1-4 elements
-   (``benchmarks/studies/host_calls.py``; ``host_calls.md`` beside ``quick.md``).
+   (``benchmarks/studies/host_calls.py``; ``host_calls.md`` beside ``quick.md``), and
+   the whole host time of a ``step(closure)`` iteration without a backward pass against
+   fused AdamW's (``benchmarks/studies/host_step.py``; ``host_step.md``).
 
 Exit status: 0 when every check passed; 1 parity (sections 2-3), 2 steady state or
 capture (4-5), 4 a table raised, 16 a section was skipped for time.  ``--smoke`` runs
@@ -42,7 +44,7 @@ from benchmarks.common.report import dump, json_default, log
 BUDGET_S = 180.0
 #: seconds each section is expected to need at most on a GPU, to decide whether it starts
 NEEDS_S = {"openloop": 60, "trajectory": 30, "steady": 10, "capture": 35,
-           "optimizer_only": 45, "end_to_end": 20, "torch_backend": 5, "host_calls": 10}
+           "optimizer_only": 45, "end_to_end": 20, "torch_backend": 5, "host_calls": 15}
 GROUP = {"openloop": 1, "trajectory": 1, "steady": 2, "capture": 2, "optimizer_only": 4,
          "end_to_end": 4, "torch_backend": 4, "host_calls": 4}
 
@@ -66,13 +68,19 @@ def _table(res):
 
 
 def _host_calls(dev, smoke, out_dir):
-    """Section 7: :mod:`benchmarks.studies.host_calls` at the tiny shapes."""
-    from benchmarks.studies import host_calls
-    iters, warm, every = (3, 1, 2) if smoke else (100, 10, 10)
-    rows = {k: host_calls.measure(dev, k, "tiny", iters, warm, every) for k in host_calls.KINDS}
+    """Section 7: :mod:`benchmarks.studies.host_calls` at the tiny shapes, and
+    :mod:`benchmarks.studies.host_step`."""
+    from benchmarks.studies import host_calls, host_step
+    iters, warm, every, hook_rounds = (3, 1, 2, 1) if smoke else (100, 10, 10, 5)
+    rows = {k: host_calls.measure(dev, k, "tiny", iters, warm, every, hook_rounds)
+            for k in host_calls.KINDS}
     with open(os.path.join(out_dir, "host_calls.md"), "w") as fh:
         fh.write(host_calls.markdown(dev, rows, "tiny", iters, warm, every) + "\n")
-    return rows, []
+    iters, rounds = (3, 1) if smoke else (100, 5)
+    step_rows = host_step.measure(dev, host_step.KINDS, iters, rounds)
+    with open(os.path.join(out_dir, "host_step.md"), "w") as fh:
+        fh.write(host_step.markdown(dev, step_rows, iters, rounds) + "\n")
+    return {"calls": rows, "step": step_rows}, []
 
 
 def _sections(dev, smoke, state):

@@ -194,6 +194,10 @@ def test_bench_gpu_quick_smoke_runs_every_section(tmp_path, bench_modules):
     assert rows["ivon_pocomo"]["ratio_to_fused_adamw"] > 0
     with open(tmp_path / "capture.json") as f:
         assert json.load(f)["result"]["graph"]["replay"] == "bitwise equal to eager"
+    with open(tmp_path / "host_calls.json") as f:
+        host = json.load(f)["result"]
+    assert set(host["step"]) == {"adamw_fused", "ivon", "ivon_pocomo"}
+    assert "| ivon_pocomo |" in (tmp_path / "host_step.md").read_text()
 
 
 @pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
