@@ -1,37 +1,42 @@
-// Which parameters autograd reached: the `poco_kernels_cpp::watch` operator.
+// Which parameters autograd reached: `poco_kernels._C.watch`.
 //
 // The fused engine hands every trainable parameter a `.grad` that is a view of a zeroed
 // flat buffer, so a parameter autograd never reached still has a (zero) `.grad`; it must
 // be left out of the step, as torch.optim leaves out a `.grad` of None.  A hook on each
 // parameter says which ones a backward reached: one byte per parameter of a bucket, set
-// to 1 when autograd is about to accumulate a gradient into it, cleared by the engine
-// when it hands the views out (poco_kernels/backends/fused_presence.py).
+// to 1 once autograd has accumulated a gradient into it, cleared by the engine when it
+// hands the views out (poco_kernels/backends/fused_presence.py).
 //
-// A Python hook costs the backward about 1.3-2 us per parameter (the engine takes the
+// A Python hook costs the backward about 0.7-2 us per parameter (the engine takes the
 // GIL, wraps the tensor, calls the function); this one is a store.  It sits in the
 // tensor's post-accumulate-grad slot (autograd keeps one hook object there; Python's
-// `register_post_accumulate_grad_hook` puts its dict of hooks in it), and it keeps the
-// object it found there and runs it first, so the user's hooks still run.  It holds its
-// byte array weakly: once the engine is gone it only runs the hook it wraps.  Hooks are
-// re-used, not stacked: `watch` re-points the hook of the same owner (a new layout of
-// the same optimizer) or one whose array is gone.
+// `register_post_accumulate_grad_hook` puts its dict of hooks in it), keeps the object it
+// found there and runs it after setting its byte, so the user's hooks still run.  It holds
+// its byte array weakly: once the engine is gone it only runs the hook it wraps.  Hooks
+// are re-used, not stacked: `watch` re-points the hook of the same owner (a new layout of
+// the same optimizer), else one whose array is gone, and does nothing to a hook already
+// in place (the engine calls it before every backward).
 //
-// Where it does not run (a Python hook registered on a parameter with none before
-// replaces the slot's object, until the engine's next `watch`; compiled autograd, which
-// is given nothing to trace here) the byte stays 0 and the engine reads whether the view
-// holds zeros instead.
+// Where it does not run the byte stays 0 and the engine reads whether the view holds
+// zeros instead (so a gradient that is exactly zero everywhere counts as none there):
+// under compiled autograd, which is given only the wrapped hooks to trace; and in the
+// backward right after a parameter's first Python post-accumulate-grad hook was
+// registered between the hand-out and that backward (torch's registration replaces the
+// slot's object; the next `watch` wraps it).
+#include <Python.h>
+
 #include <ATen/ATen.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/library.h>
 
 #include <memory>
-#include <vector>
+
+#include "py_functions.h"
 
 namespace poco {
 namespace {
-
-using torch::autograd::variable_list;
 
 using Hook = torch::autograd::PostAccumulateGradHook;
 
@@ -45,10 +50,11 @@ struct PresenceHook : Hook {
       : flags(f.storage().getWeakStorageImpl()), index(i), owner(o), inner(std::move(in)) {}
 
   void operator()(const torch::autograd::Variable& tensor) override {
-    if (inner) (*inner)(tensor);
+    // the byte first: the wrapped hooks may replace the slot's object, this one with it
     if (auto s = flags.lock()) {
       static_cast<uint8_t*>(s->mutable_data())[index] = 1;
     }
+    if (inner) (*inner)(tensor);
   }
 
   // Compiled autograd traces the wrapped hooks only (the byte stays 0: the engine reads).
@@ -61,44 +67,71 @@ struct PresenceHook : Hook {
   }
 };
 
-// Give params[i] a hook that sets flags[i] (owner: the engine's token).
-void watch_op(const at::TensorList params, const at::Tensor& flags, int64_t owner) {
-  TORCH_CHECK(flags.device().is_cpu() && flags.scalar_type() == at::kByte &&
-                  flags.is_contiguous() && flags.storage_offset() == 0 &&
-                  flags.numel() >= static_cast<int64_t>(params.size()),
-              "poco_kernels_cpp::watch: flags must be a contiguous CPU uint8 tensor with a "
-              "byte per parameter");
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
-    TORCH_CHECK(p.requires_grad() && p.is_leaf(),
-                "poco_kernels_cpp::watch: parameter ", i, " is not a leaf that requires grad");
-    std::unique_ptr<Hook>& slot = torch::autograd::impl::post_acc_grad_hooks(p);
-    PresenceHook* reuse = nullptr;
-    for (Hook* h = slot.get(); h != nullptr;) {
-      auto* ours = dynamic_cast<PresenceHook*>(h);
-      if (ours == nullptr) break;
-      if (ours->owner == owner || ours->flags.expired()) {
-        reuse = ours;
-        break;
-      }
-      h = ours->inner.get();
+// Give `p` a hook that sets flags[i] (owner: the engine's token); a no-op if it has one.
+void watch_one(const at::Tensor& p, const at::Tensor& flags, int64_t i, int64_t owner) {
+  std::unique_ptr<Hook>& slot = torch::autograd::impl::post_acc_grad_hooks(p);
+  PresenceHook* mine = nullptr;
+  PresenceHook* dead = nullptr;
+  for (Hook* h = slot.get(); h != nullptr;) {
+    auto* ours = dynamic_cast<PresenceHook*>(h);
+    if (ours == nullptr) break;
+    if (ours->owner == owner) {
+      mine = ours;
+      break;
     }
-    if (reuse != nullptr) {
-      reuse->flags = flags.storage().getWeakStorageImpl();
-      reuse->index = static_cast<int64_t>(i);
-      reuse->owner = owner;
-    } else {
-      slot = std::make_unique<PresenceHook>(flags, static_cast<int64_t>(i), owner,
-                                            std::move(slot));
-    }
+    if (dead == nullptr && ours->flags.expired()) dead = ours;
+    h = ours->inner.get();
+  }
+  PresenceHook* reuse = mine != nullptr ? mine : dead;
+  if (reuse == nullptr) {
+    slot = std::make_unique<PresenceHook>(flags, i, owner, std::move(slot));
+    return;
+  }
+  if (reuse->index != i || reuse->owner != owner ||
+      reuse->flags._unsafe_get_target() != flags.storage().unsafeGetStorageImpl()) {
+    reuse->flags = flags.storage().getWeakStorageImpl();
+    reuse->index = i;
+    reuse->owner = owner;
   }
 }
 
 }  // namespace
-}  // namespace poco
 
-// A catch-all kernel: the parameters may live on any device; only their autograd
-// metadata is touched.
-TORCH_LIBRARY_FRAGMENT(poco_kernels_cpp, m) {
-  m.def("watch(Tensor[] params, Tensor flags, int owner) -> ()", &poco::watch_op);
+// watch(params, flags, owner) -> None: params[i] (each that requires grad and is a leaf;
+// the others are skipped) gets a hook that sets flags[i], a contiguous CPU uint8 tensor.
+PyObject* watch(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *ps, *fo;
+  long long owner;
+  if (!PyArg_ParseTuple(args, "OOL", &ps, &fo, &owner)) return nullptr;
+  if (!THPVariable_Check(fo)) {
+    PyErr_SetString(PyExc_TypeError, "watch: flags must be a tensor");
+    return nullptr;
+  }
+  const at::Tensor& flags = THPVariable_Unpack(fo);
+  PyObject* tup = PySequence_Tuple(ps);
+  if (tup == nullptr) return nullptr;
+  const Py_ssize_t n = PyTuple_GET_SIZE(tup);
+  if (!(flags.device().is_cpu() && flags.scalar_type() == at::kByte && flags.is_contiguous() &&
+        flags.storage_offset() == 0 && flags.numel() >= n)) {
+    Py_DECREF(tup);
+    PyErr_SetString(PyExc_ValueError,
+                    "watch: flags must be a contiguous CPU uint8 tensor with a byte per parameter");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = PyTuple_GET_ITEM(tup, i);
+    if (!THPVariable_Check(o)) {
+      Py_DECREF(tup);
+      PyErr_Format(PyExc_TypeError, "watch: item %zd is not a tensor", i);
+      return nullptr;
+    }
+    const at::Tensor& p = THPVariable_Unpack(o);
+    if (p.requires_grad() && p.is_leaf()) watch_one(p, flags, static_cast<int64_t>(i), owner);
+  }
+  Py_DECREF(tup);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
 }
+
+}  // namespace poco

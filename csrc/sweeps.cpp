@@ -8,25 +8,32 @@
 #include <Python.h>
 
 #include <ATen/ATen.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
+
+#include "py_functions.h"
 
 #include <cstdint>
 
 namespace poco {
 namespace {
 
-// A sequence of tensors (a list or a tuple), borrowed.
+// A sequence of tensors, held as a tuple of its items taken when the call starts (a
+// list that Python code run during the call changes cannot free them under us).
 struct Tensors {
   PyObject* fast = nullptr;
   Py_ssize_t n = 0;
   explicit Tensors(PyObject* seq) {
-    fast = PySequence_Fast(seq, "expected a list or tuple of tensors");
-    if (fast != nullptr) n = PySequence_Fast_GET_SIZE(fast);
+    fast = PySequence_Tuple(seq);
+    if (fast != nullptr) n = PyTuple_GET_SIZE(fast);
   }
   ~Tensors() { Py_XDECREF(fast); }
+  Tensors(const Tensors&) = delete;
+  Tensors& operator=(const Tensors&) = delete;
   bool ok() const { return fast != nullptr; }
-  PyObject* item(Py_ssize_t i) const { return PySequence_Fast_ITEMS(fast)[i]; }
+  PyObject* item(Py_ssize_t i) const { return PyTuple_GET_ITEM(fast, i); }
   // the tensor at i (a TypeError if it is not one: nullptr)
   const at::Tensor* tensor(Py_ssize_t i) const {
     PyObject* o = item(i);
@@ -52,7 +59,7 @@ PyObject* same_addresses(PyObject* /*self*/, PyObject* args) {
     if (x == nullptr) return nullptr;
     const unsigned long long want = PyLong_AsUnsignedLongLong(a.item(i));
     if (PyErr_Occurred()) return nullptr;
-    if (reinterpret_cast<uintptr_t>(x->data_ptr()) != want) Py_RETURN_FALSE;
+    if (reinterpret_cast<uintptr_t>(x->data_ptr()) != want) Py_RETURN_FALSE;  // (as Python's)
   }
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS
@@ -63,17 +70,16 @@ PyObject* versions(PyObject* /*self*/, PyObject* arg) {
   HANDLE_TH_ERRORS
   Tensors t(arg);
   if (!t.ok()) return nullptr;
-  PyObject* out = PyList_New(t.n);
-  if (out == nullptr) return nullptr;
+  THPObjectPtr out(PyList_New(t.n));         // (freed on every error path)
+  if (!out) return nullptr;
   for (Py_ssize_t i = 0; i < t.n; ++i) {
     const at::Tensor* x = t.tensor(i);
-    if (x == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyList_SET_ITEM(out, i, PyLong_FromLongLong(x->_version()));
+    if (x == nullptr) return nullptr;
+    PyObject* v = PyLong_FromLongLong(x->_version());
+    if (v == nullptr) return nullptr;
+    PyList_SET_ITEM(out.get(), i, v);
   }
-  return out;
+  return out.release();
   END_HANDLE_TH_ERRORS
 }
 
@@ -115,42 +121,36 @@ PyObject* dense_grads(PyObject* /*self*/, PyObject* arg) {
   HANDLE_TH_ERRORS
   Tensors p(arg);
   if (!p.ok()) return nullptr;
-  PyObject* gs = PyList_New(p.n);
-  if (gs == nullptr) return nullptr;
-  PyObject* addrs = PyTuple_New(p.n);
-  if (addrs == nullptr) {
-    Py_DECREF(gs);
-    return nullptr;
-  }
+  THPObjectPtr gs(PyList_New(p.n));          // (freed on every error path)
+  THPObjectPtr addrs(PyTuple_New(p.n));      // (its unset items are NULL: allowed)
+  if (!gs || !addrs) return nullptr;
   bool dense = true;
   for (Py_ssize_t i = 0; i < p.n; ++i) {
     const at::Tensor* x = p.tensor(i);
-    if (x == nullptr) {
-      Py_DECREF(gs);
-      Py_DECREF(addrs);
-      return nullptr;
-    }
+    if (x == nullptr) return nullptr;
     const at::Tensor& g = x->grad();
     if (!g.defined()) {
       Py_INCREF(Py_None);
-      PyList_SET_ITEM(gs, i, Py_None);
+      PyList_SET_ITEM(gs.get(), i, Py_None);
       dense = false;
       continue;
     }
-    PyList_SET_ITEM(gs, i, THPVariable_Wrap(g));
+    PyObject* w = THPVariable_Wrap(g);
+    if (w == nullptr) return nullptr;
+    PyList_SET_ITEM(gs.get(), i, w);
     if (dense && g.layout() == at::kStrided && g.has_storage() && g.is_contiguous()) {
-      PyTuple_SET_ITEM(addrs, i, PyLong_FromVoidPtr(const_cast<void*>(g.const_data_ptr())));
+      PyObject* a = PyLong_FromVoidPtr(g.data_ptr());          // (as Python's data_ptr)
+      if (a == nullptr) return nullptr;
+      PyTuple_SET_ITEM(addrs.get(), i, a);
     } else {
       dense = false;
     }
   }
-  PyObject* key = addrs;
   if (!dense) {
-    Py_DECREF(addrs);                       // (its unset items are NULL: allowed)
     Py_INCREF(Py_None);
-    key = Py_None;
+    addrs = Py_None;
   }
-  return Py_BuildValue("(NN)", gs, key);
+  return Py_BuildValue("(NN)", gs.release(), addrs.release());
   END_HANDLE_TH_ERRORS
 }
 
@@ -163,10 +163,23 @@ bool plain(PyObject* o) {
          (parameter_type != nullptr && Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(parameter_type));
 }
 
+// The gradient dtype `var` accepts allows `grad`'s (torch 2.13's `grad_dtype`: the
+// tensor's dtype unless set; None: any).  Versions without it check the dtype alone.
+template <typename T>
+bool grad_dtype_allows(const T& var, const at::Tensor& grad) {
+  if constexpr (requires { var.grad_dtype(); }) {
+    const auto gd = var.grad_dtype();
+    return !gd.has_value() || *gd == grad.scalar_type();
+  } else {
+    return true;
+  }
+}
+
 // set_grads(params, grads) -> None: params[i].grad = grads[i] (grads None: every one None).
 // Plain tensors and parameters given a plain tensor that torch's setter accepts (the same
-// dtype, device, type and sizes) or None are set here; anything else goes through
-// `setattr`, and so through torch's setter, its checks and its errors.
+// dtype, device, type and sizes, a grad_dtype that allows it) or None are set here, when
+// no torch function mode is active; anything else goes through `setattr`, and so through
+// torch's setter, its checks and its errors.
 PyObject* set_grads(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *ps, *gs;
@@ -179,10 +192,11 @@ PyObject* set_grads(PyObject* /*self*/, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "set_grads: as many gradients as parameters expected");
     return nullptr;
   }
+  const bool modes = at::impl::torch_function_mode_enabled();
   for (Py_ssize_t i = 0; i < p.n; ++i) {
     PyObject* o = p.item(i);
     PyObject* v = gs == Py_None ? Py_None : g.item(i);
-    if (plain(o)) {
+    if (!modes && plain(o)) {
       const at::Tensor& var = THPVariable_Unpack(o);
       if (v == Py_None) {
         var.mutable_grad().reset();
@@ -191,7 +205,8 @@ PyObject* set_grads(PyObject* /*self*/, PyObject* args) {
       if (v != o && plain(v)) {
         const at::Tensor& grad = THPVariable_Unpack(v);
         if (grad.layout() == at::kStrided && grad.options().type_equal(var.options()) &&
-            grad.device() == var.device() && grad.sym_sizes().equals(var.sym_sizes())) {
+            grad.device() == var.device() && grad.sym_sizes().equals(var.sym_sizes()) &&
+            grad_dtype_allows(var, grad)) {
           var.mutable_grad() = grad;
           continue;
         }
@@ -230,6 +245,9 @@ PyMethodDef kMethods[] = {
     {"set_grads", set_grads, METH_VARARGS,
      "set_grads(params, grads) -> None: params[i].grad = grads[i] (grads None: None)"},
     {"trainable", trainable, METH_O, "trainable(tensors) -> int: how many require grad"},
+    {"watch", watch, METH_VARARGS,
+     "watch(params, flags, owner) -> None: a hook on each parameter that requires grad "
+     "that sets flags[i] when autograd accumulates into it (presence.cpp)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C",

@@ -150,7 +150,7 @@ class GradsMixin:
                 _sweeps.set_grads(b.params, gb.views)
             if b.presence is None:
                 b.presence = Presence(len(b.params))
-                self._watcher.watch(b.params, b.presence)
+            self._watcher.watch(b.params, b.presence)     # (in place: a few µs)
             b.presence.clear()
             b.handed = i
 
@@ -229,9 +229,6 @@ class GradsMixin:
             for i, (p, v) in enumerate(zip(b.params, gb.views)):
                 if p.grad is v and not pres.reached(i):
                     cand.append(((b.index, i), v))
-            # (a hook removed by other code, e.g. one resetting the parameter's hooks,
-            # is back for the next backward)
-            self._watcher.watch(b.params, pres)
         if cand:
             nonzero = torch.stack([v.ne(0).any() for _, v in cand]).tolist()
             out = {key for (key, _), nz in zip(cand, nonzero) if not nz}

@@ -5,18 +5,23 @@ A handed-out view that no backward reached still holds zeros; it counts as no gr
 as a ``.grad`` of None does with ``torch.optim`` (:meth:`GradsMixin.unwritten
 <poco_kernels.backends.fused_grads.GradsMixin.unwritten>`).  The hook that says which
 were reached runs for every parameter in every backward, so it must cost nothing: with
-the C++ extension it is a store in C++ (``csrc/presence.cpp``, the ``watch`` operator:
-no Python per parameter; measured at GPT-2's 148 tensors on the CPU: a Python hook adds
-about 1.3 us per parameter to every backward); without it, a Python
-post-accumulate-grad hook.  A byte left 0 means "read the view": where the C++ hook does
-not run (compiled autograd; the one backward after a first Python post-accumulate-grad
-hook on the parameter took its place, until the engine puts it back) the view is read
+the C++ extension it is a store in C++ (``csrc/presence.cpp``, ``poco_kernels._C.watch``:
+no Python per parameter; measured at GPT-2's 148 tensors on the CPU, a Python hook adds
+0.7-1.5 us per parameter to every backward); without it, or while compiled autograd is
+configured (``torch._dynamo.config.compiled_autograd``, which traces Python hooks and
+not this one), a Python post-accumulate-grad hook.  The engine calls :meth:`Watcher.watch`
+before every backward it hands views out for; a call finds the hooks in place and does
+nothing (a few microseconds), or puts one back that other code displaced.  A byte left 0
+means "read the view": where a hook did not run (compiled autograd entered another way;
+a parameter's first Python post-accumulate-grad hook registered between the hand-out and
+the backward, which takes the slot of the C++ hook for that one backward) the view is read
 instead, and only a gradient that is exactly zero everywhere is then taken for none.
 """
 from __future__ import annotations
 
 import ctypes
 import itertools
+import sys
 import weakref
 
 import torch
@@ -25,12 +30,21 @@ _owners = itertools.count(1)
 
 
 def _cpp_watch():
-    """``torch.ops.poco_kernels_cpp.watch`` when the extension is usable, else None."""
+    """``poco_kernels._C.watch`` when the extension is usable, else None."""
     from ..kernels import cpp_status
     if cpp_status() is not None:
         return None
-    import poco_kernels._C  # noqa: F401  (registers the operator)
-    return getattr(torch.ops.poco_kernels_cpp, "watch", None)     # (None: an older build)
+    try:
+        from .._C import watch
+    except ImportError:                       # (an extension built before it)
+        return None
+    return watch
+
+
+def _compiled_autograd() -> bool:
+    """Compiled autograd is configured (it runs Python hooks, not the C++ one)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return bool(dynamo is not None and getattr(dynamo.config, "compiled_autograd", False))
 
 
 class Presence:
@@ -71,12 +85,15 @@ class Watcher:
         self._hooked = set()
 
     def watch(self, params, presence: Presence) -> None:
-        """Hooks on ``params`` (a bucket's, in order) that mark ``presence``."""
-        if self._op is not None:
+        """Hooks on ``params`` (a bucket's, in order; those that do not require grad are
+        skipped) that mark ``presence``."""
+        if self._op is not None and not _compiled_autograd():
             self._op(params, presence.flags, self.owner)
             return
         ref = weakref.ref(presence)
         for i, p in enumerate(params):
+            if not p.requires_grad:
+                continue
             self._where[id(p)] = (ref, i)
             if id(p) not in self._hooked:
                 p.register_post_accumulate_grad_hook(self._python_hook(weakref.ref(self)))

@@ -67,7 +67,10 @@ def test_owners_keep_their_own_bytes_and_the_users_hooks_still_run(hooks):
     _backward(ps[:1])
     assert ran == [0] and list(pa.mem) == [1, 0] and list(pb.mem) == [0, 1]
     _backward(ps[1:])
-    assert ran == [0, 1] and pa.mem[1] in (0, 1) and pb.mem[0] in (0, 1)
+    # (torch's first Python hook on a tensor takes the slot's object: the C++ hooks miss
+    # that one backward, until the next watch puts them back around it)
+    missed = 0 if hooks == "cpp" else 1
+    assert ran == [0, 1] and pa.mem[1] == pb.mem[0] == missed
     a.watch(ps, pa)                  # (a hook a new Python one displaced is put back)
     b.watch(ps[::-1], pb)
     pa.clear()
@@ -125,3 +128,79 @@ def test_a_zero_gradient_autograd_reached_is_a_gradient_without_views_too(hooks)
     assert len(runs[0]) == len(runs[1]) > 6
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def _run_three_heads(gv, between=None, inside=None, steps=3):
+    """IVON on _ThreeHeads; ``between(m, i)`` runs before iteration i's sample,
+    ``inside(m, i)`` inside its closure before the backward."""
+    torch.manual_seed(0)
+    X = torch.randn(16, 4)
+    m = _ThreeHeads()
+    opt = pk.IVON(m.parameters(), lr=0.1, ess=100.0, seed=1, backend="cpp", grad_views=gv)
+    for i in range(steps):
+        if between is not None:
+            between(m, i)
+
+        def closure():
+            opt.zero_grad()
+            if inside is not None:
+                inside(m, i)
+            loss = m(X)
+            loss.backward()
+            return loss
+        opt.step(closure)
+    return _tensors(opt, m)
+
+
+def _same(a, b):
+    assert len(a) == len(b) > 6
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.skipif("cpp" not in FUSED_BACKENDS, reason="no C++ backend")
+def test_a_parameter_frozen_inside_the_closure_is_left_out_as_without_views(hooks):
+    def freeze(m, i):
+        if i == 1:
+            m.used.bias.requires_grad_(False)
+    _same(_run_three_heads(False, inside=freeze), _run_three_heads(True, inside=freeze))
+
+
+@pytest.mark.skipif("cpp" not in FUSED_BACKENDS, reason="no C++ backend")
+def test_a_user_hook_registered_between_steps_leaves_zero_gradients_counted(hooks):
+    """A first Python post-accumulate-grad hook on the zero-gradient head, registered
+    between iterations, takes the C++ hook's slot; the next hand-out puts it back around
+    it: the steps equal those without views, and the user's hook runs every backward."""
+    ran = []
+
+    def register(m, i):
+        if i == 1:
+            for p in m.zero.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: ran.append(1))
+    _same(_run_three_heads(False, between=register), _run_three_heads(True, between=register))
+    assert len(ran) == 2 * 2 * 2          # (two runs, two parameters, two iterations)
+
+
+@pytest.mark.long
+@pytest.mark.skipif("cpp" not in FUSED_BACKENDS, reason="no C++ backend")
+def test_under_compiled_autograd_zero_gradients_count_as_without_views(monkeypatch):
+    """With ``torch._dynamo.config.compiled_autograd`` set, the engine's hooks are Python
+    ones, which compiled autograd runs."""
+    import torch._dynamo
+    from torch._dynamo import compiled_autograd
+    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
+    torch._dynamo.reset()
+    X = torch.randn(16, 4)
+    runs = []
+    for gv in (False, True):
+        torch.manual_seed(0)
+        m = _ThreeHeads()
+        opt = pk.IVON(m.parameters(), lr=0.1, ess=100.0, seed=1, backend="cpp",
+                      grad_views=gv)
+        for _ in range(2):
+            with opt.sampled():
+                with compiled_autograd._enable(torch.compile(backend="eager")):
+                    m(X).backward()
+            opt.step()
+        runs.append(_tensors(opt, m))
+    _same(*runs)

@@ -170,3 +170,36 @@ def test_the_engine_takes_the_same_steps_on_either_sweeps(monkeypatch):
     assert len(a) == len(b) > 4
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+@needs_cpp
+@pytest.mark.parametrize("fn", ["cpp", "python"])
+def test_set_grads_follows_grad_dtype_and_modes_and_survives_a_list_emptied(fn):
+    from torch.overrides import TorchFunctionMode
+
+    from poco_kernels import _C
+    set_grads = _C.set_grads if fn == "cpp" else _sweeps.py_set_grads
+    q = torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16))
+    if hasattr(q, "grad_dtype"):                  # (torch versions that have it)
+        q.grad_dtype = torch.float32
+        with pytest.raises(RuntimeError, match="grad_dtype"):
+            set_grads([q], [torch.zeros(3, dtype=torch.bfloat16)])
+    seen = []
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+    p, g = torch.nn.Parameter(torch.randn(3)), torch.randn(3)
+    with Mode():
+        set_grads([p], [g])
+    assert p.grad is g and "__set__" in seen
+
+    class Emptying(torch.nn.Parameter):
+        def __setattr__(self, name, value):
+            held.clear()                          # (the list given to set_grads)
+            super().__setattr__(name, value)
+    held = [Emptying(torch.randn(3)), torch.nn.Parameter(torch.randn(3))]
+    ps, gs = list(held), [torch.randn(3), torch.randn(3)]
+    set_grads(held, gs)
+    assert ps[0].grad is gs[0]
