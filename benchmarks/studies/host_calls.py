@@ -16,7 +16,7 @@ fused backend of this device, for IVON and IVON-PoCoMo (the correction active):
   backward pass (the ``.grad`` views' hooks that note which parameters autograd reached:
   ``backends/fused_presence.py``), the backward over the optimizer's parameters less
   the same backward over twins without hooks (also accumulating into existing
-  ``.grad``), interleaved, best of ``--hook-rounds``: optimizer host time that runs
+  ``.grad``), the median of ``--hook-rounds`` paired differences: optimizer host time that runs
   inside autograd, and so inside the closure;
 * per iteration, the sum of ``host_us`` over the calls of one iteration, the hooks'
   share of its backward passes included.
@@ -154,11 +154,14 @@ def hook_us(ps, dev, rounds: int = 15, n: int = 20) -> float:
             sum(x.sum() for x in xs).backward()
         sync(dev)
         return (time.perf_counter() - t0) / n * 1e6
-    best = {"ours": [], "twins": []}
-    for _ in range(rounds):
-        best["ours"].append(per_backward(ps))
-        best["twins"].append(per_backward(twins))
-    return round(max(0.0, min(best["ours"]) - min(best["twins"])), 1)
+    diffs = []                        # (paired, back to back: drift cancels)
+    for r in range(rounds):
+        if r % 2:
+            t, o = per_backward(twins), per_backward(ps)
+        else:
+            o, t = per_backward(ps), per_backward(twins)
+        diffs.append(o - t)
+    return round(max(0.0, statistics.median(diffs)), 1)
 
 
 def measure(dev, kind: str, scale: str, iters: int, warm: int, refresh_every: int,
