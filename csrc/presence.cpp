@@ -7,7 +7,7 @@
 // to 1 once autograd has accumulated a gradient into it, cleared by the engine when it
 // hands the views out (poco_kernels/backends/fused_presence.py).
 //
-// A Python hook costs the backward about 0.7-2 us per parameter (the engine takes the
+// A Python hook costs the backward about 0.7-1.5 us per parameter (the engine takes the
 // GIL, wraps the tensor, calls the function); this one is a store.  It sits in the
 // tensor's post-accumulate-grad slot (autograd keeps one hook object there; Python's
 // `register_post_accumulate_grad_hook` puts its dict of hooks in it), keeps the object it
@@ -19,10 +19,11 @@
 //
 // Where it does not run the byte stays 0 and the engine reads whether the view holds
 // zeros instead (so a gradient that is exactly zero everywhere counts as none there):
-// under compiled autograd, which is given only the wrapped hooks to trace; and in the
-// backward right after a parameter's first Python post-accumulate-grad hook was
-// registered between the hand-out and that backward (torch's registration replaces the
-// slot's object; the next `watch` wraps it).
+// under compiled autograd, which is given only the wrapped hooks to trace (the engine
+// installs Python hooks instead when `torch._dynamo.config.compiled_autograd` is set at
+// the hand-out); and, until the next hand-out, in the backward passes after a
+// parameter's first Python post-accumulate-grad hook was registered between a hand-out
+// and them (torch's registration replaces the slot's object; the next `watch` wraps it).
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -30,6 +31,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 #include <memory>
 
@@ -109,27 +111,24 @@ PyObject* watch(PyObject* /*self*/, PyObject* args) {
     return nullptr;
   }
   const at::Tensor& flags = THPVariable_Unpack(fo);
-  PyObject* tup = PySequence_Tuple(ps);
-  if (tup == nullptr) return nullptr;
-  const Py_ssize_t n = PyTuple_GET_SIZE(tup);
+  THPObjectPtr tup(PySequence_Tuple(ps));    // (freed on every path, errors included)
+  if (!tup) return nullptr;
+  const Py_ssize_t n = PyTuple_GET_SIZE(tup.get());
   if (!(flags.device().is_cpu() && flags.scalar_type() == at::kByte && flags.is_contiguous() &&
         flags.storage_offset() == 0 && flags.numel() >= n)) {
-    Py_DECREF(tup);
     PyErr_SetString(PyExc_ValueError,
                     "watch: flags must be a contiguous CPU uint8 tensor with a byte per parameter");
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* o = PyTuple_GET_ITEM(tup, i);
+    PyObject* o = PyTuple_GET_ITEM(tup.get(), i);
     if (!THPVariable_Check(o)) {
-      Py_DECREF(tup);
       PyErr_Format(PyExc_TypeError, "watch: item %zd is not a tensor", i);
       return nullptr;
     }
     const at::Tensor& p = THPVariable_Unpack(o);
     if (p.requires_grad() && p.is_leaf()) watch_one(p, flags, static_cast<int64_t>(i), owner);
   }
-  Py_DECREF(tup);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }

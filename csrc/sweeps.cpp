@@ -16,6 +16,8 @@
 #include "py_functions.h"
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 namespace poco {
 namespace {
@@ -164,10 +166,17 @@ bool plain(PyObject* o) {
 }
 
 // The gradient dtype `var` accepts allows `grad`'s (torch 2.13's `grad_dtype`: the
-// tensor's dtype unless set; None: any).  Versions without it check the dtype alone.
+// tensor's dtype unless set; None: any).  Versions without it check the dtype alone
+// (detected in C++17, the standard older torch builds extensions with).
+template <class T, class = void>
+struct has_grad_dtype : std::false_type {};
+template <class T>
+struct has_grad_dtype<T, std::void_t<decltype(std::declval<const T&>().grad_dtype())>>
+    : std::true_type {};
+
 template <typename T>
 bool grad_dtype_allows(const T& var, const at::Tensor& grad) {
-  if constexpr (requires { var.grad_dtype(); }) {
+  if constexpr (has_grad_dtype<T>::value) {
     const auto gd = var.grad_dtype();
     return !gd.has_value() || *gd == grad.scalar_type();
   } else {

@@ -9,13 +9,17 @@ the C++ extension it is a store in C++ (``csrc/presence.cpp``, ``poco_kernels._C
 no Python per parameter; measured at GPT-2's 148 tensors on the CPU, a Python hook adds
 0.7-1.5 us per parameter to every backward); without it, or while compiled autograd is
 configured (``torch._dynamo.config.compiled_autograd``, which traces Python hooks and
-not this one), a Python post-accumulate-grad hook.  The engine calls :meth:`Watcher.watch`
-before every backward it hands views out for; a call finds the hooks in place and does
-nothing (a few microseconds), or puts one back that other code displaced.  A byte left 0
-means "read the view": where a hook did not run (compiled autograd entered another way;
-a parameter's first Python post-accumulate-grad hook registered between the hand-out and
-the backward, which takes the slot of the C++ hook for that one backward) the view is read
-instead, and only a gradient that is exactly zero everywhere is then taken for none.
+not this one; read at each hand-out), a Python post-accumulate-grad hook.  The engine
+calls :meth:`Watcher.watch` at every hand-out of views (before a sample's backward
+passes); a call finds the hooks in place and does nothing (about 10 us for 148
+parameters), or puts back one that other code displaced.  A byte left 0 means "read the
+view": where a hook did not run, the view is read instead, and only a gradient that is
+exactly zero everywhere is then taken for none.  That happens under compiled autograd
+entered without the config set at the hand-out (its context manager, or the config
+patched around the backward alone), and, until the next hand-out, in the backward passes
+after a parameter's first Python post-accumulate-grad hook was registered between a
+hand-out and them (torch's registration takes the C++ hook's slot; the next ``watch``
+wraps it).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import sys
 import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 _owners = itertools.count(1)
 
@@ -80,31 +85,38 @@ class Watcher:
     def __init__(self):
         self.owner = next(_owners)
         self._op = _cpp_watch()
-        #: without the extension: id(parameter) -> (its bucket's Presence, its index)
-        self._where = {}
-        self._hooked = set()
+        #: the Python hooks' targets: parameter -> (its bucket's Presence, its index)
+        self._where = WeakIdKeyDictionary()
+        #: parameter -> the handle of its Python hook
+        self._hooked = WeakIdKeyDictionary()
 
     def watch(self, params, presence: Presence) -> None:
         """Hooks on ``params`` (a bucket's, in order; those that do not require grad are
-        skipped) that mark ``presence``."""
+        skipped) that mark ``presence``: C++ ones, or Python ones without the extension
+        and while compiled autograd is configured (removed once it is not)."""
         if self._op is not None and not _compiled_autograd():
+            if self._hooked:
+                for p in params:
+                    handle = self._hooked.pop(p, None)
+                    if handle is not None:
+                        handle.remove()
             self._op(params, presence.flags, self.owner)
             return
         ref = weakref.ref(presence)
         for i, p in enumerate(params):
             if not p.requires_grad:
                 continue
-            self._where[id(p)] = (ref, i)
-            if id(p) not in self._hooked:
-                p.register_post_accumulate_grad_hook(self._python_hook(weakref.ref(self)))
-                self._hooked.add(id(p))
+            self._where[p] = (ref, i)
+            if p not in self._hooked:
+                self._hooked[p] = p.register_post_accumulate_grad_hook(
+                    self._python_hook(weakref.ref(self)))
 
     @staticmethod
     def _python_hook(me):
         def hook(param):
             w = me()
             if w is not None:
-                loc = w._where.get(id(param))
+                loc = w._where.get(param)
                 if loc is not None and loc[0]() is not None:
                     loc[0]().mark(loc[1])
         return hook

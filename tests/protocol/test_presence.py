@@ -183,12 +183,11 @@ def test_a_user_hook_registered_between_steps_leaves_zero_gradients_counted(hook
 
 @pytest.mark.long
 @pytest.mark.skipif("cpp" not in FUSED_BACKENDS, reason="no C++ backend")
-def test_under_compiled_autograd_zero_gradients_count_as_without_views(monkeypatch):
+def test_under_compiled_autograd_zero_gradients_count_as_without_views():
     """With ``torch._dynamo.config.compiled_autograd`` set, the engine's hooks are Python
     ones, which compiled autograd runs."""
     import torch._dynamo
     from torch._dynamo import compiled_autograd
-    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
     torch._dynamo.reset()
     X = torch.randn(16, 4)
     runs = []
@@ -197,10 +196,28 @@ def test_under_compiled_autograd_zero_gradients_count_as_without_views(monkeypat
         m = _ThreeHeads()
         opt = pk.IVON(m.parameters(), lr=0.1, ess=100.0, seed=1, backend="cpp",
                       grad_views=gv)
-        for _ in range(2):
-            with opt.sampled():
-                with compiled_autograd._enable(torch.compile(backend="eager")):
-                    m(X).backward()
-            opt.step()
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            for _ in range(2):
+                with opt.sampled():
+                    with compiled_autograd._enable(torch.compile(backend="eager")):
+                        m(X).backward()
+                opt.step()
         runs.append(_tensors(opt, m))
     _same(*runs)
+
+
+@pytest.mark.skipif(cpp_status() is not None, reason="no C++ extension")
+def test_the_python_hooks_of_compiled_autograd_go_once_it_is_off():
+    import torch._dynamo
+    ps = _params(2)
+    w, pr = Watcher(), Presence(2)
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        w.watch(ps, pr)
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in ps)
+    _backward(ps)
+    assert pr.all()
+    pr.clear()
+    w.watch(ps, pr)
+    assert all(len(p._post_accumulate_grad_hooks) == 0 for p in ps)
+    _backward(ps[1:])
+    assert list(pr.mem) == [0, 1]           # (the C++ hooks mark)
