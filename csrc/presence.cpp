@@ -7,7 +7,7 @@
 // to 1 once autograd has accumulated a gradient into it, cleared by the engine when it
 // hands the views out (poco_kernels/backends/fused_presence.py).
 //
-// A Python hook costs the backward about 0.7-1.5 us per parameter (the engine takes the
+// A Python hook costs the backward about 0.7-2.3 us per parameter (the engine takes the
 // GIL, wraps the tensor, calls the function); this one is a store.  It sits in the
 // tensor's post-accumulate-grad slot (autograd keeps one hook object there; Python's
 // `register_post_accumulate_grad_hook` puts its dict of hooks in it), keeps the object it

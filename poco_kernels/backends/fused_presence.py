@@ -7,7 +7,7 @@ as a ``.grad`` of None does with ``torch.optim`` (:meth:`GradsMixin.unwritten
 were reached runs for every parameter in every backward, so it must cost nothing: with
 the C++ extension it is a store in C++ (``csrc/presence.cpp``, ``poco_kernels._C.watch``:
 no Python per parameter; measured at GPT-2's 148 tensors on the CPU, a Python hook adds
-0.7-1.5 us per parameter to every backward); without it, or while compiled autograd is
+0.7-2.3 us per parameter to every backward); without it, or while compiled autograd is
 configured (``torch._dynamo.config.compiled_autograd``, which traces Python hooks and
 not this one; read at each hand-out), a Python post-accumulate-grad hook.  The engine
 calls :meth:`Watcher.watch` at every hand-out of views (before a sample's backward
