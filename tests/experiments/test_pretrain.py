@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import available_backends
 from poco_kernels.experiments import continual as C
 from poco_kernels.experiments import lm_data
 from poco_kernels.experiments import pretrain as P
@@ -190,10 +191,13 @@ def loop_baseline(tmp_path_factory):
     return _load(out / "rank0.pt")
 
 
+@pytest.mark.parametrize("backend", [
+    pytest.param(b, marks=pytest.mark.long) if b == "triton" else b   # (interpreted: 15-19 s)
+    for b in available_backends()])
 def test_every_backend_runs_the_loop(tmp_path, backend, loop_baseline):
     """The PoCoMo loop (micro-batches, refreshes, outer samples) on each backend
-    (Triton through its interpreter) follows the trajectory of a baseline run on the
-    torch backend."""
+    (Triton through its interpreter, in the long tier) follows the trajectory of a
+    baseline run on the torch backend."""
     P.main(_LOOP_ARGS + ["--backend", backend, "--out-dir", str(tmp_path / backend)])
     ck = torch.load(tmp_path / backend / "ckpt.pt", weights_only=False)
     assert ck["optimizer"]["poco"]["refreshes"] == 2            # at steps 2 and 5
