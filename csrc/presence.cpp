@@ -31,7 +31,6 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/csrc/utils/object_ptr.h>
 
 #include <memory>
 
@@ -89,11 +88,11 @@ void watch_one(const at::Tensor& p, const at::Tensor& flags, int64_t i, int64_t 
     slot = std::make_unique<PresenceHook>(flags, i, owner, std::move(slot));
     return;
   }
-  if (reuse->index != i || reuse->owner != owner ||
+  reuse->owner = owner;
+  if (reuse->index != i ||
       reuse->flags._unsafe_get_target() != flags.storage().unsafeGetStorageImpl()) {
-    reuse->flags = flags.storage().getWeakStorageImpl();
+    reuse->flags = flags.storage().getWeakStorageImpl();     // (atomics: only on a change)
     reuse->index = i;
-    reuse->owner = owner;
   }
 }
 
@@ -111,22 +110,19 @@ PyObject* watch(PyObject* /*self*/, PyObject* args) {
     return nullptr;
   }
   const at::Tensor& flags = THPVariable_Unpack(fo);
-  THPObjectPtr tup(PySequence_Tuple(ps));    // (freed on every path, errors included)
-  if (!tup) return nullptr;
-  const Py_ssize_t n = PyTuple_GET_SIZE(tup.get());
+  Tensors t(ps);
+  if (!t.ok()) return nullptr;
   if (!(flags.device().is_cpu() && flags.scalar_type() == at::kByte && flags.is_contiguous() &&
-        flags.storage_offset() == 0 && flags.numel() >= n)) {
+        flags.storage_offset() == 0 && flags.numel() >= t.n)) {
     PyErr_SetString(PyExc_ValueError,
                     "watch: flags must be a contiguous CPU uint8 tensor with a byte per parameter");
     return nullptr;
   }
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* o = PyTuple_GET_ITEM(tup.get(), i);
-    if (!THPVariable_Check(o)) {
-      PyErr_Format(PyExc_TypeError, "watch: item %zd is not a tensor", i);
-      return nullptr;
-    }
-    const at::Tensor& p = THPVariable_Unpack(o);
+  for (Py_ssize_t i = 0; i < t.n; ++i) {     // every item checked before any hook changes
+    if (t.tensor(i) == nullptr) return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < t.n; ++i) {
+    const at::Tensor& p = *t.tensor(i);
     if (p.requires_grad() && p.is_leaf()) watch_one(p, flags, static_cast<int64_t>(i), owner);
   }
   Py_RETURN_NONE;

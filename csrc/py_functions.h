@@ -1,10 +1,38 @@
 // Functions of the Python module `poco_kernels._C` (its method table: sweeps.cpp) that
-// live in other files.
+// live in other files, and what they share.
 #pragma once
 
 #include <Python.h>
 
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/python_variable.h>
+
 namespace poco {
+
+// A sequence of tensors, held as a tuple of its items taken when the call starts (a
+// list that Python code run during the call changes cannot free them under us).
+struct Tensors {
+  PyObject* fast = nullptr;
+  Py_ssize_t n = 0;
+  explicit Tensors(PyObject* seq) {
+    fast = PySequence_Tuple(seq);
+    if (fast != nullptr) n = PyTuple_GET_SIZE(fast);
+  }
+  ~Tensors() { Py_XDECREF(fast); }
+  Tensors(const Tensors&) = delete;
+  Tensors& operator=(const Tensors&) = delete;
+  bool ok() const { return fast != nullptr; }
+  PyObject* item(Py_ssize_t i) const { return PyTuple_GET_ITEM(fast, i); }
+  // the tensor at i (a TypeError if it is not one: nullptr)
+  const at::Tensor* tensor(Py_ssize_t i) const {
+    PyObject* o = item(i);
+    if (!THPVariable_Check(o)) {
+      PyErr_Format(PyExc_TypeError, "item %zd is not a tensor", i);
+      return nullptr;
+    }
+    return &THPVariable_Unpack(o);
+  }
+};
 
 // presence.cpp: watch(params, flags, owner) -> None
 PyObject* watch(PyObject* self, PyObject* args);

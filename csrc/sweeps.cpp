@@ -22,31 +22,6 @@
 namespace poco {
 namespace {
 
-// A sequence of tensors, held as a tuple of its items taken when the call starts (a
-// list that Python code run during the call changes cannot free them under us).
-struct Tensors {
-  PyObject* fast = nullptr;
-  Py_ssize_t n = 0;
-  explicit Tensors(PyObject* seq) {
-    fast = PySequence_Tuple(seq);
-    if (fast != nullptr) n = PyTuple_GET_SIZE(fast);
-  }
-  ~Tensors() { Py_XDECREF(fast); }
-  Tensors(const Tensors&) = delete;
-  Tensors& operator=(const Tensors&) = delete;
-  bool ok() const { return fast != nullptr; }
-  PyObject* item(Py_ssize_t i) const { return PyTuple_GET_ITEM(fast, i); }
-  // the tensor at i (a TypeError if it is not one: nullptr)
-  const at::Tensor* tensor(Py_ssize_t i) const {
-    PyObject* o = item(i);
-    if (!THPVariable_Check(o)) {
-      PyErr_Format(PyExc_TypeError, "item %zd is not a tensor", i);
-      return nullptr;
-    }
-    return &THPVariable_Unpack(o);
-  }
-};
-
 // same_addresses(tensors, addresses) -> bool: tensors[i].data_ptr() == addresses[i] for
 // every i (and as many of each).
 PyObject* same_addresses(PyObject* /*self*/, PyObject* args) {
@@ -161,8 +136,9 @@ PyObject* dense_grads(PyObject* /*self*/, PyObject* arg) {
 PyObject* parameter_type = nullptr;
 
 bool plain(PyObject* o) {
-  return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
-         (parameter_type != nullptr && Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(parameter_type));
+  const auto* t = Py_TYPE(o);
+  return t == reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
+         (parameter_type != nullptr && t == reinterpret_cast<PyTypeObject*>(parameter_type));
 }
 
 // The gradient dtype `var` accepts allows `grad`'s (torch 2.13's `grad_dtype`: the
@@ -260,8 +236,8 @@ PyMethodDef kMethods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C",
-                       "poco_kernels' C++ extension: the CPU kernels (torch.ops.poco_kernels_cpp.*) "
-                       "and the engine's sweeps over parameters",
+                       "poco_kernels' C++ extension: the CPU kernels "
+                       "(torch.ops.poco_kernels_cpp.*) and the engine's sweeps over parameters",
                        -1, kMethods};
 
 }  // namespace

@@ -145,6 +145,16 @@ def dump(path, report):
         json.dump(report, f, indent=1, default=json_default)
 
 
+def write_study(out_dir, stem, text, report):
+    """A study's outputs: ``text`` logged and written to ``<stem>.md``, ``report`` to
+    ``<stem>.json``, in ``out_dir`` (made if missing)."""
+    os.makedirs(out_dir, exist_ok=True)
+    log(text)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(text + "\n")
+    dump(os.path.join(out_dir, f"{stem}.json"), report)
+
+
 # --------------------------------------------------------------------------- tables
 PLAIN_SIZES = {2 ** k: f"2^{k}" for k in range(10, 40)}
 

@@ -21,7 +21,8 @@ fused backend of this device, for IVON and IVON-PoCoMo (the correction active):
 * per iteration, the sum of ``host_us`` over the calls of one iteration, the hooks'
   share of its backward passes included.
 
-The backward passes' own host work (autograd's, the model's) is not counted.  Medians over ``--iters`` iterations, after ``--warm``.
+The backward passes' own host work (autograd's, the model's) is not counted.  Medians
+over ``--iters`` iterations, after ``--warm``.
 Writes ``host_calls.json`` and ``host_calls.md`` to ``--out``::
 
     python -m benchmarks.studies.host_calls --out /tmp/hc [--device cpu] [--scale tiny]
@@ -31,7 +32,6 @@ On a GPU it is also a section of the quick GPU check (``bench_gpu.py --quick``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -46,7 +46,7 @@ if __package__ in (None, ""):    # run as a script: the repository root, for ``b
 from benchmarks.common import internals  # noqa: E402
 from benchmarks.common import optimizer_table as ot  # noqa: E402
 from benchmarks.common.device import device_info, sync  # noqa: E402
-from benchmarks.common.report import json_default, log  # noqa: E402
+from benchmarks.common.report import write_study  # noqa: E402
 
 KINDS = ("ivon", "ivon_pocomo")
 
@@ -227,16 +227,12 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    os.makedirs(a.out, exist_ok=True)
     rows = {k: measure(dev, k, a.scale, a.iters, a.warm, a.refresh_every, a.hook_rounds)
             for k in a.kinds}
-    text = markdown(dev, rows, a.scale, a.iters, a.warm, a.refresh_every)
-    log(text)
-    with open(os.path.join(a.out, "host_calls.md"), "w") as fh:
-        fh.write(text + "\n")
-    with open(os.path.join(a.out, "host_calls.json"), "w") as fh:
-        json.dump({"device": device_info(dev), "scale": a.scale, "iters": a.iters,
-                   "rows": rows}, fh, indent=1, default=json_default)
+    write_study(a.out, "host_calls", markdown(dev, rows, a.scale, a.iters, a.warm,
+                                              a.refresh_every),
+                {"device": device_info(dev), "scale": a.scale, "iters": a.iters,
+                 "rows": rows})
     return 0
 
 

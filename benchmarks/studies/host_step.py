@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ if __package__ in (None, ""):    # run as a script: the repository root, for ``b
 
 from benchmarks.common import optimizer_table as ot  # noqa: E402
 from benchmarks.common.device import device_info, sync  # noqa: E402
-from benchmarks.common.report import json_default, log  # noqa: E402
+from benchmarks.common.report import write_study  # noqa: E402
 
 KINDS = ("adamw_fused", "ivon", "ivon_pocomo")
 
@@ -128,15 +127,10 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    os.makedirs(a.out, exist_ok=True)
     rows = measure(dev, a.kinds, a.iters, a.rounds)
-    text = markdown(dev, rows, a.iters, a.rounds)
-    log(text)
-    with open(os.path.join(a.out, "host_step.md"), "w") as fh:
-        fh.write(text + "\n")
-    with open(os.path.join(a.out, "host_step.json"), "w") as fh:
-        json.dump({"device": device_info(dev), "iters": a.iters, "rounds": a.rounds,
-                   "rows": rows}, fh, indent=1, default=json_default)
+    write_study(a.out, "host_step", markdown(dev, rows, a.iters, a.rounds),
+                {"device": device_info(dev), "iters": a.iters, "rounds": a.rounds,
+                 "rows": rows})
     return 0
 
 

@@ -211,8 +211,9 @@ class GradsMixin:
     def unwritten(self) -> set:
         """``(bucket, index)`` of the parameters whose ``.grad`` is a view handed out by
         :meth:`hand_out` that received no gradient: autograd accumulated nothing into it
-        since (the bucket's :class:`~.fused_presence.Presence`) and it still holds zeros (a gradient written another way,
-        e.g. a collective into ``p.grad.data``, counts; clipping a zero one does not).
+        since (the bucket's :class:`~.fused_presence.Presence`) and it still holds zeros
+        (a gradient written another way, e.g. a collective into ``p.grad.data``, counts;
+        clipping a zero one does not).
         They are skipped, as a ``.grad`` of None is with ``torch.optim``.  Reads the
         data of those parameters only (usually none), in one device read; none while a
         CUDA graph is captured (a read would break the capture, and a replay could not

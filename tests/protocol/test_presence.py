@@ -103,36 +103,10 @@ def _tensors(opt, model):
     return out
 
 
-@pytest.mark.skipif("cpp" not in FUSED_BACKENDS, reason="no C++ backend")
-def test_a_zero_gradient_autograd_reached_is_a_gradient_without_views_too(hooks):
-    """The steps with views equal those without, bit for bit: the zero gradient is
-    accumulated (it moves the Hessian estimate), the unreached parameter is left out;
-    also after the buckets are laid out again (a parameter frozen)."""
-    X = torch.randn(16, 4)
-    runs = []
-    for gv in (False, True):
-        torch.manual_seed(0)
-        m = _ThreeHeads()
-        opt = pk.IVON(m.parameters(), lr=0.1, ess=100.0, seed=1, backend="cpp",
-                      grad_views=gv)
-        h0 = [p.detach().clone() for p in m.zero.parameters()]
-        for i in range(3):
-            if i == 2:
-                m.used.bias.requires_grad_(False)
-            with opt.sampled():
-                m(X).backward()
-            opt.step()
-        moved = [not torch.equal(a, p.detach()) for a, p in zip(h0, m.zero.parameters())]
-        assert all(moved)
-        runs.append(_tensors(opt, m))
-    assert len(runs[0]) == len(runs[1]) > 6
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
-
-
-def _run_three_heads(gv, between=None, inside=None, steps=3):
-    """IVON on _ThreeHeads; ``between(m, i)`` runs before iteration i's sample,
-    ``inside(m, i)`` inside its closure before the backward."""
+def _run_three_heads(gv, between=None, inside=None, steps=3, backward=None):
+    """IVON's ``step(closure)`` on _ThreeHeads, with views or not (``gv``);
+    ``between(m, i)`` runs before iteration i, ``inside(m, i)`` inside its closure before
+    the backward, ``backward(loss)`` in place of ``loss.backward()``."""
     torch.manual_seed(0)
     X = torch.randn(16, 4)
     m = _ThreeHeads()
@@ -146,7 +120,10 @@ def _run_three_heads(gv, between=None, inside=None, steps=3):
             if inside is not None:
                 inside(m, i)
             loss = m(X)
-            loss.backward()
+            if backward is None:
+                loss.backward()
+            else:
+                backward(loss)
             return loss
         opt.step(closure)
     return _tensors(opt, m)
@@ -156,6 +133,23 @@ def _same(a, b):
     assert len(a) == len(b) > 6
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+@pytest.mark.skipif("cpp" not in FUSED_BACKENDS, reason="no C++ backend")
+def test_a_zero_gradient_autograd_reached_is_a_gradient_without_views_too(hooks):
+    """The steps with views equal those without, bit for bit: the zero gradient is
+    accumulated (it moves the zero head through the Hessian estimate), the unreached
+    head is left out; also after the buckets are laid out again (a parameter frozen)."""
+    def freeze(m, i):
+        if i == 2:
+            m.used.bias.requires_grad_(False)
+    with_views = _run_three_heads(True, between=freeze)
+    _same(_run_three_heads(False, between=freeze), with_views)
+    torch.manual_seed(0)
+    torch.randn(16, 4)
+    start = [p.detach() for p in _ThreeHeads().parameters()]
+    moved = [not torch.equal(a, b) for a, b in zip(start, with_views)]
+    assert moved[2:6] == [True, True, False, False]     # (zero head, unreached head)
 
 
 @pytest.mark.skipif("cpp" not in FUSED_BACKENDS, reason="no C++ backend")
@@ -189,20 +183,12 @@ def test_under_compiled_autograd_zero_gradients_count_as_without_views():
     import torch._dynamo
     from torch._dynamo import compiled_autograd
     torch._dynamo.reset()
-    X = torch.randn(16, 4)
-    runs = []
-    for gv in (False, True):
-        torch.manual_seed(0)
-        m = _ThreeHeads()
-        opt = pk.IVON(m.parameters(), lr=0.1, ess=100.0, seed=1, backend="cpp",
-                      grad_views=gv)
-        with torch._dynamo.config.patch(compiled_autograd=True):
-            for _ in range(2):
-                with opt.sampled():
-                    with compiled_autograd._enable(torch.compile(backend="eager")):
-                        m(X).backward()
-                opt.step()
-        runs.append(_tensors(opt, m))
+
+    def backward(loss):
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            loss.backward()
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        runs = [_run_three_heads(gv, steps=2, backward=backward) for gv in (False, True)]
     _same(*runs)
 
 
@@ -221,3 +207,18 @@ def test_the_python_hooks_of_compiled_autograd_go_once_it_is_off():
     assert all(len(p._post_accumulate_grad_hooks) == 0 for p in ps)
     _backward(ps[1:])
     assert list(pr.mem) == [0, 1]           # (the C++ hooks mark)
+
+
+@pytest.mark.skipif(cpp_status() is not None, reason="no C++ extension")
+def test_a_refused_watch_installs_nothing():
+    from poco_kernels import _C
+    ps, pr = _params(2), Presence(2)
+    with pytest.raises(TypeError):
+        _C.watch([ps[0], 5.0], pr.flags, 1)
+    with pytest.raises(ValueError):
+        _C.watch(ps, torch.zeros(1, dtype=torch.uint8), 1)
+    _backward(ps)
+    assert list(pr.mem) == [0, 0]
+    _C.watch(ps, pr.flags, 1)
+    _backward(ps)
+    assert list(pr.mem) == [1, 1]
