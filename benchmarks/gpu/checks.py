@@ -193,6 +193,62 @@ def check_jit_and_memory(dev, smoke, steps=20):
     return res, failures
 
 
+def _tensors(obj, prefix=""):
+    """Every tensor of a nested state dict, by path."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}/{i}")
+
+
+def check_launch(dev, smoke):
+    """The cached launches (``triton_launch``) against the JIT's: two twins of the
+    steady-state optimizer run the same steps (public protocol, ``step(closure)``, a
+    refresh), one with every launch through the JIT; parameters and every state tensor
+    equal bit for bit, and on a GPU the cached path taken."""
+    from poco_kernels.kernels import triton_launch
+    from poco_kernels.kernels import triton_ops
+    launchers = list(vars(triton_ops._L).values())
+    runs = []
+    for enabled in (False, True):
+        triton_launch.ENABLED = enabled
+        before = sum(x.hits for x in launchers)
+        try:
+            params, opt, grads = _steady_setup(dev, smoke)
+            _warm(opt, params, grads)
+            for _ in range(3):
+                _run_cycle(opt, params, grads)
+                _closure_step(opt, params, grads)
+            sync(dev)
+        finally:
+            triton_launch.ENABLED = True
+        runs.append(([p.detach().clone() for p in params],
+                     dict(_tensors(opt.state_dict())), sum(x.hits for x in launchers) - before))
+        del params, opt, grads
+    (p_jit, s_jit, hits_jit), (p_fast, s_fast, hits_fast) = runs
+    differ = [f"param {i}" for i, (a, b) in enumerate(zip(p_jit, p_fast)) if not torch.equal(a, b)]
+    differ += [k for k in s_jit if k not in s_fast or not torch.equal(s_jit[k], s_fast[k])]
+    res = {"fast_path": triton_launch.fast_path_available(), "cached_launches": hits_fast,
+           "jit_run_cached_launches": hits_jit, "state_tensors": len(s_jit), "differ": differ,
+           "misses": {x.fn.fn.__name__: x.misses for x in launchers if x.misses}}
+    failures = []
+    if differ:
+        failures.append(f"launch: the cached launches differ from the JIT's in {differ[:5]}")
+    if hits_jit:
+        failures.append(f"launch: {hits_jit} cached launches while they were disabled")
+    if res["fast_path"] and not hits_fast:
+        failures.append("launch: the cached launches never ran")
+    log(f"    launch: cached {hits_fast} launches, bitwise "
+        f"{'equal' if not differ else 'DIFFERENT'} to the JIT's over {len(s_jit)} state "
+        f"tensors and {len(p_jit)} parameters (fast path {res['fast_path']})")
+    release(dev)
+    return res, failures
+
+
 def check_bf16_store(dev):
     """Informational: the bits the kernels write into bf16 parameters (``_to_param``,
     through ``sample_kernel`` with no noise) against torch's float32 -> bfloat16 cast, on

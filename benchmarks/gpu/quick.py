@@ -10,9 +10,9 @@ that would start past the time budget is skipped and says so):
    bit for bit, the PTX clean (``openloop.py``);
 3. ``trajectory``: closed-loop parity, Triton against the torch backend, gated on the
    measured sensitivity of each trajectory (``parity.py``);
-4. ``steady``: no host synchronisation in steady-state steps and refreshes, no new
-   compilation when the learning rate changes, no growth of allocated memory
-   (``checks.py``);
+4. ``steady``: no host synchronisation in steady-state steps and refreshes, the cached
+   Triton launches equal to the JIT's bit for bit, no new compilation when the learning
+   rate changes, no growth of allocated memory (``checks.py``);
 5. ``capture``: an iteration and a refresh captured in CUDA graphs, 20 replays with a
    scheduled learning rate equal to eager execution bit for bit; ``torch.compile`` of a
    step calling ``opt.step(closure)`` without recompilation (``capture.py``);
@@ -21,7 +21,8 @@ that would start past the time budget is skipped and says so):
    kernels (their launches) at GPT-2's 148 tensors shrunk to 1-4 elements
    (``benchmarks/studies/host_calls.py``; ``host_calls.md`` beside ``quick.md``), and
    the whole host time of a ``step(closure)`` iteration without a backward pass against
-   fused AdamW's (``benchmarks/studies/host_step.py``; ``host_step.md``).
+   fused AdamW's, and with every Triton launch through the JIT
+   (``benchmarks/studies/host_step.py``; ``host_step.md``).
 
 Exit status: 0 when every check passed; 1 parity (sections 2-3), 2 steady state or
 capture (4-5), 4 a table raised, 16 a section was skipped for time.  ``--smoke`` runs
@@ -77,7 +78,7 @@ def _host_calls(dev, smoke, out_dir):
     with open(os.path.join(out_dir, "host_calls.md"), "w") as fh:
         fh.write(host_calls.markdown(dev, rows, "tiny", iters, warm, every) + "\n")
     iters, rounds = (3, 1) if smoke else (100, 5)
-    step_rows = host_step.measure(dev, host_step.KINDS, iters, rounds)
+    step_rows = host_step.measure(dev, host_step.KINDS + host_step.JIT_KINDS, iters, rounds)
     with open(os.path.join(out_dir, "host_step.md"), "w") as fh:
         fh.write(host_step.markdown(dev, step_rows, iters, rounds) + "\n")
     return {"calls": rows, "step": step_rows}, []
@@ -92,7 +93,7 @@ def _sections(dev, smoke, state):
 
     def steady():
         res, fails = {}, []
-        for name, fn in (("sync", gpu_checks.check_sync),
+        for name, fn in (("sync", gpu_checks.check_sync), ("launch", gpu_checks.check_launch),
                          ("jit_memory", lambda d, s: gpu_checks.check_jit_and_memory(
                              d, s, steps=4 if s else 20))):
             r, f = fn(dev, smoke)

@@ -9,7 +9,9 @@ each ``.grad``), less that writing timed alone.  So each row is the optimizer's 
 work per iteration, ``zero_grad()`` included, the hooks inside the backward aside
 (``host_calls.py`` measures those).  Rows: fused AdamW (``zero_grad(); <gradients>;
 step()``), IVON and IVON-PoCoMo (the correction active, two closure calls), the fused
-backend of the device.  Best of ``--rounds`` rounds of ``--iters`` iterations, the rows
+backend of the device; ``*_jit_launch``: the same with every Triton launch through the
+JIT (``triton_launch.ENABLED = False``; what the cached launches save; on the CPU the
+C++ kernels run and both are the same).  Best of ``--rounds`` rounds of ``--iters`` iterations, the rows
 interleaved round by round (this machine's timings drift by tens of percent)::
 
     python -m benchmarks.studies.host_step --out /tmp/hs [--device cpu]
@@ -33,10 +35,23 @@ from benchmarks.common.device import device_info, sync  # noqa: E402
 from benchmarks.common.report import write_study  # noqa: E402
 
 KINDS = ("adamw_fused", "ivon", "ivon_pocomo")
+#: the rows with every Triton launch through the JIT
+JIT_KINDS = ("ivon_jit_launch", "ivon_pocomo_jit_launch")
 
 
 def _row(kind: str, dev):
     """(one iteration, the gradient writing alone, closure calls per iteration)."""
+    if kind in JIT_KINDS:
+        from poco_kernels.kernels import triton_launch
+        step, write, calls = _row(kind[:-len("_jit_launch")], dev)
+
+        def jit_step():
+            triton_launch.ENABLED = False
+            try:
+                step()
+            finally:
+                triton_launch.ENABLED = True
+        return jit_step, write, calls
     ps = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in ot.gpt2_shapes("tiny")]
     fixed = [torch.full_like(p, 1e-3) for p in ps]
     loss = torch.zeros((), device=dev)
@@ -121,7 +136,7 @@ def markdown(dev, rows, iters: int, rounds: int) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=None)
-    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS + JIT_KINDS)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", required=True)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .._layout import launch_numel
 from . import triton_kernels as tk
+from .triton_launch import Launcher
 from .interface import (RefreshFlags, RefreshHyper, SampleHyper, StepFlags, StepHyper,
                         StepStreams, hyper_row, require)
 
@@ -96,6 +97,22 @@ def _compiling() -> bool:
 
 
 # --------------------------------------------------------------------------- launches
+class _Launchers:
+    """Each kernel's :class:`~poco_kernels.kernels.triton_launch.Launcher`: on a GPU, the
+    compiled kernel cached per specialisation and launched without the JIT's binding."""
+
+    def __init__(self):
+        self.sample = Launcher(tk, "sample_kernel")
+        self.accumulate = Launcher(tk, "accumulate_kernel")
+        self.check = Launcher(tk, "check_kernel")
+        self.fold_ge = Launcher(tk, "fold_ge_kernel")
+        self.step = Launcher(tk, "step_kernel")
+        self.refresh = Launcher(tk, "refresh_kernel")
+        self.finish = Launcher(tk, "finish_kernel")
+        self.randn = Launcher(tk, "randn_kernel")
+
+
+_L = _Launchers()
 #: every launch: no floating-point contraction (the C++ kernels' arithmetic, bit for bit;
 #: ``triton_kernels``), and the warps of a block
 _OPTS = dict(num_warps=tk.NUM_WARPS, enable_fp_fusion=False)
@@ -110,7 +127,7 @@ def _sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
         return
     grid, targs, tc = _geometry(n, offset, tiles, ctl)
     row = hyper_row(hp, SampleHyper, param.device)
-    tk.sample_kernel[grid](
+    _L.sample[grid](
         param, centre, mean, h if h is not None else mean, sigma if sigma is not None else mean,
         ctl, *targs, row, n, offset, seed, stream, counter_slot, sign,
         SIGMA_MODE=sigma_mode, SYNC=sync, NOISE=noise, **tc, BLOCK=tk.BLOCK, **_OPTS)
@@ -123,7 +140,7 @@ def _accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tens
     if (n if tiles is None else tiles.count) == 0:
         return
     grid, targs, tc = _geometry(n, offset, tiles, ctl)
-    tk.accumulate_kernel[grid](
+    _L.accumulate[grid](
         grad, acc_g, acc_ge if acc_ge is not None else acc_g, ctl, *targs, n, offset, seed,
         stream, counter_slot, sign, FIRST=first, GE=ge, NOISE=noise, **tc,
         BLOCK=tk.BLOCK, **_OPTS)
@@ -133,7 +150,7 @@ def _check(grad: Tensor, ctl: Tensor) -> None:
     n = launch_numel(grad.numel(), grad)
     if n == 0:
         return
-    tk.check_kernel[_grid(n)](grad, ctl, n, BLOCK=tk.BLOCK, **_OPTS)
+    _L.check[_grid(n)](grad, ctl, n, BLOCK=tk.BLOCK, **_OPTS)
 
 
 def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, stream: int,
@@ -143,7 +160,7 @@ def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, 
     if (n if tiles is None else tiles.count) == 0:
         return
     grid, targs, tc = _geometry(n, offset, tiles, ctl)
-    tk.fold_ge_kernel[grid](acc_g, acc_ge, ctl, *targs, n, offset, seed, stream, counter_slot,
+    _L.fold_ge[grid](acc_g, acc_ge, ctl, *targs, n, offset, seed, stream, counter_slot,
                             sign, NOISE=noise, **tc, BLOCK=tk.BLOCK, **_OPTS)
 
 
@@ -161,7 +178,7 @@ def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor
     grid, targs, tc = _geometry(n, offset, tiles, ctl)
     d = mean
     row = hyper_row(hp, StepHyper, mean.device)
-    tk.step_kernel[grid](
+    _L.step[grid](
         mean, param, s1 if s1 is not None else d, s2 if s2 is not None else d,
         g_in, ge_in if ge_in is not None else d, g_at_out if g_at_out is not None else d,
         ge_at_out if ge_at_out is not None else d, g_out if g_out is not None else d,
@@ -187,7 +204,7 @@ def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[
     grid, targs, tc = _geometry(n, offset, tiles, ctl)
     d = mean
     row = hyper_row(hp, RefreshHyper, mean.device)
-    tk.refresh_kernel[grid](
+    _L.refresh[grid](
         mean, h if h is not None else d, acc_g, acc_ge if acc_ge is not None else d, g_out,
         h_out if h_out is not None else d, m_out, sigma_out if sigma_out is not None else d,
         ctl, found_inf if found_inf is not None else ctl,
@@ -198,7 +215,7 @@ def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[
 
 
 def _finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:
-    tk.finish_kernel[(1,)](ctl, found_inf if found_inf is not None else ctl, slot,
+    _L.finish[(1,)](ctl, found_inf if found_inf is not None else ctl, slot,
                           HAS_FOUND_INF=found_inf is not None, num_warps=1,
                           enable_fp_fusion=False)
 
@@ -210,7 +227,7 @@ def randn(out: Tensor, seed: int, counter: int, stream: int, offset: int = 0,
     noise code, the C++ kernels' ``randn``.  ``out``: a contiguous float32 tensor."""
     n = out.numel()
     if n:
-        tk.randn_kernel[_grid(n)](out, n, offset, seed, counter, stream, NOISE=version,
+        _L.randn[_grid(n)](out, n, offset, seed, counter, stream, NOISE=version,
                                  SHARD=_shard(offset), BLOCK=tk.BLOCK, **_OPTS)
     return out
 
