@@ -242,6 +242,9 @@ def check_launch(dev, smoke):
         failures.append(f"launch: {hits_jit} cached launches while they were disabled")
     if res["fast_path"] and not hits_fast:
         failures.append("launch: the cached launches never ran")
+    if dev.type == "cuda" and torch.version.hip is None and not res["fast_path"]:
+        failures.append("launch: the cached launches are off on this NVIDIA GPU "
+                        "(triton_launch.fast_path_available() is False)")
     log(f"    launch: cached {hits_fast} launches, bitwise "
         f"{'equal' if not differ else 'DIFFERENT'} to the JIT's over {len(s_jit)} state "
         f"tensors and {len(p_jit)} parameters (fast path {res['fast_path']})")

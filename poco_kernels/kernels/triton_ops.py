@@ -161,7 +161,7 @@ def _fold_ge(acc_g: Tensor, acc_ge: Tensor, ctl: Tensor, seed: int, noise: int, 
         return
     grid, targs, tc = _geometry(n, offset, tiles, ctl)
     _L.fold_ge[grid](acc_g, acc_ge, ctl, *targs, n, offset, seed, stream, counter_slot,
-                            sign, NOISE=noise, **tc, BLOCK=tk.BLOCK, **_OPTS)
+                     sign, NOISE=noise, **tc, BLOCK=tk.BLOCK, **_OPTS)
 
 
 def _step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor],
@@ -216,8 +216,7 @@ def _refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[
 
 def _finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:
     _L.finish[(1,)](ctl, found_inf if found_inf is not None else ctl, slot,
-                          HAS_FOUND_INF=found_inf is not None, num_warps=1,
-                          enable_fp_fusion=False)
+                    HAS_FOUND_INF=found_inf is not None, num_warps=1, enable_fp_fusion=False)
 
 
 def randn(out: Tensor, seed: int, counter: int, stream: int, offset: int = 0,
@@ -228,7 +227,7 @@ def randn(out: Tensor, seed: int, counter: int, stream: int, offset: int = 0,
     n = out.numel()
     if n:
         _L.randn[_grid(n)](out, n, offset, seed, counter, stream, NOISE=version,
-                                 SHARD=_shard(offset), BLOCK=tk.BLOCK, **_OPTS)
+                           SHARD=_shard(offset), BLOCK=tk.BLOCK, **_OPTS)
     return out
 
 

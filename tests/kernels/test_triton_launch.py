@@ -1,8 +1,10 @@
 """The Triton launches that skip the JIT's binding (``kernels/triton_launch.py``): their
-cache key is at least as fine as Triton's own specialisation, and the arguments they
-hand the compiled kernel are the ones Triton's binder would, for every launch the
-optimizers make.  (The launch itself needs a GPU: the quick GPU check compares it with
-the JIT's bit for bit, ``benchmarks/gpu/quick.py``'s ``launch`` section.)"""
+cache key is at least as fine as Triton's own specialisation, the arguments they hand
+the compiled kernel are the ones Triton's binder would for every launch the optimizers
+make, and the cache (driven here with a stand-in driver and compiled kernel) launches a
+kept kernel exactly when the key matches and sends every other call to the JIT.  (A real
+launch needs a GPU: the quick GPU check compares the cached launches with the JIT's bit
+for bit, ``benchmarks/gpu/checks.py``'s ``check_launch``.)"""
 import itertools
 
 import pytest
@@ -47,8 +49,6 @@ def test_key_is_at_least_as_fine_as_tritons_specialisation():
     for a, b in itertools.combinations(args, 2):
         if L.spec(a) == L.spec(b):
             assert _triton_spec(a) == _triton_spec(b), (a, b)
-    distinct = {L.spec(a) for a in args}
-    assert len(distinct) >= len({_triton_spec(a) for a in args})
 
 
 @pytest.mark.parametrize("value", ["a string", [1], (1,), 1j, torch.float32])
@@ -121,3 +121,186 @@ def test_the_interpreter_goes_through_the_jit(monkeypatch):
     seen = _record_launches(monkeypatch)
     for launcher, _, _ in seen:
         assert not launcher._fast and launcher.cache == {} and launcher.hits == 0
+
+
+# --------------------------------------------------------------------------- the cache
+class _Compiled:
+    """A stand-in compiled kernel: records its launches."""
+
+    def __init__(self, compiled_for):
+        self.compiled_for = compiled_for
+        self.function, self.packed_metadata = object(), object()
+        self.launches = []
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("metadata", grid, stream)
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class _Driver:
+    """A stand-in for Triton's active driver: the stream of device d is 1000 + d."""
+
+    @staticmethod
+    def get_current_stream(device):
+        return 1000 + device
+
+
+def _source(x_ptr, n, FLAG, B=4):                  # (its annotations are added below)
+    pass
+
+
+@pytest.fixture
+def rig(monkeypatch):
+    """(launcher, jit calls, device setter, tensor) over a JITFunction whose JIT is a
+    stand-in: each call through the JIT returns a new :class:`_Compiled` and is recorded."""
+    import types
+    import triton
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+    L = _launch()
+    _source.__annotations__ = {"FLAG": tl.constexpr, "B": tl.constexpr}
+    fn = JITFunction(_source)
+    jit_calls = []
+
+    def run(*args, grid, warmup, **kwargs):
+        jit_calls.append((grid, args, kwargs))
+        return _Compiled((args, kwargs))
+    monkeypatch.setattr(fn, "run", run)
+    monkeypatch.setattr(L, "fast_path_available", lambda: True)
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Driver())
+    device = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    module = types.SimpleNamespace(k=fn)
+    launcher = L.Launcher(module, "k")
+    x = torch.zeros(64)
+
+    def set_device(d):
+        device[0] = d
+    return launcher, jit_calls, set_device, x, module
+
+
+def test_a_matching_key_launches_the_kept_kernel(rig):
+    """The second launch with the same key runs the kernel the JIT returned the first
+    time, with the JIT's launch arguments: the grid padded to three, the current
+    stream, the kernel's handles, the hooks, then every bound argument (the default of
+    B included)."""
+    from triton import knobs
+    launcher, jit_calls, _, x, _ = rig
+    first = launcher[(3,)](x, 16, FLAG=True, num_warps=4)
+    again = launcher[(5, 2)](x, 32, FLAG=True, num_warps=4)
+    assert again is first and len(jit_calls) == 1
+    assert (launcher.hits, launcher.misses) == (1, 1)
+    (run,) = first.launches
+    assert run[:3] == (5, 2, 1) and run[3] == 1000
+    assert run[4] is first.function and run[5] is first.packed_metadata
+    assert run[6] == ("metadata", (5, 2), 1000)
+    assert run[7] is knobs.runtime.launch_enter_hook
+    assert run[8] is knobs.runtime.launch_exit_hook
+    assert run[9] is x and run[10:] == (32, True, 4)
+
+
+@pytest.mark.parametrize("change", [
+    "n not a multiple of 16", "n equal to 1", "n in 64 bits", "unaligned tensor",
+    "other dtype", "constexpr value", "constexpr type", "num_warps", "device", "debug knob"])
+def test_what_triton_specialises_on_changes_the_key(rig, monkeypatch, change):
+    """Each thing the JIT compiles a new variant for sends the launch to the JIT (and
+    keeps its kernel under a new key); the kernel kept before is not launched."""
+    from triton import knobs
+    launcher, jit_calls, set_device, x, _ = rig
+    base = dict(args=(x, 16), kwargs=dict(FLAG=True, num_warps=4))
+    kept = launcher[(1,)](*base["args"], **base["kwargs"])
+    args, kwargs = base["args"], dict(base["kwargs"])
+    if change == "n not a multiple of 16":
+        args = (x, 17)
+    elif change == "n equal to 1":
+        args = (x, 1)
+    elif change == "n in 64 bits":
+        args = (x, 2 ** 32)
+    elif change == "unaligned tensor":
+        args = (x[1:], 16)
+    elif change == "other dtype":
+        args = (x.to(torch.float64), 16)
+    elif change == "constexpr value":
+        kwargs["FLAG"] = False
+    elif change == "constexpr type":
+        kwargs["FLAG"] = 1
+    elif change == "num_warps":
+        kwargs["num_warps"] = 8
+    elif change == "device":
+        set_device(1)
+    else:
+        monkeypatch.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
+    launcher[(1,)](*args, **kwargs)
+    assert len(jit_calls) == 2 and launcher.misses == 2 and launcher.hits == 0
+    assert kept.launches == [] and len(launcher.cache) == 2
+
+
+@pytest.mark.parametrize("case", [
+    "constexpr by position", "callable grid", "float keyword", "unknown argument",
+    "unknown keyword", "disabled", "not available"])
+def test_unkeyed_launches_go_through_the_jit(rig, monkeypatch, case):
+    """Launches the key cannot describe go through the JIT every time, and nothing is
+    cached for them."""
+    L = _launch()
+    launcher, jit_calls, _, x, _ = rig
+    args, kwargs, grid = (x, 16), dict(FLAG=True), (1,)
+    if case == "constexpr by position":
+        args = (x, 16, True)
+        kwargs = {}
+    elif case == "callable grid":
+        grid = lambda meta: (1,)                    # noqa: E731
+    elif case == "float keyword":
+        kwargs["B"] = 2.0
+    elif case == "unknown argument":
+        args = (x, "sixteen")
+    elif case == "unknown keyword":
+        kwargs["extra"] = 1
+    elif case == "disabled":
+        monkeypatch.setattr(L, "ENABLED", False)
+    else:
+        monkeypatch.setattr(L, "fast_path_available", lambda: False)
+    for _ in range(3):
+        launcher.launch(grid, args, kwargs)
+    assert len(jit_calls) == 3 and launcher.cache == {}
+    assert launcher.hits == launcher.misses == 0
+
+
+def test_a_replaced_kernel_starts_a_new_cache(rig, monkeypatch):
+    """A kernel replaced in its module (a test's spy) is the one launched, with a cache
+    of its own."""
+    from triton.runtime.jit import JITFunction
+    launcher, jit_calls, _, x, module = rig
+    launcher[(1,)](x, 16, FLAG=True)
+    launcher[(1,)](x, 16, FLAG=True)
+    assert launcher.hits == 1
+    other = JITFunction(_source)
+    seen = []
+    monkeypatch.setattr(other, "run", lambda *a, grid, warmup, **k: seen.append(a) or
+                        _Compiled((a, k)))
+    module.k = other
+    launcher[(1,)](x, 16, FLAG=True)
+    assert len(seen) == 1 and len(jit_calls) == 1 and launcher.fn is other
+    assert (launcher.hits, launcher.misses) == (0, 1)
+
+
+def test_each_device_launches_on_its_current_stream(rig):
+    """A kernel kept for device 1 is launched there on device 1's current stream."""
+    launcher, jit_calls, set_device, x, _ = rig
+    set_device(1)
+    kept = launcher[(1,)](x, 16, FLAG=True)
+    launcher[(1,)](x, 16, FLAG=True)
+    assert len(jit_calls) == 1 and kept.launches[0][3] == 1001
+
+
+def test_importing_the_launches_needs_no_driver():
+    """With Triton installed, no GPU and no interpreter, the launch wrappers import (the
+    driver is asked at the first launch)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-c", "import poco_kernels.kernels.triton_ops"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
