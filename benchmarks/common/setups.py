@@ -59,6 +59,11 @@ def step_launcher(ops, b, corr, ess=1.0, wd=1e-4, noise=None, next_sample=False)
                           alpha=1.0 if corr else 0.0, hess_corr=0.01 if corr else 0.0,
                           floor=0.0, clip=0.0).counted(
         sign_at_out=1.0, inv_n_in=1.0, inv_n_at_out=1.0 if corr else 0.0)
+    # the row made once, on the device, as the optimizers keep theirs: a record passed at
+    # each call becomes a new row per call, a pageable host-to-device copy that waits for
+    # the kernels queued before it (on a GPU the timed loop would then measure a launch
+    # latency per call, not the kernel)
+    hp = K.hyper_row(hp, K.StepHyper, b["mean"].device)
     args = (b["mean"], b["param"], b["s1"], b["s2"], b["g_in"], None,
             b["g_at_out"] if corr else None, None,
             b["g_out"] if corr else None, b["h_out"] if corr else None,

@@ -196,8 +196,12 @@ def test_bench_gpu_quick_smoke_runs_every_section(tmp_path, bench_modules):
         assert json.load(f)["result"]["graph"]["replay"] == "bitwise equal to eager"
     with open(tmp_path / "host_calls.json") as f:
         host = json.load(f)["result"]
-    assert set(host["step"]) == {"adamw_fused", "ivon", "ivon_pocomo"}
+    assert set(host["step"]) == {"adamw_fused", "ivon", "ivon_pocomo", "ivon_jit_launch",
+                                 "ivon_pocomo_jit_launch"}
     assert "| ivon_pocomo |" in (tmp_path / "host_step.md").read_text()
+    with open(tmp_path / "steady.json") as f:
+        launch = json.load(f)["result"]["launch"]
+    assert launch["differ"] == [] and launch["state_tensors"] > 0
 
 
 @pytest.mark.skipif(os.environ.get("POCO_KERNELS_NO_EXTENSION") == "1",
