@@ -91,10 +91,11 @@ PyObject* grads(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// dense_grads(params) -> (grads, addresses): each params[i].grad (None where there is
+// readable_grads(params) -> (grads, addresses): each params[i].grad (None where there is
 // none), and the tuple of their data pointers when every one is there, dense (strided,
-// with storage) and contiguous (else None).
-PyObject* dense_grads(PyObject* /*self*/, PyObject* arg) {
+// with storage), contiguous, of its parameter's dtype and size, and without the negative
+// bit: readable in place by the kernels (else None).
+PyObject* readable_grads(PyObject* /*self*/, PyObject* arg) {
   HANDLE_TH_ERRORS
   Tensors p(arg);
   if (!p.ok()) return nullptr;
@@ -115,7 +116,8 @@ PyObject* dense_grads(PyObject* /*self*/, PyObject* arg) {
     PyObject* w = THPVariable_Wrap(g);
     if (w == nullptr) return nullptr;
     PyList_SET_ITEM(gs.get(), i, w);
-    if (dense && g.layout() == at::kStrided && g.has_storage() && g.is_contiguous()) {
+    if (dense && g.layout() == at::kStrided && g.has_storage() && g.is_contiguous() &&
+        g.scalar_type() == x->scalar_type() && g.numel() == x->numel() && !g.is_neg()) {
       PyObject* a = PyLong_FromVoidPtr(g.data_ptr());          // (as Python's data_ptr)
       if (a == nullptr) return nullptr;
       PyTuple_SET_ITEM(addrs.get(), i, a);
@@ -224,9 +226,10 @@ PyMethodDef kMethods[] = {
     {"versions", versions, METH_O, "versions(tensors) -> list: each tensor's _version"},
     {"grads", grads, METH_VARARGS,
      "grads(params, views) -> (defined, matching): .grad not None, .grad is views[i]"},
-    {"dense_grads", dense_grads, METH_O,
-     "dense_grads(params) -> (grads, addresses): the .grad, and their data pointers when "
-     "every one is dense and contiguous (else None)"},
+    {"readable_grads", readable_grads, METH_O,
+     "readable_grads(params) -> (grads, addresses): the .grad, and their data pointers when "
+     "every one is dense, contiguous, of its parameter's dtype and size, not negated "
+     "(else None)"},
     {"set_grads", set_grads, METH_VARARGS,
      "set_grads(params, grads) -> None: params[i].grad = grads[i] (grads None: None)"},
     {"trainable", trainable, METH_O, "trainable(tensors) -> int: how many require grad"},

@@ -45,15 +45,18 @@ def py_grads(params: Sequence[Tensor], views: Optional[Sequence[Tensor]]) -> Tup
     return defined, sum(map(operator.is_, gs, views))
 
 
-def py_dense_grads(params: Sequence[Tensor]) -> Tuple[list, Optional[tuple]]:
+def py_readable_grads(params: Sequence[Tensor]) -> Tuple[list, Optional[tuple]]:
     """Each ``params[i].grad`` (None where there is none), and the tuple of their data
-    pointers when every one is there, dense and contiguous (else None)."""
+    pointers when every one is there, dense, contiguous, of its parameter's dtype and
+    size, and without the negative bit: readable in place by the kernels (else None)."""
     gs = list(map(_grad, params))
     try:
         key = tuple(map(Tensor.data_ptr, gs))     # (a None, a sparse one: an error)
     except (TypeError, RuntimeError):
         return gs, None
-    return gs, (key if all(map(Tensor.is_contiguous, gs)) else None)
+    usable = all(g.is_contiguous() and g.dtype == p.dtype and g.numel() == p.numel()
+                 and not g.is_neg() for p, g in zip(params, gs))
+    return gs, (key if usable else None)
 
 
 def py_set_grads(params: Sequence[Tensor], grads: Optional[Sequence[Tensor]]) -> None:
@@ -73,14 +76,14 @@ def _load():
     from .kernels import cpp_status
     if cpp_status() is None:
         try:
-            from ._C import dense_grads, grads, same_addresses, set_grads, trainable, versions
+            from ._C import grads, readable_grads, same_addresses, set_grads, trainable, versions
         except ImportError:                   # (an extension built before them)
             pass
         else:
-            return "cpp", same_addresses, versions, grads, dense_grads, set_grads, trainable
-    return ("python", py_same_addresses, py_versions, py_grads, py_dense_grads, py_set_grads,
+            return "cpp", same_addresses, versions, grads, readable_grads, set_grads, trainable
+    return ("python", py_same_addresses, py_versions, py_grads, py_readable_grads, py_set_grads,
             py_trainable)
 
 
 #: "cpp" or "python": which implementation the functions below are
-IMPLEMENTATION, same_addresses, versions, grads, dense_grads, set_grads, trainable = _load()
+IMPLEMENTATION, same_addresses, versions, grads, readable_grads, set_grads, trainable = _load()

@@ -267,17 +267,17 @@ class GradsMixin:
         with the table of their addresses that the kernels read them through in place
         (one launch; ``_tiles``), instead of a gather copy: Triton, eager and not capturing
         a CUDA graph (a table is copied to the device when the addresses change), no
-        ``.grad`` a view handed out, every one dense and contiguous.  Else None
-        (:meth:`_gather_grads`).  Per call only C-speed sweeps run (the addresses, the
-        layout); a set of addresses not seen before is checked in full (the parameter's
-        dtype and size, which torch's ``.grad`` keeps anyway)."""
+        ``.grad`` a view handed out, every one dense, contiguous, of its parameter's dtype
+        and size.  Else None (:meth:`_gather_grads`).  When every parameter has one,
+        per call only C-speed sweeps run (the addresses with those checks, the layout);
+        else the present ones are checked in Python."""
         if not self.tiled or torch.compiler.is_compiling() or _capturing():
             return None
         if b.handed is not None and _sweeps.grads(b.params, b.grad_bufs[b.handed].views)[1]:
             return None
-        grads, key = _sweeps.dense_grads(b.params)
+        grads, key = _sweeps.readable_grads(b.params)
         present = grads
-        if key is None:                       # (a None, a sparse or strided one)
+        if key is None:                       # (a None; a sparse, strided or other one)
             present = [g for g in grads if g is not None]
             if not present:
                 return None
@@ -289,6 +289,10 @@ class GradsMixin:
                 return None
             if not all(map(Tensor.is_contiguous, present)):
                 return None
+            if (set(map(_dtype, present)) != {b.param_dtype} or any(map(Tensor.is_neg, present))
+                    or any(g is not None and g.numel() != p.numel()
+                           for p, g in zip(b.params, grads))):
+                return None
         whole = present is grads
         # a few tables per bucket, the least recently used one re-addressed (one copy)
         # when every gradient is present and the addresses are new; the inner and outer
@@ -296,19 +300,10 @@ class GradsMixin:
         # (entries name their bucket: a rebuilt bucket of the same index is another)
         entry = self._direct_tables.get(b.index)
         if entry is None or entry[0]() is not b:
-            entry = self._direct_tables[b.index] = (weakref.ref(b), {},
-                                                    list(map(Tensor.numel, b.params)))
-        _, tables, numels = entry
+            entry = self._direct_tables[b.index] = (weakref.ref(b), {})
+        tables = entry[1]
         tiles = tables.pop(key, None)
         if tiles is None:
-            if (set(map(_dtype, present)) != {b.param_dtype}
-                    or any(map(Tensor.is_neg, present))):
-                return None
-            if whole:
-                if list(map(Tensor.numel, grads)) != numels:
-                    return None
-            elif any(g is not None and g.numel() != n for g, n in zip(grads, numels)):
-                return None
             old = (next((k for k in tables if None not in k), None)
                    if whole and len(tables) >= _TABLES else None)
             if old is not None:

@@ -12,6 +12,7 @@ come as rows (the optimizers' case; a record is turned into a new row per call).
 """
 from __future__ import annotations
 
+import array
 import inspect
 
 from typing import List, Optional
@@ -65,8 +66,8 @@ class Tiles:
         """Point the rows at new tensors of the same sizes (``addresses``, one per row, in
         order): one asynchronous copy into the table, ordered after the launches already
         queued on the stream that read it."""
-        self.table[:, 3].copy_(_to_device(torch.tensor(addresses, dtype=torch.int64),
-                                          self.table.device))
+        col = torch.frombuffer(array.array("q", addresses), dtype=torch.int64)
+        self.table[:, 3].copy_(_to_device(col, self.table.device))
 
 
 def _to_device(t: Tensor, device) -> Tensor:

@@ -48,29 +48,39 @@ def test_cpp_and_python_sweeps_agree(seed):
     for other in (moved, addrs[:-1], addrs + [0]):
         assert _C.same_addresses(ps, other) is _sweeps.py_same_addresses(ps, other) is False
     assert _C.versions(views) == _sweeps.py_versions(views)
-    _same_dense_grads(_C, ps)
+    _same_readable_grads(_C, ps)
 
 
-def _same_dense_grads(c, ps):
-    (ga, ka), (gb, kb) = c.dense_grads(ps), _sweeps.py_dense_grads(ps)
+def _same_readable_grads(c, ps):
+    (ga, ka), (gb, kb) = c.readable_grads(ps), _sweeps.py_readable_grads(ps)
     assert list(map(id, ga)) == list(map(id, gb)) and ka == kb
     return ka
 
 
 @needs_cpp
-def test_dense_grads_gives_addresses_only_when_every_gradient_is_dense_and_contiguous():
+def test_readable_grads_gives_addresses_only_when_every_gradient_is_readable_in_place():
     from poco_kernels import _C
     ps = [torch.nn.Parameter(torch.randn(3, 2)) for _ in range(3)]
     for p in ps:
         p.grad = torch.randn(3, 2)
-    assert _same_dense_grads(_C, ps) == tuple(p.grad.data_ptr() for p in ps)
+    assert _same_readable_grads(_C, ps) == tuple(p.grad.data_ptr() for p in ps)
     ps[1].grad = torch.randn(2, 3).t()                   # strided
-    assert _same_dense_grads(_C, ps) is None
+    assert _same_readable_grads(_C, ps) is None
     ps[1].grad = torch.randn(3, 2).to_sparse()           # sparse
-    assert _same_dense_grads(_C, ps) is None
+    assert _same_readable_grads(_C, ps) is None
+    ps[1].grad = torch._neg_view(torch.randn(3, 2))       # the negative bit
+    assert ps[1].grad.is_neg() and _same_readable_grads(_C, ps) is None
     ps[1].grad = None
-    assert _same_dense_grads(_C, ps) is None
-    assert _same_dense_grads(_C, []) == ()
+    assert _same_readable_grads(_C, ps) is None
+    assert _same_readable_grads(_C, []) == ()
+    if hasattr(ps[1], "grad_dtype"):                     # another dtype than the parameter's
+        ps[1].grad_dtype = torch.float64
+        ps[1].grad = torch.randn(3, 2, dtype=torch.float64)
+        assert _same_readable_grads(_C, ps) is None
+        ps[1].grad = None
+        ps[1].grad_dtype = torch.float32
+        ps[1].grad = torch.randn(3, 2)
+        assert _same_readable_grads(_C, ps) == tuple(p.grad.data_ptr() for p in ps)
 
 
 @needs_cpp
@@ -125,7 +135,7 @@ def _train(monkeypatch, impl):
     """A few IVON-PoCoMo iterations that take every sweep's branches: views kept and
     replaced, a .grad set to None, a parameter re-pointed (``p.data = ...``), one frozen."""
     if impl == "python":
-        for name in ("same_addresses", "versions", "grads", "dense_grads", "set_grads",
+        for name in ("same_addresses", "versions", "grads", "readable_grads", "set_grads",
                      "trainable"):
             monkeypatch.setattr(_sweeps, name, getattr(_sweeps, "py_" + name))
     import poco_kernels as pk

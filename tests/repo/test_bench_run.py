@@ -388,3 +388,19 @@ def test_host_step_study_times_each_optimizer_less_its_gradient_writing(tmp_path
         assert r["iteration_us"] > 0 and r["gradient_writing_us"] > 0
     assert rows["adamw_fused"]["x_fused_adamw"] == 1.0
     assert "| ivon_pocomo |" in (tmp_path / "hs" / "host_step.md").read_text()
+
+
+def test_direct_reads_study_times_accumulate_with_the_kernels_out(tmp_path):
+    """The in-place reading study: accumulate's host time with every kernel wrapper a
+    no-op (the wrappers are put back after), and the address tables it kept."""
+    from benchmarks.studies import direct_reads
+    from poco_kernels.kernels import triton_ops
+    before = {n: getattr(triton_ops, n) for n in direct_reads.STUBBED}
+    assert direct_reads.main(["--device", "cpu", "--iters", "3", "--warm", "1",
+                              "--out", str(tmp_path / "dr")]) == 0
+    assert {n: getattr(triton_ops, n) for n in direct_reads.STUBBED} == before
+    with open(tmp_path / "dr" / "direct_reads.json") as f:
+        res = json.load(f)
+    assert res["accumulate_host_us_median"] > 0 and res["tensors"] == 148
+    assert 1 <= res["tables_kept"] <= 8        # (read in place: an address table was made)
+    assert "| median us |" in (tmp_path / "dr" / "direct_reads.md").read_text()
