@@ -91,45 +91,43 @@ PyObject* grads(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// readable_grads(params) -> (grads, addresses): each params[i].grad (None where there is
-// none), and the tuple of their data pointers when every one is there, dense (strided,
-// with storage), contiguous, of its parameter's dtype and size, and without the negative
-// bit: readable in place by the kernels (else None).
+// readable_grads(params) -> (grads, addresses): when every params[i].grad is there, dense
+// (strided, with storage), contiguous, of its parameter's dtype and size and without the
+// negative bit (readable in place by the kernels), (None, the tuple of their data
+// pointers): no Python object is made for the gradients, which are usually new tensors
+// after a backward pass; else (each params[i].grad, None where there is none; None).
 PyObject* readable_grads(PyObject* /*self*/, PyObject* arg) {
   HANDLE_TH_ERRORS
   Tensors p(arg);
   if (!p.ok()) return nullptr;
-  THPObjectPtr gs(PyList_New(p.n));          // (freed on every error path)
-  THPObjectPtr addrs(PyTuple_New(p.n));      // (its unset items are NULL: allowed)
-  if (!gs || !addrs) return nullptr;
-  bool dense = true;
+  THPObjectPtr addrs(PyTuple_New(p.n));      // (freed on every error path; unset items NULL)
+  if (!addrs) return nullptr;
+  bool readable = true;
+  for (Py_ssize_t i = 0; i < p.n && readable; ++i) {
+    const at::Tensor* x = p.tensor(i);
+    if (x == nullptr) return nullptr;
+    const at::Tensor& g = x->grad();
+    readable = g.defined() && g.layout() == at::kStrided && g.has_storage() &&
+               g.is_contiguous() && g.scalar_type() == x->scalar_type() &&
+               g.numel() == x->numel() && !g.is_neg();
+    if (readable) {
+      PyObject* a = PyLong_FromVoidPtr(g.data_ptr());          // (as Python's data_ptr)
+      if (a == nullptr) return nullptr;
+      PyTuple_SET_ITEM(addrs.get(), i, a);
+    }
+  }
+  if (readable) return Py_BuildValue("(ON)", Py_None, addrs.release());
+  THPObjectPtr gs(PyList_New(p.n));
+  if (!gs) return nullptr;
   for (Py_ssize_t i = 0; i < p.n; ++i) {
     const at::Tensor* x = p.tensor(i);
     if (x == nullptr) return nullptr;
     const at::Tensor& g = x->grad();
-    if (!g.defined()) {
-      Py_INCREF(Py_None);
-      PyList_SET_ITEM(gs.get(), i, Py_None);
-      dense = false;
-      continue;
-    }
-    PyObject* w = THPVariable_Wrap(g);
+    PyObject* w = g.defined() ? THPVariable_Wrap(g) : (Py_INCREF(Py_None), Py_None);
     if (w == nullptr) return nullptr;
     PyList_SET_ITEM(gs.get(), i, w);
-    if (dense && g.layout() == at::kStrided && g.has_storage() && g.is_contiguous() &&
-        g.scalar_type() == x->scalar_type() && g.numel() == x->numel() && !g.is_neg()) {
-      PyObject* a = PyLong_FromVoidPtr(g.data_ptr());          // (as Python's data_ptr)
-      if (a == nullptr) return nullptr;
-      PyTuple_SET_ITEM(addrs.get(), i, a);
-    } else {
-      dense = false;
-    }
   }
-  if (!dense) {
-    Py_INCREF(Py_None);
-    addrs = Py_None;
-  }
-  return Py_BuildValue("(NN)", gs.release(), addrs.release());
+  return Py_BuildValue("(NO)", gs.release(), Py_None);
   END_HANDLE_TH_ERRORS
 }
 
@@ -227,9 +225,9 @@ PyMethodDef kMethods[] = {
     {"grads", grads, METH_VARARGS,
      "grads(params, views) -> (defined, matching): .grad not None, .grad is views[i]"},
     {"readable_grads", readable_grads, METH_O,
-     "readable_grads(params) -> (grads, addresses): the .grad, and their data pointers when "
-     "every one is dense, contiguous, of its parameter's dtype and size, not negated "
-     "(else None)"},
+     "readable_grads(params) -> (grads, addresses): (None, their data pointers) when every "
+     ".grad is dense, contiguous, of its parameter's dtype and size, not negated; else "
+     "(the .grad, None)"},
     {"set_grads", set_grads, METH_VARARGS,
      "set_grads(params, grads) -> None: params[i].grad = grads[i] (grads None: None)"},
     {"trainable", trainable, METH_O, "trainable(tensors) -> int: how many require grad"},

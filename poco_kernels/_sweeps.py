@@ -45,10 +45,11 @@ def py_grads(params: Sequence[Tensor], views: Optional[Sequence[Tensor]]) -> Tup
     return defined, sum(map(operator.is_, gs, views))
 
 
-def py_readable_grads(params: Sequence[Tensor]) -> Tuple[list, Optional[tuple]]:
-    """Each ``params[i].grad`` (None where there is none), and the tuple of their data
-    pointers when every one is there, dense, contiguous, of its parameter's dtype and
-    size, and without the negative bit: readable in place by the kernels (else None)."""
+def py_readable_grads(params: Sequence[Tensor]) -> Tuple[Optional[list], Optional[tuple]]:
+    """``(None, the tuple of their data pointers)`` when every ``params[i].grad`` is there,
+    dense, contiguous, of its parameter's dtype and size, and without the negative bit
+    (readable in place by the kernels); else ``(each params[i].grad, None where there is
+    none; None)``."""
     gs = list(map(_grad, params))
     try:
         key = tuple(map(Tensor.data_ptr, gs))     # (a None, a sparse one: an error)
@@ -56,7 +57,7 @@ def py_readable_grads(params: Sequence[Tensor]) -> Tuple[list, Optional[tuple]]:
         return gs, None
     usable = all(g.is_contiguous() and g.dtype == p.dtype and g.numel() == p.numel()
                  and not g.is_neg() for p, g in zip(params, gs))
-    return gs, (key if usable else None)
+    return (None, key) if usable else (gs, None)
 
 
 def py_set_grads(params: Sequence[Tensor], grads: Optional[Sequence[Tensor]]) -> None:

@@ -87,9 +87,10 @@ class GradBuffer:
 
 
 class DirectGrads(list):
-    """A bucket's gradients read in place (:meth:`GradsMixin._direct_grads`), one per
-    parameter (None: no gradient), ``tiles``, the table of their addresses, and ``whole``:
-    none is None."""
+    """A bucket's gradients read in place (:meth:`GradsMixin._direct_grads`): ``tiles``,
+    the table of their addresses; ``whole``: every parameter has one (the list is then
+    empty: the parameters' ``.grad`` hold them); else the list has one per parameter
+    (None: no gradient)."""
 
     __slots__ = ("tiles", "whole")
 
@@ -276,8 +277,8 @@ class GradsMixin:
         if b.handed is not None and _sweeps.grads(b.params, b.grad_bufs[b.handed].views)[1]:
             return None
         grads, key = _sweeps.readable_grads(b.params)
-        present = grads
-        if key is None:                       # (a None; a sparse, strided or other one)
+        whole = key is not None               # (every one there and readable: no list)
+        if not whole:                         # (a None; a sparse, strided or other one)
             present = [g for g in grads if g is not None]
             if not present:
                 return None
@@ -293,7 +294,6 @@ class GradsMixin:
                     or any(g is not None and g.numel() != p.numel()
                            for p, g in zip(b.params, grads))):
                 return None
-        whole = present is grads
         # a few tables per bucket, the least recently used one re-addressed (one copy)
         # when every gradient is present and the addresses are new; the inner and outer
         # samples' gradients of IVON-PoCo(Mo) usually keep two sets of addresses
@@ -310,13 +310,13 @@ class GradsMixin:
                 tiles = tables.pop(old)
                 tiles.readdress(key)
             else:
-                tiles = self.ops.Tiles([(off, g.numel(), 0, a) for off, g, a
-                                        in zip(b.offsets, grads, key) if g is not None],
+                tiles = self.ops.Tiles([(off, p.numel(), 0, a) for off, p, a
+                                        in zip(b.offsets, b.params, key) if a is not None],
                                        b.device)
                 if len(tables) >= 2 * _TABLES:
                     del tables[next(iter(tables))]
         tables[key] = tiles                   # (the most recently used last)
-        return DirectGrads(grads, tiles, whole)
+        return DirectGrads(() if whole else grads, tiles, whole)
 
     def _shard_grads(self, b) -> List[Optional[Tensor]]:
         """The local gradients of a sharded bucket, one per launch of :meth:`_pieces`

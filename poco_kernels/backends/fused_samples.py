@@ -159,16 +159,17 @@ class SamplesMixin:
 
     def _accumulate_direct(self, b, grads, acc_g: Tensor, acc_ge: Optional[Tensor],
                            stream: int, slot: int, sign: float, first: bool) -> None:
-        """Accumulate unsharded bucket ``b``'s gradients read in place (``grads``, one per
-        parameter, :meth:`~.fused_grads.GradsMixin._direct_grads`) in one launch; a
-        parameter without one adds zero (its slice of the first sum is zeroed)."""
+        """Accumulate unsharded bucket ``b``'s gradients read in place (``grads``,
+        :meth:`~.fused_grads.GradsMixin._direct_grads`) in one launch; a parameter without
+        one adds zero (its slice of the first sum is zeroed)."""
         tiles = grads.tiles
-        g0 = next(g for g in grads if g is not None)
+        # (a tensor of the gradients' dtype, which the launch takes for their type)
+        g0 = b.params[0] if grads.whole else next(g for g in grads if g is not None)
         if tiles.count:
             self.ops.accumulate_shards(tiles, g0, acc_g, acc_ge, self._ctl(b), self.view.seed,
                                        self.view.noise_version, stream, slot, sign, first,
                                        acc_ge is not None)
-        if first and len(tiles.table) < len(grads):
+        if first and not grads.whole:
             torch._foreach_zero_([acc_g[off:off + p.numel()] for p, off, g
                                   in zip(b.params, b.offsets, grads) if g is None])
 
