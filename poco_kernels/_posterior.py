@@ -17,11 +17,12 @@ from . import noise as _noise
 from ._groups import _from_lightning, as_closures
 from ._optimizer import BucketedOptimizer
 from ._protocol import KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH, Pending, mean_loss
+from ._step_plan import StepPlanMixin
 from ._transaction import TransactionMixin
 from ._validation import check
 
 
-class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
+class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
     """The sampling protocol (``sample``/``accumulate``/``restore``, ``sampled``) and the
     closure-driven ``step``/``refresh`` of the diagonal family.
 
@@ -208,16 +209,12 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
                 raise RuntimeError("step(closure) with gradients already accumulated by "
                                    "sample()/accumulate(): call step() without a closure, or "
                                    "use one protocol per step")
-            try:
-                losses = [self._run_closure(closure, "inner")
-                          for _ in range(self._closure_samples())]
-                if corr:
-                    for _ in range(self._closure_samples()):
-                        self._run_closure(closure, "outer")
-            except BaseException:
-                self._drop_pending((KIND_INNER, KIND_OUTER))
-                raise
-            loss = mean_loss(losses)
+            if grad_scale is None and found_inf is None:
+                plan = self._planned(corr)
+                if plan is not None:
+                    return self._replay(plan, corr, closure)
+                return self._recorded(corr, closure)
+            loss = self._closure_loss(corr, closure)
         else:
             if pend.count[KIND_INNER] == 0 and self.rule.noisy:
                 raise RuntimeError(
@@ -242,11 +239,37 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
                     self.accumulate(clear_grads=False)
                 finally:
                     self._active = None
+        self._update(corr, grad_scale, found_inf)
+        return loss
+
+    def _closure_loss(self, corr, closure):
+        """step(closure)'s evaluations: ``mc_samples`` at inner samples and, under the
+        correction, as many at outer samples; the mean loss at the inner ones."""
+        try:
+            losses = [self._run_closure(closure, "inner")
+                      for _ in range(self._closure_samples())]
+            if corr:
+                for _ in range(self._closure_samples()):
+                    self._run_closure(closure, "outer")
+        except BaseException:
+            self._drop_pending((KIND_INNER, KIND_OUTER))
+            raise
+        return mean_loss(losses)
+
+    def _update(self, corr, grad_scale, found_inf, plan=None) -> None:
+        """The inner update from the pending sums (``plan``: its recorded launches)."""
+        pend = self._pending
         skip = self._without_grad((KIND_INNER, KIND_OUTER))
         saved = self._save_params(skip) if skip else None
         had = [set(b.buffers) for b in self._buckets]
+        rec = self._recording
+        if rec is not None:
+            rec.mark("update", (self._runner.plan_state(), tuple(sorted(pend.sums.items()))))
         try:
-            taken = self._runner.step(corr, grad_scale, found_inf)
+            if plan is not None:
+                taken = self._runner.replay_step(plan.update)
+            else:
+                taken = self._runner.step(corr, grad_scale, found_inf)
         except BaseException:
             self._drop_new_buffers(had)
             self._drop_pending((KIND_INNER, KIND_OUTER))
@@ -266,8 +289,6 @@ class PosteriorOptimizer(TransactionMixin, BucketedOptimizer):
             # sample by a sample pass (the fused kernels wrote it in the step's pass)
             self._runner.restore()
             self._runner.prefetch()
-        return loss
-
 
     # ------------------------------------------------------------------ refresh
     @torch._disable_dynamo

@@ -17,6 +17,9 @@ class TransactionMixin:
     """The helpers of :class:`~poco_kernels._posterior.PosteriorOptimizer` that keep a failed
     or skipped call from changing anything."""
 
+    #: a step plan's recording of the iteration in progress (``poco_kernels._step_plan``)
+    _recording = None
+
     @torch._disable_dynamo
     def _grads_now(self) -> List[Tuple[Tensor, Optional[Tensor], int]]:
         """Every parameter's ``.grad`` and its version counter (no copy), for
@@ -64,6 +67,9 @@ class TransactionMixin:
         """One evaluation at a ``kind`` sample.  A backend whose update rewrites the
         parameters leaves the sample there (the next sample or the update overwrites it)."""
         self._sample(kind, trainable_checked=True)
+        rec = self._recording
+        if rec is not None:                   # (a step plan's recording: the sample done)
+            rec.mark("closure", (*self._active, tuple(sorted(self._runner.active_noise.items()))))
         ok = False
         try:
             with torch.enable_grad():

@@ -53,6 +53,7 @@ from .base import Backend
 from .fused_grads import GradBuffer, GradsMixin
 from .fused_presence import Watcher
 from .fused_layout import LayoutMixin
+from .fused_plan import PlanMixin
 from .fused_samples import SamplesMixin
 from .fused_state import StateMixin
 from .hyper import HyperRows
@@ -74,7 +75,7 @@ def bucket_reasons(backend: str, buckets) -> List[str]:
     return list(dict.fromkeys(reasons))
 
 
-class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
+class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, PlanMixin, Backend):
     """Owns the flat parameter/gradient buffers, the gradient sums and the control
     tensors of one optimizer.  ``ops``: the kernels' wrapper module (``triton_ops`` or
     ``cpp_ops``).
@@ -137,7 +138,7 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
             return None
         if found_inf is not None and bool(found_inf.detach().float().sum() != 0):
             return False
-        bad = any(c[iface.CTL_BAD].item() != 0 for c in self.ctl.values())  # no allocation
+        bad = any(c.tolist()[iface.CTL_BAD] != 0 for c in self.ctl.values())  # (one read)
         if bad:
             for c in self.ctl.values():
                 self.ops.finish(c, found_inf, slot)
@@ -163,63 +164,74 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, Backend):
     def step(self, corr, grad_scale, found_inf) -> Optional[bool]:
         self.check_layout()                   # the step writes the new mean into them
         self._agree()
-        view = self.view
-        pend = view.pending
-        sums = pend.sums
-        n_in = pend.count[KIND_INNER]
         self.ahead = None
         nxt = self.ahead_family()   # the kernel writes the next step's inner sample
         made = {}                   # momentum buffers this step makes: (counter, buffer)
-        for b in view.buckets:
-            group = view.group(b, keep_tensors=True)
-            t = self._momentum_first(b, view.rule.kernel_step(b, group, view))
-            if t.s1 is not None and t.flags.momentum and not isinstance(t.hp.mom_first, Tensor) \
-                    and t.hp.mom_first != 0.0:
-                made[b.index] = (self._ctl(b)[iface.CTL_STEPS].clone(), t.s1)
-            c = b.index in corr
-            n_at_out = pend.count[KIND_OUTER] if c else 0
-            g_in = self._acc(KIND_INNER, b, "g")
-            ge_in = self._acc(KIND_INNER, b, "ge") if (KIND_INNER, b.index, "ge") in sums else None
-            noise_in = self.noise_of(KIND_INNER, b, 0) if view.rule.uses_hessian else None
-            g_at_out = ge_at_out = noise_at_out = None
-            if c:
-                g_at_out = self._acc(KIND_OUTER, b, "g")
-                if (KIND_OUTER, b.index, "ge") in sums:
-                    ge_at_out = self._acc(KIND_OUTER, b, "ge")
-                noise_at_out = self.noise_of(KIND_OUTER, b, 0) if view.rule.uses_hessian else None
-            shared = (noise_in is not None and noise_at_out is not None and noise_in == noise_at_out
-                      and ge_in is None and ge_at_out is None)
-            flags = t.flags.routed(corr=c, ge_in=ge_in is not None, ge_at_out=ge_at_out is not None,
-                                   shared_noise=shared, next_sample=nxt)
-            hyper = self.rows.row(b, "step", t.hp.counted(
-                sign_at_out=noise_at_out[2] if noise_at_out else 1.0, inv_n_in=1.0 / n_in,
-                inv_n_at_out=1.0 / n_at_out if n_at_out else 0.0))
-            streams = iface.StepStreams(view.seed, noise_in[0] if noise_in else 0,
-                                        noise_at_out[0] if noise_at_out else 0, view.noise_version)
-            fi, gs = self._amp(b, found_inf, grad_scale)
-            outs = [b.buffers.get(k) if c else None for k in ("g_out", "h_out", "m_out",
-                                                               "sigma_out")]
-            tiles = self._tiles(b, params=True)
-            if tiles is not None:
-                self.ops.step_shards(tiles, b.buffers["mean"], b.local(0), t.s1, t.s2, g_in,
-                                     ge_in, g_at_out, ge_at_out, *outs, self._ctl(b), fi, gs,
-                                     streams, hyper, flags)
-                continue
-            for lo, n, off, prm in self._pieces(b):
-                cut = self._cutter(b, lo, n)
-                self.ops.step(cut(b.buffers["mean"]), prm, cut(t.s1), cut(t.s2), cut(g_in),
-                              cut(ge_in), cut(g_at_out), cut(ge_at_out), *(cut(o) for o in outs),
-                              self._ctl(b), fi, gs, streams, hyper, flags, off)
+        for b in self.view.buckets:
+            new, launches = self._step_launches(b, corr, nxt, grad_scale, found_inf)
+            if new is not None:
+                made[b.index] = new
+            for name, args in launches:
+                getattr(self.ops, name)(*args)
         self.params_hold_mean = not nxt
         if nxt:
             self.ahead = self._ahead_key()
-        taken = self._raise_if_bad(COUNTER_STEPS, found_inf) if view.check_finite else None
+        taken = self._raise_if_bad(COUNTER_STEPS, found_inf) if self.view.check_finite else None
         self._finish(COUNTER_STEPS, found_inf)
         if taken:
             self.mom_start.clear()      # every momentum buffer has started
         elif taken is None:
             self.mom_start.update(made)
         return taken
+
+    def _step_launches(self, b, corr, nxt: bool, grad_scale, found_inf):
+        """Bucket ``b``'s step: the momentum buffer it makes, ``(the steps counter, the
+        buffer)`` or None, and its launches ``[(name, args)]`` (its row written here)."""
+        view = self.view
+        pend = view.pending
+        sums = pend.sums
+        n_in = pend.count[KIND_INNER]
+        group = view.group(b, keep_tensors=True)
+        t = self._momentum_first(b, view.rule.kernel_step(b, group, view))
+        made = None
+        if t.s1 is not None and t.flags.momentum and not isinstance(t.hp.mom_first, Tensor) \
+                and t.hp.mom_first != 0.0:
+            made = (self._ctl(b)[iface.CTL_STEPS].clone(), t.s1)
+        c = b.index in corr
+        n_at_out = pend.count[KIND_OUTER] if c else 0
+        g_in = self._acc(KIND_INNER, b, "g")
+        ge_in = self._acc(KIND_INNER, b, "ge") if (KIND_INNER, b.index, "ge") in sums else None
+        noise_in = self.noise_of(KIND_INNER, b, 0) if view.rule.uses_hessian else None
+        g_at_out = ge_at_out = noise_at_out = None
+        if c:
+            g_at_out = self._acc(KIND_OUTER, b, "g")
+            if (KIND_OUTER, b.index, "ge") in sums:
+                ge_at_out = self._acc(KIND_OUTER, b, "ge")
+            noise_at_out = self.noise_of(KIND_OUTER, b, 0) if view.rule.uses_hessian else None
+        shared = (noise_in is not None and noise_at_out is not None and noise_in == noise_at_out
+                  and ge_in is None and ge_at_out is None)
+        flags = t.flags.routed(corr=c, ge_in=ge_in is not None, ge_at_out=ge_at_out is not None,
+                               shared_noise=shared, next_sample=nxt)
+        hyper = self.rows.row(b, "step", t.hp.counted(
+            sign_at_out=noise_at_out[2] if noise_at_out else 1.0, inv_n_in=1.0 / n_in,
+            inv_n_at_out=1.0 / n_at_out if n_at_out else 0.0))
+        streams = iface.StepStreams(view.seed, noise_in[0] if noise_in else 0,
+                                    noise_at_out[0] if noise_at_out else 0, view.noise_version)
+        fi, gs = self._amp(b, found_inf, grad_scale)
+        outs = [b.buffers.get(k) if c else None for k in ("g_out", "h_out", "m_out", "sigma_out")]
+        tiles = self._tiles(b, params=True)
+        if tiles is not None:
+            return made, [("step_shards", (tiles, b.buffers["mean"], b.local(0), t.s1, t.s2, g_in,
+                                           ge_in, g_at_out, ge_at_out, *outs, self._ctl(b), fi,
+                                           gs, streams, hyper, flags))]
+        out = []
+        for lo, n, off, prm in self._pieces(b):
+            cut = self._cutter(b, lo, n)
+            out.append(("step", (cut(b.buffers["mean"]), prm, cut(t.s1), cut(t.s2), cut(g_in),
+                                 cut(ge_in), cut(g_at_out), cut(ge_at_out),
+                                 *(cut(o) for o in outs), self._ctl(b), fi, gs, streams, hyper,
+                                 flags, off)))
+        return made, out
 
     def refresh(self, grad_scale, found_inf) -> bool:
         self.ahead = None

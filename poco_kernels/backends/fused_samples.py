@@ -74,30 +74,40 @@ class SamplesMixin:
                 continue
             if self.params_hold_mean and not is_mean and b.param_dtype == b.dtype:
                 self._params_to(b, b.buffers["mean"])
-            nk, nd, slot, sign = spec.noise
-            stream = _noise.stream_id(b.index, nk, nd)
-            self.active_noise[b.index] = (stream, slot, float(sign))
-            if spec.h is not None:
-                mode, h, sig, const = iface.SIGMA_IVON, spec.h, None, 0.0
-            elif isinstance(spec.sigma, Tensor):
-                mode, h, sig, const = iface.SIGMA_BUFFER, None, spec.sigma, 0.0
-            else:
-                mode, h, sig, const = iface.SIGMA_CONST, None, None, spec.sigma
-            row = self.rows.row(b, f"sample{kind}", iface.SampleHyper(
-                *(iface.hyper_value(v) for v in (spec.ess, spec.wd, const))))
-            tiles = self._tiles(b, params=True)
-            if tiles is not None:
-                self.ops.sample_shards(tiles, b.local(0), b.buffers["mean"] if sync else
-                                       spec.centre, b.buffers["mean"], h, sig, self._ctl(b),
-                                       view.seed, view.noise_version, stream, slot, row,
-                                       float(sign), mode, sync)
-                continue
-            for lo, n, off, prm in self._pieces(b):
-                cut = self._cutter(b, lo, n)
-                self.ops.sample(prm, prm if sync else cut(spec.centre), cut(b.buffers["mean"]),
-                                cut(h), cut(sig), self._ctl(b), view.seed, view.noise_version,
-                                stream, slot, row, float(sign), mode, sync, off)
+            noise, launches = self._sample_launches(b, spec, kind, sync)
+            self.active_noise[b.index] = noise
+            for name, args in launches:
+                getattr(self.ops, name)(*args)
         self.params_hold_mean = False
+
+    def _sample_launches(self, b, spec, kind: int, sync: bool):
+        """Bucket ``b``'s noisy sample ``spec``: its noise record ``(stream, counter slot,
+        sign)`` and its launches ``[(name, args)]`` (one over the flat buffers, one over a
+        sharded bucket's shards, or one per shard); its row is written here."""
+        view = self.view
+        nk, nd, slot, sign = spec.noise
+        stream = _noise.stream_id(b.index, nk, nd)
+        if spec.h is not None:
+            mode, h, sig, const = iface.SIGMA_IVON, spec.h, None, 0.0
+        elif isinstance(spec.sigma, Tensor):
+            mode, h, sig, const = iface.SIGMA_BUFFER, None, spec.sigma, 0.0
+        else:
+            mode, h, sig, const = iface.SIGMA_CONST, None, None, spec.sigma
+        row = self.rows.row(b, f"sample{kind}", iface.SampleHyper(
+            *(iface.hyper_value(v) for v in (spec.ess, spec.wd, const))))
+        mean, ctl, sign = b.buffers["mean"], self._ctl(b), float(sign)
+        tiles = self._tiles(b, params=True)
+        if tiles is not None:
+            return (stream, slot, sign), [("sample_shards", (
+                tiles, b.local(0), mean if sync else spec.centre, mean, h, sig, ctl, view.seed,
+                view.noise_version, stream, slot, row, sign, mode, sync))]
+        out = []
+        for lo, n, off, prm in self._pieces(b):
+            cut = self._cutter(b, lo, n)
+            out.append(("sample", (prm, prm if sync else cut(spec.centre), cut(mean), cut(h),
+                                   cut(sig), ctl, view.seed, view.noise_version, stream, slot,
+                                   row, sign, mode, sync, off)))
+        return (stream, slot, sign), out
 
     @torch.no_grad()
     def restore(self) -> None:

@@ -20,7 +20,7 @@ from .interface import (RefreshFlags, RefreshHyper, SampleHyper, StepFlags, Step
                         StepStreams, hyper_row, require)
 
 __all__ = ["sample", "accumulate", "check", "fold_ge", "step", "refresh", "finish", "randn", "isa",
-           "set_isa", "available_isas"]
+           "set_isa", "available_isas", "prepare"]
 
 _ops = torch.ops.poco_kernels_cpp
 
@@ -39,8 +39,14 @@ def sample(param: Tensor, centre: Tensor, mean: Tensor, h: Optional[Tensor],
     the same in every operator below); ``noise``: the stream definition, 1 or 2
     (:mod:`poco_kernels.noise`); ``offset``: the stream index of element 0 (a shard's place
     in its unsharded bucket)."""
-    _ops.sample(param, centre, mean, h, sigma, ctl, seed, noise, stream, counter_slot,
-                hyper_row(hp, SampleHyper), float(sign), sigma_mode, sync, int(offset))
+    _ops.sample(*_sample_args(param, centre, mean, h, sigma, ctl, seed, noise, stream,
+                              counter_slot, hp, sign, sigma_mode, sync, offset))
+
+
+def _sample_args(param, centre, mean, h, sigma, ctl, seed, noise, stream, counter_slot, hp,
+                 sign, sigma_mode, sync, offset=0) -> tuple:
+    return (param, centre, mean, h, sigma, ctl, seed, noise, stream, counter_slot,
+            hyper_row(hp, SampleHyper), float(sign), sigma_mode, sync, int(offset))
 
 
 def accumulate(grad: Tensor, acc_g: Tensor, acc_ge: Optional[Tensor], ctl: Tensor, seed: int,
@@ -71,13 +77,19 @@ def step(mean: Tensor, param: Tensor, s1: Optional[Tensor], s2: Optional[Tensor]
          flags: StepFlags, offset: int = 0) -> None:
     """One inner step of every optimizer of the diagonal family (``step_kernel``); the
     records of :mod:`~poco_kernels.kernels.interface` are read by name in ``csrc/``."""
+    _ops.step(*_step_args(mean, param, s1, s2, g_in, ge_in, g_at_out, ge_at_out, g_out, h_out,
+                          m_out, sigma_out, ctl, found_inf, grad_scale, streams, hp, flags,
+                          offset))
+
+
+def _step_args(mean, param, s1, s2, g_in, ge_in, g_at_out, ge_at_out, g_out, h_out, m_out,
+               sigma_out, ctl, found_inf, grad_scale, streams, hp, flags, offset=0) -> tuple:
     streams = require(streams, StepStreams, "streams")
     flags = require(flags, StepFlags, "flags")
-    _ops.step(mean, param, s1, s2, g_in, ge_in, g_at_out, ge_at_out, g_out, h_out, m_out,
-              sigma_out, ctl,
-              found_inf, grad_scale, int(streams.seed), int(streams.noise), int(streams.stream),
-              int(streams.stream_at_out), hyper_row(hp, StepHyper), int(flags.family), flags.bits(),
-              int(offset))
+    return (mean, param, s1, s2, g_in, ge_in, g_at_out, ge_at_out, g_out, h_out, m_out,
+            sigma_out, ctl, found_inf, grad_scale, int(streams.seed), int(streams.noise),
+            int(streams.stream), int(streams.stream_at_out), hyper_row(hp, StepHyper),
+            int(flags.family), flags.bits(), int(offset))
 
 
 def refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[Tensor],
@@ -90,6 +102,19 @@ def refresh(mean: Tensor, h: Optional[Tensor], acc_g: Tensor, acc_ge: Optional[T
     _ops.refresh(mean, h, acc_g, acc_ge, g_out, h_out, m_out, sigma_out, ctl, found_inf,
                  grad_scale, seed, noise, stream, hyper_row(hp, RefreshHyper),
                  int(flags.family), flags.bits(), int(offset))
+
+
+def prepare(name: str, args: tuple):
+    """A call of this module's ``name`` with ``args`` (a step plan's, replayed many
+    times), prepared once: the operator and the arguments this module would pass it, so
+    that ``fn(*args)`` is that call without the records' conversions."""
+    if name == "sample":
+        return _ops.sample.default, _sample_args(*args)
+    if name == "step":
+        return _ops.step.default, _step_args(*args)
+    if name == "check":
+        return _ops.check.default, tuple(args)
+    return globals()[name], tuple(args)
 
 
 def finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:

@@ -197,7 +197,7 @@ def test_a_cycle_would_be_found():
 
 OPTIMIZER_MODULES = {"poco_kernels." + m for m in (
     "_optimizer", "_arguments", "_groups", "_state_dict", "_posterior", "_transaction",
-    "_view", "_derivatives", "ivon", "svrg", "von_poco")} | {"poco_kernels"}
+    "_step_plan", "_view", "_derivatives", "ivon", "svrg", "von_poco")} | {"poco_kernels"}
 
 
 def test_dependencies_point_one_way():
@@ -238,7 +238,7 @@ def test_a_backend_sees_its_optimizer_only_through_the_view():
 
 
 @pytest.mark.parametrize("module", ["_optimizer", "_posterior", "_groups", "_state_dict",
-                                    "_transaction", "ivon", "svrg", "von_poco"])
+                                    "_transaction", "_step_plan", "ivon", "svrg", "von_poco"])
 def test_optimizer_modules_hold_no_backend_branches(module):
     src = open(os.path.join(PKG, module + ".py")).read()
     tree = ast.parse(src)

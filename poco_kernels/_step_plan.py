@@ -1,0 +1,271 @@
+"""Step plans: ``step(closure)``'s steady state on the fused backends, recorded and
+replayed (:mod:`poco_kernels.backends.fused_plan` has the engine's part and why).
+
+The optimizer records an iteration when it starts where a plan could (no sample, no
+pending gradients, no AMP arguments, groups whose values were all validated as
+immutable); two consecutive recordings that agree make a :class:`StepPlan`.  A planned
+iteration makes the same state changes as the slow path, in the same order: the sample
+of each kind (the protocol's ``_active``, draws and counts), the closure, the gradients
+lent as the pending sums, the update (shared with the slow path:
+``PosteriorOptimizer._update``).  Each part first checks what it was planned from (the
+groups' values by identity, the engine's buffers and rows, the gradients handed out);
+a part that finds a difference runs the slow path from the state the planned parts
+left, which is the slow path's own.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+
+from ._protocol import KIND_INNER, KIND_OUTER, mean_loss
+from .backends.fused_plan import same as _same
+
+_KIND_NAME = {KIND_INNER: "inner", KIND_OUTER: "outer"}
+
+#: the calls of each part of a planned iteration, in order (per bucket; per device for
+#: ``finish``)
+_SAMPLE, _CHECK, _STEP, _FINISH = "sample", "check", "step", "finish"
+
+
+def group_stamp(opt) -> Optional[tuple]:
+    """The groups as ``_check_groups`` last validated them (one entry per group, replaced
+    when a value changes), or None where a group holds a value that can change in place
+    (a tensor ``lr``: it is read at every update, not planned)."""
+    seen = opt.__dict__.get("_validated", {})
+    out = tuple(seen.get(gi) for gi in range(len(opt._groups)))
+    return None if None in out else out
+
+
+def groups_unchanged(opt, stamp) -> bool:
+    """No group's key or value was replaced since ``stamp`` (a closure may set ``lr``)."""
+    groups = opt._groups
+    if len(groups) != len(stamp):
+        return False
+    for g, (g0, items0) in zip(groups, stamp):
+        if g is not g0:
+            return False
+        items = [x for kv in dict.items(g) if kv[0] != "params" for x in kv]
+        if len(items) != len(items0) or not all(map(operator.is_, items, items0)):
+            return False
+    return True
+
+
+class StepPlan:
+    """One recorded iteration of ``step(closure)``: per closure evaluation the sample kind,
+    its launches and noise records, the gradient checks that lend each bucket's buffer;
+    the update's launches.  Each launch is kept as recorded (to compare with one derived
+    again) and prepared (to replay)."""
+
+    def __init__(self, key, stamp, state, values, samples, update, update_state, eng):
+        self.key = key                # the correction's buckets and the groups waiting
+        self.stamp = stamp            # the groups' values the launches were derived from
+        self.state = state            # the engine's side (FusedBackend.plan_state)
+        self.values = values          # the rows' values then (FusedBackend.row_values)
+        #: per closure: (kind, sample launches as recorded, prepared, noise records,
+        #: checks, prepared checks)
+        self.samples = [(kind, tuple(calls), eng.prepare(calls), noise, checks,
+                         eng.prepare([("check", c) for c in checks]))
+                        for kind, calls, noise, checks in samples]
+        self.update_calls = tuple(update)   # the step launches as recorded
+        self.update = eng.prepare(update)
+        #: the engine's side when the update starts, and the pending sums then
+        self.update_state, sums = update_state
+        self.sums = dict(sums)
+
+    def sums_as_planned(self, pend) -> bool:
+        sums = pend.sums
+        return (len(sums) == len(self.sums)
+                and all(sums.get(k) is v for k, v in self.sums.items())
+                and not any(pend.no_grad.values()))
+
+
+def from_recordings(a, b, eng) -> Optional[StepPlan]:
+    """A plan from two consecutive recordings (``(key, Recording, end state)``) that agree
+    call for call and start and end in the same state; None otherwise."""
+    (key_a, rec_a, end_a), (key_b, rec_b, end_b) = a, b
+    if rec_a.broken or rec_b.broken or not _same(key_a[1:], key_b[1:]):
+        return None
+    if not (_same(rec_a.start, rec_b.start) and _same(rec_b.start, end_b)
+            and _same(end_a, end_b)):
+        return None
+    if len(rec_a.calls) != len(rec_b.calls) or len(rec_a.marks) != len(rec_b.marks):
+        return None
+    for (na, aa), (nb, ab) in zip(rec_a.calls, rec_b.calls):
+        if na != nb or not _same(aa, ab):
+            return None
+    for (ia, wa, sa), (ib, wb, sb) in zip(rec_a.marks, rec_b.marks):
+        if ia != ib or wa != wb or not _same(sa, sb):
+            return None
+    return _parse(key_b, rec_b, eng)
+
+
+def _parse(key, rec, eng) -> Optional[StepPlan]:
+    """The plan of a recording of the planned pattern: per closure, the sample launches
+    (one per bucket) before it and the finiteness checks after it (one per bucket: the
+    buffer lent); then the step launches and the counters' ``finish``."""
+    marks, calls = rec.marks, rec.calls
+    if len(marks) < 2 or marks[-1][1] != "update" \
+            or any(what != "closure" for _, what, _ in marks[:-1]):
+        return None
+    pos = [i for i, _, _ in marks]
+    nb = pos[0]
+    if nb == 0 or any(n != _SAMPLE for n, _ in calls[:nb]):
+        return None
+    launches = [calls[:nb]]
+    checks = []
+    for j in range(len(marks) - 1):
+        seg = calls[pos[j]:pos[j + 1]]
+        last = j == len(marks) - 2
+        if len(seg) != (nb if last else 2 * nb) \
+                or any(n != _CHECK for n, _ in seg[:nb]) \
+                or any(n != _SAMPLE for n, _ in seg[nb:]):
+            return None
+        checks.append([args for _, args in seg[:nb]])
+        if not last:
+            launches.append(seg[nb:])
+    samples = []
+    for (_, _, snap), sample_calls, chk in zip(marks, launches, checks):
+        kind, draw, noise = snap
+        if draw != 0 or kind not in (KIND_INNER, KIND_OUTER) or any(len(a) != 2 for a in chk):
+            return None
+        samples.append((kind, sample_calls, dict(noise), chk))
+    tail = calls[pos[-1]:]
+    if [n for n, _ in tail[:nb]] != [_STEP] * nb or any(n != _FINISH for n, _ in tail[nb:]):
+        return None
+    return StepPlan(key[1:], key[0], rec.start, eng.row_values(), samples, tail[:nb],
+                    marks[-1][2], eng)
+
+
+
+
+class StepPlanMixin:
+    """``step(closure)`` by plan where one fits, else recorded (for the next plan)."""
+
+    #: a :class:`StepPlan`, or the last recording ``(key, Recording, end state)``
+    _step_plan: Any = None
+    #: plans are made and replayed (False: every iteration by the slow path)
+    step_plans: bool = True
+
+    def _plan_key(self, corr) -> Optional[tuple]:
+        """(the groups' stamp, the correction's buckets, the groups waiting for a refresh),
+        or None where a group's value can change in place."""
+        stamp = group_stamp(self)
+        if stamp is None:
+            return None
+        return (stamp, tuple(sorted(corr)), tuple(sorted(self._awaiting)))
+
+    def _planned(self, corr) -> Optional[StepPlan]:
+        """The plan for this iteration, if one fits where the optimizer is."""
+        plan = self._step_plan
+        if not isinstance(plan, StepPlan) or not self.step_plans:
+            return None
+        key = self._plan_key(corr)
+        if key is None or not _same(key[1:], plan.key) \
+                or not _same(self._runner.plan_state(), plan.state):
+            return None
+        return plan
+
+    def _recorded(self, corr, closure):
+        """The slow path, recorded when it starts where a plan could; two recordings in a
+        row that agree become the plan."""
+        eng = self._runner
+        key = self._plan_key(corr) if self.step_plans else None
+        rec = eng.record() if key is not None and hasattr(eng, "record") else None
+        if rec is None:
+            self._step_plan = None
+            loss = self._closure_loss(corr, closure)
+            self._update(corr, None, None)
+            return loss
+        self._recording = rec
+        ok = False
+        try:
+            loss = self._closure_loss(corr, closure)
+            self._update(corr, None, None)
+            ok = True
+        finally:
+            self._recording = None
+            eng.stop_recording(rec)
+            if not ok:
+                self._step_plan = None
+        end = eng.plan_state() if eng.plan_ready() and groups_unchanged(self, key[0]) else None
+        prev = self._step_plan
+        this = (key, rec, end)
+        plan = None
+        if end is not None and isinstance(prev, tuple) and prev[2] is not None:
+            plan = from_recordings(prev, this, eng)
+        self._step_plan = plan if plan is not None else this
+        return loss
+
+    def _replay(self, plan: StepPlan, corr, closure):
+        """One iteration by ``plan``.  Where the groups' values or the rows' changed since
+        the plan was made (a learning-rate schedule), each part derives its launches again
+        (writing the rows) and replays only if they are the planned ones; a part that finds
+        a difference runs the slow path's own code, from the state the parts before it
+        left."""
+        eng = self._runner
+        pend = self._pending
+        stamp = group_stamp(self)
+        fast = stamp is plan.stamp or _same(stamp, plan.stamp)
+        fast = fast and _same(eng.row_values(), plan.values)
+        agreed = True
+        losses = []
+        try:
+            for j, (kind, rec, calls, noise, checks, check_calls) in enumerate(plan.samples):
+                if not (fast and (j == 0 or groups_unchanged(self, stamp))):
+                    derived = eng.derive_sample(kind)
+                    if derived is None or not _same(tuple(derived[1]), rec) \
+                            or not _same(tuple(sorted(derived[0].items())),
+                                         tuple(sorted(noise.items()))):
+                        agreed = False
+                        loss = self._run_closure(closure, _KIND_NAME[kind])
+                        if kind == KIND_INNER:
+                            losses.append(loss)
+                        continue
+                loss = self._replay_closure(kind, calls, noise, checks, check_calls, closure)
+                if kind == KIND_INNER:
+                    losses.append(loss)
+        except BaseException:
+            self._drop_pending((KIND_INNER, KIND_OUTER))
+            raise
+        ready = plan.sums_as_planned(pend) and _same(eng.plan_state(), plan.update_state)
+        if ready and not (fast and groups_unchanged(self, stamp)):
+            derived = eng.derive_step(corr)
+            ready = derived is not None and _same(tuple(derived), plan.update_calls)
+        agreed = agreed and ready
+        self._update(corr, None, None, plan if ready else None)
+        if not agreed:                        # (recorded again from the next iteration)
+            self._step_plan = None
+        elif not fast:                        # (the rows hold the new values now)
+            plan.stamp, plan.values = group_stamp(self), eng.row_values()
+        return mean_loss(losses)
+
+    def _replay_closure(self, kind, calls, noise, checks, check_calls, closure):
+        """``_run_closure`` of a planned sample: the sample's launches, the closure, the
+        buffers handed out lent as the sums (or the slow ``_accumulate``)."""
+        eng = self._runner
+        pend = self._pending
+        try:
+            eng.replay_sample(calls, noise)
+        except BaseException:
+            eng.restore()
+            raise
+        self._active = (kind, 0)
+        pend.draws[kind] = 1
+        ok = False
+        try:
+            with torch.enable_grad():
+                loss = closure()
+            if eng.replay_accumulate(kind, checks, check_calls):
+                pend.note_grads(kind, frozenset())
+                pend.count[kind] += 1
+            else:
+                self._accumulate(clear_grads=True, keep_views=True)
+            ok = True
+        finally:
+            if ok:
+                self._active = None
+            else:
+                self.restore()
+        return loss

@@ -1,0 +1,210 @@
+"""The fused engine's part of a step plan: ``step(closure)``'s steady state recorded once
+and replayed (the optimizer's part, the protocol around it, is
+:mod:`poco_kernels._step_plan`).
+
+A training loop calls ``step(closure)`` with the same hyperparameters and the same
+parameters iteration after iteration, and the engine derives the same kernel arguments
+every time: the records from the groups, the hyperparameter rows, the noise streams,
+the buffers.  That derivation is most of an iteration's host time at GPT-2's tensor
+count.  Here an iteration is recorded (every call into the kernels' wrapper module, with
+its arguments); two consecutive recordings that agree call for call, from the same
+state to the same state, make a plan, which later iterations replay: the same calls
+with the same arguments, and the few assignments of state the slow path makes between
+them.  What the slow path checks on every call and a user can change between or inside
+iterations (the layout, the ``.grad`` handed out, which parameters a backward reached,
+the hooks) is still checked, by the same methods; what the arguments were derived from
+is compared by identity (:meth:`PlanMixin.plan_state`), and any difference sends that
+part of the iteration down the slow path, from the same state.
+
+Only the one-draw pattern of the IVON family is planned: float32 parameters in
+unsharded buckets, ``grad_views``, one sample of each kind per step, nothing ahead
+(``sample_ahead`` off), no AMP arguments.  Everything else runs as before.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import _sweeps
+from .._protocol import COUNTER_STEPS
+from .fused_grads import _capturing
+
+
+class Recording:
+    """Stands in for the engine's kernel wrapper module during one iteration: every call
+    is recorded (name, positional arguments) and passed on; ``mark`` notes where the
+    protocol was (a closure about to run, the update about to start)."""
+
+    def __init__(self, ops, start):
+        self._ops = ops
+        self.start = start
+        self.calls: List[Tuple[str, tuple]] = []
+        self.marks: List[Tuple[int, str, Any]] = []
+        self.broken = False
+
+    def __getattr__(self, name):
+        fn = getattr(self._ops, name)
+        if not callable(fn) or name.startswith("_"):
+            return fn
+
+        def call(*args, **kwargs):
+            if kwargs:
+                self.broken = True
+            self.calls.append((name, args))
+            return fn(*args, **kwargs)
+        return call
+
+    def mark(self, what: str, snapshot) -> None:
+        self.marks.append((len(self.calls), what, snapshot))
+
+
+def same(a, b) -> bool:
+    """Two recorded values agree: tensors (and other objects) by identity, numbers,
+    strings, None and tuples of them by value (item by item by identity first: C speed
+    when nothing changed)."""
+    if a is b:
+        return True
+    if type(a) is tuple and type(b) is tuple and len(a) == len(b) \
+            and all(map(operator.is_, a, b)):
+        return True
+    if isinstance(a, Tensor) or isinstance(b, Tensor) or type(a) is not type(b):
+        return False
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, (int, float, str, bool)):
+        return a == b
+    return False
+
+
+class PlanMixin:
+    """Recording and replaying the engine's part of ``step(closure)``."""
+
+    def plan_state(self) -> tuple:
+        """What a planned call's arguments were derived from, for comparison by
+        :func:`same`, besides the groups' values and the rows' (:meth:`row_values`): the
+        buckets, their parameter, gradient and state buffers, the control tensors and the
+        rows of the samples and steps, the view's settings the derivation reads."""
+        view = self.view
+        out: List[Any] = [view.check_finite, view.grad_views, view.sample_ahead,
+                          view.noise_version, view.seed, self.params_hold_mean,
+                          self.ahead is None, not self.mom_start]
+        for b in view.buckets:
+            out += (b, b.flat_param, b.handed, *(b.swapped or (None, None)), b.presence,
+                    *b.buffers, *b.buffers.values(), *(gb.flat for gb in b.grad_bufs))
+        out += self.ctl.values()
+        for (_, name), r in self.rows.rows.items():
+            if name != "refresh":             # (a step's launches read the others)
+                out += (r, r.row)
+        return tuple(out)
+
+    def row_values(self) -> tuple:
+        """The values last written to the rows of the samples and steps."""
+        return tuple(r.floats for (_, name), r in self.rows.rows.items() if name != "refresh")
+
+    def derive_sample(self, kind: int):
+        """The noise records and launches a sample of ``kind`` (draw 0) makes from here
+        (its rows written), or None where it is not a planned one (no noise, or the
+        parameters moved to the mean buffer first)."""
+        view = self.view
+        noise, out = {}, []
+        for b in view.buckets:
+            spec = view.spec(b, kind, 0)
+            is_mean = spec.centre is b.buffers["mean"]
+            if spec.noise is None or (self.params_hold_mean and not is_mean):
+                return None
+            sync = self.params_hold_mean and is_mean and b.param_dtype == b.dtype
+            noise[b.index], launches = self._sample_launches(b, spec, kind, sync)
+            out += launches
+        return noise, out
+
+    def derive_step(self, corr) -> Optional[list]:
+        """The launches the step makes from here (its rows written), or None where it makes
+        a momentum buffer."""
+        out = []
+        nxt = self.ahead_family()
+        for b in self.view.buckets:
+            made, launches = self._step_launches(b, corr, nxt, None, None)
+            if made is not None:
+                return None
+            out += launches
+        return out
+
+    def plan_ready(self) -> bool:
+        """The engine is where a planned iteration starts: the mean in the parameters,
+        nothing ahead, every trainable parameter's ``.grad`` the view handed out."""
+        if (not self.view.grad_views or self.ahead is not None or not self.params_hold_mean
+                or self.mom_start or torch.compiler.is_compiling() or _capturing()):
+            return False
+        for b in self.view.buckets:
+            if (b.segments is not None or b.param_dtype != b.dtype or b.handed is None
+                    or b.swapped or b.presence is None
+                    or _sweeps.grads(b.params, b.grad_bufs[b.handed].views)[1]
+                    != len(b.params)):
+                return False
+        return bool(self.view.buckets)
+
+    def record(self) -> Optional[Recording]:
+        """Record the calls into the kernels from here (None: the engine is not where a
+        plan starts)."""
+        if isinstance(self.ops, Recording) or not self.plan_ready():
+            return None
+        rec = Recording(self.ops, self.plan_state())
+        self.ops = rec
+        return rec
+
+    def stop_recording(self, rec: Recording) -> None:
+        if self.ops is rec:
+            self.ops = rec._ops
+
+    # ------------------------------------------------------------------ replay
+    def prepare(self, calls) -> list:
+        """Recorded calls ``(name, args)`` as ``(function, arguments)`` the wrapper module
+        prepared once (its records converted)."""
+        return [self.ops.prepare(name, args) for name, args in calls]
+
+    def replay_sample(self, calls, noise: Dict[int, Any]) -> None:
+        """:meth:`~.fused_samples.SamplesMixin.sample` of a planned kind: the checks and
+        the hand-out as always, then the recorded launches."""
+        self.check_layout()
+        self.hand_out()
+        self.ahead = None
+        for fn, args in calls:
+            fn(*args)
+        self.active_noise.update(noise)
+        self.params_hold_mean = False
+
+    def replay_accumulate(self, kind: int, checks, check_calls) -> bool:
+        """:meth:`~.fused_samples.SamplesMixin.accumulate` of a planned kind, when every
+        bucket's ``.grad`` are still the views handed out, each reached by the backward,
+        and the buffer handed out is the recorded one (``checks``: per bucket the buffer
+        and its control tensor; ``check_calls``: their prepared finiteness checks): the
+        buffer becomes the pending sum.  False (nothing done): the slow path's turn."""
+        buckets = self.view.buckets
+        for b, (grad, _) in zip(buckets, checks):
+            gb = b.grad_bufs[b.handed] if b.handed is not None else None
+            if (gb is None or gb.flat is not grad or not b.presence.all()
+                    or _sweeps.grads(b.params, gb.views)[1] != len(b.params)):
+                return False
+        sums = self.view.pending.sums
+        for b, (grad, _), (fn, args) in zip(buckets, checks, check_calls):
+            b.grad_bufs[b.handed].clean = None        # (it holds a gradient now)
+            fn(*args)
+            sums[(kind, b.index, "g")] = grad
+        self._complete = frozenset()
+        return True
+
+    def replay_step(self, calls) -> Optional[bool]:
+        """:meth:`~.fused.FusedBackend.step` with the recorded launches."""
+        self.check_layout()
+        self.ahead = None
+        for fn, args in calls:
+            fn(*args)
+        self.params_hold_mean = True
+        taken = self._raise_if_bad(COUNTER_STEPS, None) if self.view.check_finite else None
+        self._finish(COUNTER_STEPS, None)
+        if taken:
+            self.mom_start.clear()
+        return taken

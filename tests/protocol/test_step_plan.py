@@ -1,0 +1,209 @@
+"""Step plans (``poco_kernels._step_plan``): ``step(closure)``'s steady state on the fused
+backends is recorded and replayed; every iteration, replayed or not, leaves the
+parameters, the state, the counters and the pending sums exactly as the slow path does,
+through the events a training loop meets between and inside iterations."""
+import pytest
+import torch
+
+import poco_kernels as pk
+from poco_kernels._step_plan import StepPlan
+from helpers import FUSED_BACKENDS, Problem, mlp
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CPP = [b for b in FUSED_BACKENDS if b == "cpp"]
+
+
+def _twins(cls, backend, **kw):
+    out = []
+    for plans in (True, False):
+        m = mlp()
+        kw2 = dict(dict(lr=0.05, ess=200.0, seed=5, backend=backend), **kw)
+        if cls is not pk.IVON:
+            kw2.setdefault("alpha", 0.5)
+        opt = cls(list(m.parameters())[:3], **kw2)     # (the last one joins later)
+        opt.step_plans = plans
+        out.append((m, opt))
+    return out
+
+
+def _same(a, b):
+    (ma, oa), (mb, ob) = a, b
+    for p, q in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(p, q)
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, equal_nan=True)
+    sa, sb = oa.state_dict(), ob.state_dict()
+    for k in sa["state"]:
+        for n, v in sa["state"][k].items():
+            w = sb["state"][k][n]
+            assert (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w), (k, n)
+    assert oa._step == ob._step and oa._refreshes == ob._refreshes
+    assert oa._active == ob._active and oa._pending.count == ob._pending.count
+    assert oa._pending.draws == ob._pending.draws
+    assert set(oa._pending.sums) == set(ob._pending.sums)
+
+
+#: the events, 5 or more iterations apart (a plan is made again in between); those marked
+#: replayed meet a plan that still fits when the iteration starts
+EVENTS = {9: "lr", 14: "freeze", 19: "unfreeze", 28: "data", 33: "set_to_none",
+          38: "load_state_dict", 43: "unreached", 48: "lr_inside", 53: "raises",
+          58: "nan", 63: "grad_replaced", 68: "data_inside", 73: "two_samples",
+          78: "after_two_samples", 83: "add_group"}
+REPLAYED = {28, 33, 43, 48, 53, 58, 63, 68, 78}
+
+
+def _events(t, m, opt, prob):
+    """What happens before iteration ``t``, and the closure it runs."""
+    ps = list(m.parameters())
+    idx = t % 5
+    ev = EVENTS.get(t)
+    if ev == "lr":
+        opt.param_groups[0]["lr"] = 0.03
+    elif ev in ("freeze", "unfreeze"):
+        ps[0].requires_grad_(ev == "unfreeze")
+    elif ev == "data":
+        ps[1].data = ps[1].detach().clone() * 0.5
+    elif ev == "set_to_none":
+        opt.zero_grad(set_to_none=True)
+    elif ev == "load_state_dict":
+        opt.load_state_dict(opt.state_dict())
+    elif ev == "add_group":
+        opt.add_param_group({"params": [ps[3]]})
+    elif ev == "two_samples":                # the other protocol: the rows get 1/2
+        for _ in range(2):
+            with opt.sampled("inner"):
+                prob.loss(m, idx).backward()
+        if opt.correction_active():
+            with opt.sampled("outer"):
+                prob.loss(m, idx).backward()
+
+    if ev == "two_samples":
+        return None
+
+    def closure():
+        opt.zero_grad()
+        loss = prob.loss(m, idx)
+        if ev == "unreached":               # a parameter the backward does not reach
+            loss.backward(inputs=ps[:3])
+            return loss
+        if ev == "lr_inside":               # (and the outer sample's noise, IVON-PoCoMo)
+            opt.param_groups[0]["lr"] = 0.02
+            if "outer_noise" in opt.param_groups[0]:
+                opt.param_groups[0]["outer_noise"] = "independent"
+        if ev == "raises":
+            raise KeyError("closure failed")
+        loss.backward()
+        if ev == "nan":                     # a non-finite gradient: refused, nothing changes
+            ps[2].grad[0] = float("nan")
+        if ev == "grad_replaced":
+            ps[0].grad = ps[0].grad.clone()
+        if ev == "data_inside":             # a parameter's storage replaced, sample in it
+            with torch.no_grad():
+                ps[1].data = ps[1].detach().clone() + 0.01
+        return loss
+    return closure
+
+
+@pytest.mark.parametrize("backend", CPP)
+@pytest.mark.parametrize("cls", [pk.IVON, pk.IVONPoCoMo])
+def test_replayed_iterations_equal_the_slow_path(cls, backend, monkeypatch):
+    twins = _twins(cls, backend)
+    prob = Problem()
+    replays = []
+    real = type(twins[0][1])._replay
+
+    def counted(self, *a):
+        replays.append((self, t))
+        return real(self, *a)
+    monkeypatch.setattr(type(twins[0][1]), "_replay", counted)
+    for t in range(88):
+        outcomes = []
+        for m, opt in twins:
+            if cls is not pk.IVON and t % 4 == 3:
+                opt.refresh([prob.closure(opt, m, 3)])
+            closure = _events(t, m, opt, prob)
+            try:
+                loss = opt.step(closure)
+                outcomes.append(("ok", None if loss is None else float(loss.detach())))
+            except (KeyError, ValueError) as e:
+                outcomes.append((type(e).__name__, None))
+        assert outcomes[0] == outcomes[1], t
+        _same(*twins)
+    assert not [o for o, _ in replays if o is twins[1][1]]
+    replayed = {t for o, t in replays if o is twins[0][1]}
+    assert REPLAYED <= replayed, sorted(REPLAYED - replayed)
+
+
+@pytest.mark.parametrize("backend", CPP)
+def test_a_plan_is_made_from_two_agreeing_iterations_and_kept_through_a_new_value(backend):
+    (m, opt), _ = _twins(pk.IVONPoCoMo, backend)
+    prob = Problem()
+    opt.refresh([prob.closure(opt, m, 3)])
+    kinds = []
+    for t in range(6):
+        opt.step(prob.closure(opt, m, t % 5))
+        kinds.append(type(opt._step_plan).__name__)
+    assert "StepPlan" in kinds[:3] and kinds[-3:] == ["StepPlan"] * 3, kinds
+    plan = opt._step_plan
+    assert [k for k, *_ in plan.samples] == [0, 1]       # inner, outer
+    stamp = plan.stamp
+    opt.param_groups[0]["beta2"] = 0.9999                 # derived again, then planned
+    opt.step(prob.closure(opt, m, 0))
+    assert opt._step_plan is plan and plan.stamp is not stamp
+    opt.param_groups[0]["debias"] = not opt.param_groups[0]["debias"]   # another variant
+    opt.step(prob.closure(opt, m, 1))
+    assert opt._step_plan is not plan
+
+
+@pytest.mark.parametrize("backend", CPP)
+@pytest.mark.parametrize("cls", [pk.IVON, pk.IVONPoCoMo])
+def test_a_schedule_replays_with_its_new_values(cls, backend, monkeypatch):
+    """A learning rate (and an ess) set before every iteration: the launches are derived
+    again, found to be the planned ones with new values in their rows, and replayed."""
+    twins = _twins(cls, backend)
+    prob = Problem()
+    replays = []
+    real = type(twins[0][1])._replay
+    monkeypatch.setattr(type(twins[0][1]), "_replay",
+                        lambda self, *a: replays.append(self) or real(self, *a))
+    for t in range(12):
+        for m, opt in twins:
+            if cls is not pk.IVON and t % 4 == 1:
+                opt.refresh([prob.closure(opt, m, 3)])
+            opt.param_groups[0]["lr"] = 0.05 * (1 - t / 20)
+            opt.param_groups[0]["ess"] = 200.0 + t
+            opt.step(prob.closure(opt, m, t % 5))
+        _same(*twins)
+    assert len([o for o in replays if o is twins[0][1]]) >= 7
+
+
+@pytest.mark.parametrize("backend", CPP)
+def test_no_plan_where_a_group_holds_a_tensor_or_amp_arguments_come(backend):
+    (m, opt), _ = _twins(pk.IVON, backend, lr=torch.tensor(0.05))
+    prob = Problem()
+    for t in range(4):
+        opt.step(prob.closure(opt, m, t))
+    assert opt._step_plan is None
+    (m, opt), _ = _twins(pk.IVON, backend)
+    for t in range(4):
+        opt.step(prob.closure(opt, m, t), grad_scale=torch.tensor(1.0),
+                 found_inf=torch.tensor(0.0))
+    assert opt._step_plan is None
+
+
+@pytest.mark.parametrize("backend", CPP)
+def test_a_plan_fits_only_the_buffers_it_was_made_from(backend):
+    (m, opt), _ = _twins(pk.IVON, backend)
+    prob = Problem()
+    for t in range(4):
+        opt.step(prob.closure(opt, m, t))
+    plan, corr = opt._step_plan, opt._corrected_buckets()
+    assert isinstance(plan, StepPlan) and opt._planned(corr) is plan
+    b = opt._buckets[0]
+    h = b.buffers["h"]
+    b.buffers["h"] = h.clone()                # (what the launches read is another tensor)
+    assert opt._planned(corr) is None
+    b.buffers["h"] = h
+    assert opt._planned(corr) is plan
