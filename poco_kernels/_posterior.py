@@ -68,9 +68,20 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
         """:meth:`sample` (``trainable_checked``: step/refresh followed ``requires_grad``
         already, the closures cannot change it unnoticed: accumulate sees their grads)."""
         check(kind in KIND_NAMES, f"kind must be one of {tuple(KIND_NAMES)}, got {kind!r}")
+        k = KIND_NAMES[kind]
+        draw = self._sample_admitted(k, trainable_checked)
+        try:
+            self._runner.sample(k, draw)
+        except BaseException:
+            self._runner.restore()
+            raise
+        self._active = (k, draw)
+        self._pending.draws[k] = draw + 1
+
+    def _sample_admitted(self, k: int, trainable_checked: bool) -> int:
+        """The checks of a sample of kind ``k`` (nothing changes if one fails); its draw."""
         if self._active is not None:
             raise RuntimeError("a sample is already in the parameters: call restore() first")
-        k = KIND_NAMES[kind]
         if k == KIND_REFRESH and not self.rule.has_correction:
             raise RuntimeError(f"{type(self).__name__} has no outer loop: no refresh sample")
         self._check_no_mix(k)
@@ -82,13 +93,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
         draw = self._pending.draws[k]
         check(draw < _noise.MAX_DRAWS, f"at most {_noise.MAX_DRAWS} samples of one kind per "
                                        "step: call step() or refresh()")
-        try:
-            self._runner.sample(k, draw)
-        except BaseException:
-            self._runner.restore()
-            raise
-        self._active = (k, draw)
-        self._pending.draws[k] = draw + 1
+        return draw
 
     def _check_no_mix(self, k: int) -> None:
         """Gradients for a step and for a refresh are not collected at the same time (each
@@ -117,6 +122,11 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
         k, draw = self._active
         unwritten = self._runner.unwritten()
         views = self._runner.accumulate(k, draw, lend=clear_grads)
+        self._accumulated(k, views, unwritten, clear_grads, keep_views)
+
+    def _accumulated(self, k: int, views, unwritten, clear_grads: bool, keep_views: bool):
+        """What :meth:`_accumulate` notes once the backend has folded the gradients in
+        (``views``: the buckets whose ``.grad`` were the views it handed out)."""
         present = views | self._runner.complete()       # (buckets with no None .grad)
         missing = frozenset({(b.index, i) for b in self._buckets if b.index not in present
                              for i, p in enumerate(b.params) if p.grad is None} | unwritten)
@@ -256,19 +266,20 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
             raise
         return mean_loss(losses)
 
-    def _update(self, corr, grad_scale, found_inf, plan=None) -> None:
-        """The inner update from the pending sums (``plan``: its recorded launches)."""
+    def _update(self, corr, grad_scale, found_inf, replay=None) -> None:
+        """The inner update from the pending sums (``replay``: a step plan's, which returns
+        whether it was taken, or ``NotImplemented`` for the backend's own step)."""
         pend = self._pending
         skip = self._without_grad((KIND_INNER, KIND_OUTER))
         saved = self._save_params(skip) if skip else None
         had = [set(b.buffers) for b in self._buckets]
         rec = self._recording
         if rec is not None:
-            rec.mark("update", (self._runner.plan_state(), tuple(sorted(pend.sums.items()))))
+            rec.mark("update", (self._runner.plan_state(), tuple(sorted(pend.sums.items())),
+                                tuple(sorted(pend.count.items()))))
         try:
-            if plan is not None:
-                taken = self._runner.replay_step(plan.update)
-            else:
+            taken = NotImplemented if replay is None else replay()
+            if taken is NotImplemented:
                 taken = self._runner.step(corr, grad_scale, found_inf)
         except BaseException:
             self._drop_new_buffers(had)

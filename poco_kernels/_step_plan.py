@@ -29,6 +29,11 @@ _KIND_NAME = {KIND_INNER: "inner", KIND_OUTER: "outer"}
 _SAMPLE, _CHECK, _STEP, _FINISH = "sample", "check", "step", "finish"
 
 
+def plan_buckets(opt) -> frozenset:
+    """Every bucket's index (a planned accumulation found each one's ``.grad`` views)."""
+    return frozenset(range(len(opt._buckets)))
+
+
 def group_stamp(opt) -> Optional[tuple]:
     """The groups as ``_check_groups`` last validated them (one entry per group, replaced
     when a value changes), or None where a group holds a value that can change in place
@@ -70,14 +75,17 @@ class StepPlan:
                         for kind, calls, noise, checks in samples]
         self.update_calls = tuple(update)   # the step launches as recorded
         self.update = eng.prepare(update)
-        #: the engine's side when the update starts, and the pending sums then
-        self.update_state, sums = update_state
+        #: the engine's side when the update starts, and the pending sums and counts then
+        self.update_state, sums, self.counts = update_state
         self.sums = dict(sums)
 
-    def sums_as_planned(self, pend) -> bool:
+    def pending_as_planned(self, pend) -> bool:
+        """The update would read what it was planned to: the same sums, counts, no
+        parameter without a gradient."""
         sums = pend.sums
         return (len(sums) == len(self.sums)
                 and all(sums.get(k) is v for k, v in self.sums.items())
+                and tuple(sorted(pend.count.items())) == self.counts
                 and not any(pend.no_grad.values()))
 
 
@@ -85,6 +93,7 @@ def from_recordings(a, b, eng) -> Optional[StepPlan]:
     """A plan from two consecutive recordings (``(key, Recording, end state)``) that agree
     call for call and start and end in the same state; None otherwise."""
     (key_a, rec_a, end_a), (key_b, rec_b, end_b) = a, b
+    # (the groups' values may differ, a schedule: the plan is b's, whose rows b wrote)
     if rec_a.broken or rec_b.broken or not _same(key_a[1:], key_b[1:]):
         return None
     if not (_same(rec_a.start, rec_b.start) and _same(rec_b.start, end_b)
@@ -161,6 +170,8 @@ class StepPlanMixin:
         plan = self._step_plan
         if not isinstance(plan, StepPlan) or not self.step_plans:
             return None
+        if any(self._pending.draws.values()) or self._closure_samples() != 1:
+            return None                       # (a sample drawn and put back; mc_samples)
         key = self._plan_key(corr)
         if key is None or not _same(key[1:], plan.key) \
                 or not _same(self._runner.plan_state(), plan.state):
@@ -199,47 +210,71 @@ class StepPlanMixin:
         return loss
 
     def _replay(self, plan: StepPlan, corr, closure):
-        """One iteration by ``plan``.  Where the groups' values or the rows' changed since
-        the plan was made (a learning-rate schedule), each part derives its launches again
-        (writing the rows) and replays only if they are the planned ones; a part that finds
-        a difference runs the slow path's own code, from the state the parts before it
-        left."""
+        """One iteration by ``plan``, in ``_closure_loss``'s and ``_update``'s order and
+        with their checks.  Where the groups' values or the rows' changed since the plan
+        was made (a learning-rate schedule), each part derives its launches again (writing
+        the rows) and replays only if they are the planned ones; a part that finds a
+        difference runs the slow path's own code, from the state the parts before it
+        left, and the plan is dropped."""
         eng = self._runner
-        pend = self._pending
         stamp = group_stamp(self)
-        fast = stamp is plan.stamp or _same(stamp, plan.stamp)
-        fast = fast and _same(eng.row_values(), plan.values)
-        agreed = True
+        settings = eng.plan_settings()
+        fast = ((stamp is plan.stamp or _same(stamp, plan.stamp))
+                and _same(eng.row_values(), plan.values))
+        agreed = [True]
         losses = []
         try:
+            outer = None                      # (how many outer samples: read after the inner)
             for j, (kind, rec, calls, noise, checks, check_calls) in enumerate(plan.samples):
-                if not (fast and (j == 0 or groups_unchanged(self, stamp))):
-                    derived = eng.derive_sample(kind)
-                    if derived is None or not _same(tuple(derived[1]), rec) \
-                            or not _same(tuple(sorted(derived[0].items())),
-                                         tuple(sorted(noise.items()))):
-                        agreed = False
-                        loss = self._run_closure(closure, _KIND_NAME[kind])
-                        if kind == KIND_INNER:
-                            losses.append(loss)
-                        continue
-                loss = self._replay_closure(kind, calls, noise, checks, check_calls, closure)
+                if kind == KIND_OUTER and outer is None:
+                    outer = self._closure_samples()
+                    if outer != 1:
+                        agreed[0] = False
+                        for _ in range(outer):
+                            self._run_closure(closure, "outer")
+                        break
+                if self._sample_admitted(kind, True) == 0 and self._sample_as_planned(
+                        j, kind, rec, noise, fast, stamp, settings):
+                    loss = self._replay_closure(kind, calls, noise, checks, check_calls, closure)
+                else:
+                    agreed[0] = False
+                    loss = self._run_closure(closure, _KIND_NAME[kind])
                 if kind == KIND_INNER:
                     losses.append(loss)
         except BaseException:
             self._drop_pending((KIND_INNER, KIND_OUTER))
             raise
-        ready = plan.sums_as_planned(pend) and _same(eng.plan_state(), plan.update_state)
-        if ready and not (fast and groups_unchanged(self, stamp)):
-            derived = eng.derive_step(corr)
-            ready = derived is not None and _same(tuple(derived), plan.update_calls)
-        agreed = agreed and ready
-        self._update(corr, None, None, plan if ready else None)
-        if not agreed:                        # (recorded again from the next iteration)
+
+        def replay():
+            if not (plan.pending_as_planned(self._pending)
+                    and _same(eng.plan_state(), plan.update_state)):
+                agreed[0] = False
+                return NotImplemented
+            if not (fast and groups_unchanged(self, stamp)):
+                derived = eng.derive_step(corr)
+                if derived is None or not _same(tuple(derived), plan.update_calls):
+                    agreed[0] = False
+                    return NotImplemented
+            return eng.replay_step(plan.update)
+        self._update(corr, None, None, replay)
+        if not agreed[0]:                     # (recorded again from the next iteration)
             self._step_plan = None
-        elif not fast:                        # (the rows hold the new values now)
-            plan.stamp, plan.values = group_stamp(self), eng.row_values()
+        elif not fast and groups_unchanged(self, stamp):
+            plan.stamp, plan.values = stamp, eng.row_values()   # (the rows hold them now)
         return mean_loss(losses)
+
+    def _sample_as_planned(self, j, kind, rec, noise, fast, stamp, settings) -> bool:
+        """The sample ``j`` of the plan is the one the slow path would draw now: nothing
+        it reads changed since the iteration began (the first: since the plan was made),
+        or its launches derived again are the planned ones."""
+        eng = self._runner
+        if j and not _same(eng.plan_settings(), settings):
+            return False
+        if fast and (j == 0 or groups_unchanged(self, stamp)):
+            return True
+        derived = eng.derive_sample(kind)
+        return (derived is not None and _same(tuple(derived[1]), rec)
+                and _same(tuple(sorted(derived[0].items())), tuple(sorted(noise.items()))))
 
     def _replay_closure(self, kind, calls, noise, checks, check_calls, closure):
         """``_run_closure`` of a planned sample: the sample's launches, the closure, the
@@ -257,9 +292,9 @@ class StepPlanMixin:
         try:
             with torch.enable_grad():
                 loss = closure()
-            if eng.replay_accumulate(kind, checks, check_calls):
-                pend.note_grads(kind, frozenset())
-                pend.count[kind] += 1
+            if self._active == (kind, 0) and not pend.count[kind] \
+                    and eng.replay_accumulate(kind, checks, check_calls):
+                self._accumulated(kind, plan_buckets(self), set(), True, True)
             else:
                 self._accumulate(clear_grads=True, keep_views=True)
             ok = True

@@ -11,7 +11,8 @@ work per iteration, ``zero_grad()`` included, the hooks inside the backward asid
 step()``), IVON and IVON-PoCoMo (the correction active, two closure calls), the fused
 backend of the device; ``*_jit_launch``: the same with every Triton launch through the
 JIT (``triton_launch.ENABLED = False``; what the cached launches save; on the CPU the
-C++ kernels run and both are the same).  Best of ``--rounds`` rounds of ``--iters`` iterations, the rows
+C++ kernels run and both are the same); ``*_no_plan``: without step plans
+(``opt.step_plans = False``: every iteration by the slow path).  Best of ``--rounds`` rounds of ``--iters`` iterations, the rows
 interleaved round by round (this machine's timings drift by tens of percent)::
 
     python -m benchmarks.studies.host_step --out /tmp/hs [--device cpu]
@@ -37,6 +38,8 @@ from benchmarks.common.report import write_study  # noqa: E402
 KINDS = ("adamw_fused", "ivon", "ivon_pocomo")
 #: the rows with every Triton launch through the JIT
 JIT_KINDS = ("ivon_jit_launch", "ivon_pocomo_jit_launch")
+#: the rows without step plans (every iteration by the slow path: what the plans save)
+NO_PLAN_KINDS = ("ivon_no_plan", "ivon_pocomo_no_plan")
 
 
 def _row(kind: str, dev):
@@ -52,6 +55,9 @@ def _row(kind: str, dev):
             finally:
                 triton_launch.ENABLED = True
         return jit_step, write, calls
+    no_plan = kind in NO_PLAN_KINDS
+    if no_plan:
+        kind = kind[:-len("_no_plan")]
     ps = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in ot.gpt2_shapes("tiny")]
     fixed = [torch.full_like(p, 1e-3) for p in ps]
     loss = torch.zeros((), device=dev)
@@ -71,6 +77,7 @@ def _row(kind: str, dev):
     kw = dict(lr=0.1, ess=1e6, hess_init=1e-3, backend=ot.fused_backend(dev))
     poco = kind == "ivon_pocomo"
     opt = pk.IVONPoCoMo(ps, alpha=0.7, **kw) if poco else pk.IVON(ps, **kw)
+    opt.step_plans = not no_plan
     eng = opt._runner
 
     def write():
@@ -136,7 +143,8 @@ def markdown(dev, rows, iters: int, rounds: int) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=None)
-    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS + JIT_KINDS)
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS + NO_PLAN_KINDS),
+                    choices=KINDS + JIT_KINDS + NO_PLAN_KINDS)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", required=True)

@@ -88,9 +88,8 @@ class PlanMixin:
         buckets, their parameter, gradient and state buffers, the control tensors and the
         rows of the samples and steps, the view's settings the derivation reads."""
         view = self.view
-        out: List[Any] = [view.check_finite, view.grad_views, view.sample_ahead,
-                          view.noise_version, view.seed, self.params_hold_mean,
-                          self.ahead is None, not self.mom_start]
+        out: List[Any] = [*self.plan_settings(), self.params_hold_mean, self.ahead is None,
+                          not self.mom_start]
         for b in view.buckets:
             out += (b, b.flat_param, b.handed, *(b.swapped or (None, None)), b.presence,
                     *b.buffers, *b.buffers.values(), *(gb.flat for gb in b.grad_bufs))
@@ -99,6 +98,12 @@ class PlanMixin:
             if name != "refresh":             # (a step's launches read the others)
                 out += (r, r.row)
         return tuple(out)
+
+    def plan_settings(self) -> tuple:
+        """The view's settings a sample's launches read (a closure may set them)."""
+        view = self.view
+        return (view.check_finite, view.grad_views, view.sample_ahead, view.noise_version,
+                view.seed)
 
     def row_values(self) -> tuple:
         """The values last written to the rows of the samples and steps."""
@@ -183,12 +188,14 @@ class PlanMixin:
         and its control tensor; ``check_calls``: their prepared finiteness checks): the
         buffer becomes the pending sum.  False (nothing done): the slow path's turn."""
         buckets = self.view.buckets
+        sums = self.view.pending.sums
+        lent = {id(t) for t in sums.values()}
         for b, (grad, _) in zip(buckets, checks):
             gb = b.grad_bufs[b.handed] if b.handed is not None else None
-            if (gb is None or gb.flat is not grad or not b.presence.all()
+            if (gb is None or gb.flat is not grad or id(grad) in lent
+                    or (kind, b.index, "g") in sums or not b.presence.all()
                     or _sweeps.grads(b.params, gb.views)[1] != len(b.params)):
                 return False
-        sums = self.view.pending.sums
         for b, (grad, _), (fn, args) in zip(buckets, checks, check_calls):
             b.grad_bufs[b.handed].clean = None        # (it holds a gradient now)
             fn(*args)

@@ -207,3 +207,93 @@ def test_a_plan_fits_only_the_buffers_it_was_made_from(backend):
     assert opt._planned(corr) is None
     b.buffers["h"] = h
     assert opt._planned(corr) is plan
+
+
+#: calls and values a closure (or the loop before it) may throw at a planned iteration
+PROTOCOL_EVENTS = ["sample_restore_before", "mc_samples_before", "mc_samples_inside",
+                   "alpha_zero_inside", "restore_inside", "accumulate_inside",
+                   "accumulate_keep_inside", "frozen_grad_inside", "lr_back_and_forth",
+                   "seed_inside", "lr_none_inside"]
+
+
+def _protocol_event(ev, m, opt, prob, t):
+    ps = list(m.parameters())
+    g = opt.param_groups[0]
+    if t == 5 and ev == "sample_restore_before":
+        opt.sample("inner")
+        opt.restore()
+    if t == 5 and ev == "mc_samples_before":
+        g["mc_samples"] = 2
+    if t == 6 and ev.startswith("mc_samples"):
+        g["mc_samples"] = 1
+    if t == 5 and ev == "lr_back_and_forth":
+        g["lr"] = 0.03
+    if t == 6 and ev == "lr_back_and_forth":
+        g["lr"] = opt.__dict__["_lr_kept"]        # (the very object set at t == 5)
+    if t == 6 and ev == "lr_none_inside":
+        g["lr"] = 0.05
+
+    def closure():
+        opt.zero_grad()
+        loss = prob.loss(m, t % 5)
+        loss.backward()
+        if t != 5:
+            return loss
+        inner = opt._active is not None and opt._active[0] == 0
+        if ev == "mc_samples_inside" and inner:
+            g["mc_samples"] = 2
+        elif ev == "alpha_zero_inside" and inner and "alpha" in g:
+            g["alpha"] = 0.0
+        elif ev == "restore_inside":
+            opt.restore()
+        elif ev == "accumulate_inside":
+            opt.accumulate()
+        elif ev == "accumulate_keep_inside" and inner:
+            opt.accumulate(clear_grads=False)
+        elif ev == "frozen_grad_inside":
+            ps[3].grad = torch.ones_like(ps[3])
+        elif ev == "lr_back_and_forth":
+            opt.__dict__["_lr_kept"] = g["lr"]
+            g["lr"] = 0.02
+        elif ev == "seed_inside" and inner:
+            opt.seed = 77
+        elif ev == "lr_none_inside":
+            g["lr"] = None
+        return loss
+    return closure
+
+
+@pytest.mark.parametrize("backend", CPP)
+@pytest.mark.parametrize("cls", [pk.IVON, pk.IVONPoCoMo])
+@pytest.mark.parametrize("ev", PROTOCOL_EVENTS)
+def test_a_planned_iteration_meets_the_protocol_as_the_slow_path_does(ev, cls, backend):
+    """Each event at an iteration that starts with a plan: the same outcome (the same
+    error where the slow path raises), and the same everything after it and after the
+    next iterations."""
+    twins = []
+    for plans in (True, False):
+        m = mlp()
+        kw = dict(lr=0.05, ess=200.0, seed=5, backend=backend)
+        if cls is not pk.IVON:
+            kw["alpha"] = 0.5
+        opt = cls(m.parameters(), **kw)
+        opt.step_plans = plans
+        if ev == "frozen_grad_inside":
+            list(m.parameters())[3].requires_grad_(False)
+        twins.append((m, opt))
+    prob = Problem()
+    for t in range(9):
+        outcomes = []
+        for m, opt in twins:
+            if cls is not pk.IVON and t == 0:
+                opt.refresh([prob.closure(opt, m, 3)])
+            if t == 5 and opt.step_plans:
+                assert isinstance(opt._step_plan, StepPlan)
+            closure = _protocol_event(ev, m, opt, prob, t)
+            try:
+                opt.step(closure)
+                outcomes.append("ok")
+            except (RuntimeError, TypeError, ValueError) as e:
+                outcomes.append(f"{type(e).__name__}: {e}")
+        assert outcomes[0] == outcomes[1], (t, outcomes)
+        _same(*twins)

@@ -239,7 +239,8 @@ def test_host_profile_grad_views_and_engine_calls_studies_write_their_tables(tmp
     assert rows["ivon_pocomo"]["closure_calls"] == 2
     assert all(0 < r["closure_us"] < r["host_us"] for r in rows.values())
     text = (tmp_path / "hp" / "host_profile.md").read_text()
-    assert "## cProfile: ivon_pocomo" in text and "fused.py" in text
+    # (the engine's functions: the slow path's, or a step plan's replay)
+    assert "## cProfile: ivon_pocomo" in text and ("fused.py" in text or "fused_plan.py" in text)
     assert grad_views.main(["--device", "cpu", "--scales", "smoke", "--rounds", "1",
                             "--reps", "2", "--kinds", "adamw_fused", "ivon",
                             "--out", str(tmp_path / "gv")]) == 0
@@ -380,8 +381,10 @@ def test_host_step_study_times_each_optimizer_less_its_gradient_writing(tmp_path
                            "--out", str(tmp_path / "hs")]) == 0
     with open(tmp_path / "hs" / "host_step.json") as f:
         rows = json.load(f)["rows"]
-    assert set(rows) == {"adamw_fused", "ivon", "ivon_pocomo"}
+    assert set(rows) == {"adamw_fused", "ivon", "ivon_pocomo", "ivon_no_plan",
+                         "ivon_pocomo_no_plan"}
     assert rows["ivon_pocomo"]["closure_calls"] == 2 and rows["ivon"]["closure_calls"] == 1
+    assert rows["ivon_pocomo_no_plan"]["closure_calls"] == 2
     for kind, r in rows.items():
         assert r["host_us"] == pytest.approx(
             r["iteration_us"] - r["closure_calls"] * r["gradient_writing_us"], abs=0.2), kind
