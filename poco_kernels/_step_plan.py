@@ -170,7 +170,8 @@ class StepPlanMixin:
         plan = self._step_plan
         if not isinstance(plan, StepPlan) or not self.step_plans:
             return None
-        if any(self._pending.draws.values()) or self._closure_samples() != 1:
+        if any(self._pending.draws.values()) or self._closure_samples() != 1 \
+                or not self._runner.plan_usable():
             return None                       # (a sample drawn and put back; mc_samples)
         key = self._plan_key(corr)
         if key is None or not _same(key[1:], plan.key) \

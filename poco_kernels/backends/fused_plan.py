@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .. import _sweeps
 from .._protocol import COUNTER_STEPS
-from .fused_grads import _capturing
+from . import fused_grads
 
 
 class Recording:
@@ -137,11 +137,16 @@ class PlanMixin:
             out += launches
         return out
 
+    def plan_usable(self) -> bool:
+        """Plans are recorded and replayed eagerly only: not while torch.compile traces or a
+        CUDA graph is captured (a capture holds the slow path's launches, as before)."""
+        return not (torch.compiler.is_compiling() or fused_grads._capturing())
+
     def plan_ready(self) -> bool:
         """The engine is where a planned iteration starts: the mean in the parameters,
         nothing ahead, every trainable parameter's ``.grad`` the view handed out."""
         if (not self.view.grad_views or self.ahead is not None or not self.params_hold_mean
-                or self.mom_start or torch.compiler.is_compiling() or _capturing()):
+                or self.mom_start or not self.plan_usable()):
             return False
         for b in self.view.buckets:
             if (b.segments is not None or b.param_dtype != b.dtype or b.handed is None

@@ -297,3 +297,25 @@ def test_a_planned_iteration_meets_the_protocol_as_the_slow_path_does(ev, cls, b
                 outcomes.append(f"{type(e).__name__}: {e}")
         assert outcomes[0] == outcomes[1], (t, outcomes)
         _same(*twins)
+
+
+@pytest.mark.parametrize("backend", CPP)
+def test_no_plan_is_replayed_or_recorded_while_a_cuda_graph_is_captured(backend, monkeypatch):
+    """A capture holds the slow path's launches (as it did before plans)."""
+    from poco_kernels.backends import fused_grads
+    twins = _twins(pk.IVONPoCoMo, backend)
+    prob = Problem()
+    for m, opt in twins:
+        opt.refresh([prob.closure(opt, m, 3)])
+        for t in range(4):
+            opt.step(prob.closure(opt, m, t))
+    assert isinstance(twins[0][1]._step_plan, StepPlan)
+    monkeypatch.setattr(fused_grads, "_capturing", lambda: True)
+    cls = type(twins[0][1])
+    calls, real = [], cls._replay
+    monkeypatch.setattr(cls, "_replay", lambda self, *a: calls.append(self) or real(self, *a))
+    for t in range(2):
+        for m, opt in twins:
+            opt.step(prob.closure(opt, m, t))
+        _same(*twins)
+    assert calls == [] and twins[0][1]._step_plan is None

@@ -197,7 +197,8 @@ def test_bench_gpu_quick_smoke_runs_every_section(tmp_path, bench_modules):
     with open(tmp_path / "host_calls.json") as f:
         host = json.load(f)["result"]
     assert set(host["step"]) == {"adamw_fused", "ivon", "ivon_pocomo", "ivon_jit_launch",
-                                 "ivon_pocomo_jit_launch"}
+                                 "ivon_pocomo_jit_launch", "ivon_no_plan",
+                                 "ivon_pocomo_no_plan"}
     assert "| ivon_pocomo |" in (tmp_path / "host_step.md").read_text()
     with open(tmp_path / "steady.json") as f:
         launch = json.load(f)["result"]["launch"]
