@@ -224,8 +224,10 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
                 if plan is not None:
                     return self._replay(plan, corr, closure)
                 return self._recorded(corr, closure)
+            self._step_plan = None            # (no reference kept to what it was made from)
             loss = self._closure_loss(corr, closure)
         else:
+            self._step_plan = None
             if pend.count[KIND_INNER] == 0 and self.rule.noisy:
                 raise RuntimeError(
                     f"{type(self).__name__}.step() needs gradients at a posterior sample: pass a "

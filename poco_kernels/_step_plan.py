@@ -159,8 +159,8 @@ class StepPlanMixin:
 
     def _plan_key(self, corr) -> Optional[tuple]:
         """(the groups' stamp, the correction's buckets, the groups waiting for a refresh),
-        or None where a group's value can change in place."""
-        stamp = group_stamp(self)
+        or None where a group's value can change in place or the rule is not planned."""
+        stamp = group_stamp(self) if self.rule.step_plans else None
         if stamp is None:
             return None
         return (stamp, tuple(sorted(corr)), tuple(sorted(self._awaiting)))

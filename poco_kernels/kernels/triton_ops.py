@@ -343,15 +343,15 @@ refresh = _record_args(_refresh, _refresh_op, {"flags": RefreshFlags}, {"hp": Re
 finish = _dispatch(_finish, _finish_op)
 
 
+def prepare(name: str, args: tuple):     # (a step plan's call: the launchers keep the rest)
+    return globals()[name], tuple(args)
+
+
 # --------------------------------------------------------------------------- one launch per bucket
 # A sharded bucket's operation in one launch over all its local shards (eager only: the
 # engine launches per shard while torch.compile traces).  The arguments are the per-launch
 # functions' with the bucket's whole flat buffers, ``param`` (or ``grad``) any tensor of
 # the shards' dtype (the shards themselves are in ``tiles``), and ``tiles`` for ``offset``.
-def prepare(name: str, args: tuple):     # (a step plan's call: the launchers keep the rest)
-    return globals()[name], tuple(args)
-
-
 def sample_shards(tiles: Tiles, param: Tensor, centre: Tensor, mean: Tensor,
                   h: Optional[Tensor], sigma: Optional[Tensor], ctl: Tensor, seed: int,
                   noise: int, stream: int, counter_slot: int, hp, sign: float,

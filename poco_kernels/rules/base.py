@@ -27,6 +27,9 @@ class Rule:
     #: the fused backends (Triton and C++) run it: :meth:`kernel_step` and
     #: :meth:`kernel_refresh` are defined
     kernel_capable: bool = True
+    #: ``step(closure)`` may be replayed from a plan (``poco_kernels._step_plan``): its
+    #: step pattern is tested against the slow path (IVON, IVON-PoCo(Mo))
+    step_plans: bool = False
     #: per-parameter buffers created at their first use (not present before)
     lazy_buffers: Tuple[str, ...] = ()
     #: the buffers that ``state_dtype`` stores in low precision (stochastic rounding)

@@ -89,6 +89,7 @@ class IVONRule(Rule):
     noisy = True
     uses_hessian = True
     has_correction = False
+    step_plans = True
     low_state_buffers = ("momentum",)
 
     def init_buffers(self, b: Bucket, group: Dict[str, Any]) -> Dict[str, Tensor]:

@@ -319,3 +319,13 @@ def test_no_plan_is_replayed_or_recorded_while_a_cuda_graph_is_captured(backend,
             opt.step(prob.closure(opt, m, t))
         _same(*twins)
     assert calls == [] and twins[0][1]._step_plan is None
+
+
+@pytest.mark.parametrize("backend", CPP)
+def test_only_rules_that_declare_it_are_planned(backend):
+    """VSGD-PoCo (its momentum buffer made at the first step) runs the slow path."""
+    m, prob = mlp(), Problem()
+    opt = pk.VSGDPoCo(m.parameters(), lr=0.05, sigma=0.01, momentum=0.9, backend=backend)
+    for t in range(5):
+        opt.step(prob.closure(opt, m, t))
+    assert not opt.rule.step_plans and opt._step_plan is None
