@@ -15,7 +15,7 @@ from torch import Tensor
 from . import _sweeps
 from . import noise as _noise
 from ._groups import _from_lightning, as_closures
-from ._optimizer import BucketedOptimizer
+from ._optimizer import BucketedOptimizer, step_hooks, without_grad_mode
 from ._protocol import KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH, Pending, mean_loss
 from ._step_plan import StepPlanMixin
 from ._transaction import TransactionMixin
@@ -177,8 +177,9 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
                 self._put_back_grads(grads)
 
     # ------------------------------------------------------------------ step
+    @step_hooks
     @torch._disable_dynamo           # (see sample(); the closure runs eagerly too)
-    @torch.no_grad()
+    @without_grad_mode
     def step(self, closure: Optional[Callable] = None, *, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None):
         """One inner step.
@@ -305,7 +306,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
 
     # ------------------------------------------------------------------ refresh
     @torch._disable_dynamo
-    @torch.no_grad()
+    @without_grad_mode
     def refresh(self, closures: Optional[Iterable[Callable]] = None, *,
                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
         """Form the outer estimate from a mega-batch (or the full batch).

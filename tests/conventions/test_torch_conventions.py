@@ -358,6 +358,28 @@ def test_step_all_hooks(kind, backend):
     assert called
 
 
+def test_step_profiler_range():
+    """Under torch's profiler a step is the range torch.optim names
+    ``Optimizer.step#<class>.step``, as torch's own optimizers' (the step skips the range
+    only while no profiler runs); a closure runs in grad mode and a refused step leaves
+    grad mode as it was."""
+    m = Tiny()
+    o = make("IVON", m.parameters(), "cpp")
+    o.step(closure(o, m, BATCHES[0]))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        o.step(closure(o, m, BATCHES[1]))            # (no hook registered)
+    assert f"Optimizer.step#{type(o).__name__}.step" in [e.name for e in prof.events()]
+    seen = []
+
+    def inside():
+        seen.append(torch.is_grad_enabled())
+        return closure(o, m, BATCHES[2], backward=False)()
+    o.register_step_post_hook(lambda opt, a, k: seen.append(torch.is_grad_enabled()))
+    with pytest.raises(RuntimeError):
+        o.step(inside)                    # (no backward: refused; the closure saw grad mode)
+    assert seen == [True] and torch.is_grad_enabled()
+
+
 @pytest.mark.parametrize("kind,backend", CASES_RT)
 def test_state_dict_pre_and_post_hooks(kind, backend):
     """torch's state_dict hooks: the pre hook runs before the dict is built, the post
