@@ -33,6 +33,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <memory>
+#include <typeinfo>
 
 #include "py_functions.h"
 
@@ -41,7 +42,7 @@ namespace {
 
 using Hook = torch::autograd::PostAccumulateGradHook;
 
-struct PresenceHook : Hook {
+struct PresenceHook final : Hook {
   c10::weak_intrusive_ptr<c10::StorageImpl> flags;
   int64_t index;
   int64_t owner;
@@ -68,13 +69,34 @@ struct PresenceHook : Hook {
   }
 };
 
+// `h` as a presence hook, or nullptr (a type comparison: no dynamic_cast per parameter)
+PresenceHook* as_ours(Hook* h) {
+  return h != nullptr && typeid(*h) == typeid(PresenceHook) ? static_cast<PresenceHook*>(h)
+                                                            : nullptr;
+}
+
+}  // namespace
+
+bool watched(const at::Tensor& p, const at::Tensor& flags, int64_t i, int64_t owner) {
+  for (PresenceHook* ours = as_ours(torch::autograd::impl::post_acc_grad_hooks(p).get());
+       ours != nullptr; ours = as_ours(ours->inner.get())) {
+    if (ours->owner == owner) {
+      return ours->index == i &&
+             ours->flags._unsafe_get_target() == flags.storage().unsafeGetStorageImpl();
+    }
+  }
+  return false;
+}
+
+namespace {
+
 // Give `p` a hook that sets flags[i] (owner: the engine's token); a no-op if it has one.
 void watch_one(const at::Tensor& p, const at::Tensor& flags, int64_t i, int64_t owner) {
   std::unique_ptr<Hook>& slot = torch::autograd::impl::post_acc_grad_hooks(p);
   PresenceHook* mine = nullptr;
   PresenceHook* dead = nullptr;
   for (Hook* h = slot.get(); h != nullptr;) {
-    auto* ours = dynamic_cast<PresenceHook*>(h);
+    auto* ours = as_ours(h);
     if (ours == nullptr) break;
     if (ours->owner == owner) {
       mine = ours;

@@ -37,4 +37,11 @@ struct Tensors {
 // presence.cpp: watch(params, flags, owner) -> None
 PyObject* watch(PyObject* self, PyObject* args);
 
+// bound.cpp: bind(name, args) -> capsule; call(capsule) -> None
+PyObject* bind(PyObject* self, PyObject* args);
+PyObject* call(PyObject* self, PyObject* capsule);
+
+// presence.cpp: `p` has the hook `watch` gives it (owner's, setting flags[i]) in place
+bool watched(const at::Tensor& p, const at::Tensor& flags, int64_t i, int64_t owner);
+
 }  // namespace poco

@@ -218,7 +218,82 @@ PyObject* trainable(PyObject* /*self*/, PyObject* arg) {
   END_HANDLE_TH_ERRORS
 }
 
+// scan(params, addresses, views, clean, flags, owner) -> (flat, defined, matching, clean,
+// watched): what the engine checks of a bucket's parameters at each call of an iteration,
+// in one pass (each parameter's objects read once; the separate sweeps read them four
+// times):
+//   flat: params[i].data_ptr() == addresses[i] for every i (addresses None: True);
+//   defined, matching: grads(params, views);
+//   clean: views and clean given, every views[i]._version == clean[i] (else False);
+//   watched: flags a tensor, every params[i] that requires grad and is a leaf has the hook
+//     of `owner` that sets flags[i] (`watch` would change nothing); flags None: False.
+PyObject* scan(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *ps, *as, *vs, *cs, *fo;
+  long long owner;
+  if (!PyArg_ParseTuple(args, "OOOOOL", &ps, &as, &vs, &cs, &fo, &owner)) return nullptr;
+  Tensors p(ps);
+  if (!p.ok()) return nullptr;
+  Tensors v(vs == Py_None ? ps : vs);
+  if (!v.ok()) return nullptr;
+  THPObjectPtr addrs(as == Py_None ? nullptr : PySequence_Tuple(as));
+  if (as != Py_None && !addrs) return nullptr;
+  THPObjectPtr clean(cs == Py_None ? nullptr : PySequence_Tuple(cs));
+  if (cs != Py_None && !clean) return nullptr;
+  if ((vs != Py_None && v.n != p.n) || (cs != Py_None && vs != Py_None &&
+                                        PyTuple_GET_SIZE(clean.get()) != v.n)) {
+    PyErr_SetString(PyExc_ValueError, "scan: as many views and versions as parameters expected");
+    return nullptr;
+  }
+  const at::Tensor* flags = nullptr;
+  if (fo != Py_None) {
+    if (!THPVariable_Check(fo)) {
+      PyErr_SetString(PyExc_TypeError, "scan: flags must be a tensor or None");
+      return nullptr;
+    }
+    flags = &THPVariable_Unpack(fo);
+  }
+  bool flat = addrs ? PyTuple_GET_SIZE(addrs.get()) == p.n : true;
+  bool is_clean = vs != Py_None && cs != Py_None;
+  bool hooked = flags != nullptr;
+  Py_ssize_t defined = 0, matching = 0;
+  for (Py_ssize_t i = 0; i < p.n; ++i) {
+    const at::Tensor* x = p.tensor(i);
+    if (x == nullptr) return nullptr;
+    if (flat && addrs) {
+      const unsigned long long want = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(addrs.get(), i));
+      if (PyErr_Occurred()) return nullptr;
+      flat = reinterpret_cast<uintptr_t>(x->data_ptr()) == want;
+    }
+    const at::Tensor& g = x->grad();
+    const at::Tensor* w = nullptr;
+    if (vs != Py_None) {
+      w = v.tensor(i);
+      if (w == nullptr) return nullptr;
+    }
+    if (g.defined()) {
+      ++defined;
+      if (w != nullptr && g.unsafeGetTensorImpl() == w->unsafeGetTensorImpl()) ++matching;
+    }
+    if (is_clean) {
+      const long long want = PyLong_AsLongLong(PyTuple_GET_ITEM(clean.get(), i));
+      if (PyErr_Occurred()) return nullptr;
+      is_clean = static_cast<long long>(w->_version()) == want;
+    }
+    if (hooked && x->requires_grad() && x->is_leaf()) {
+      hooked = watched(*x, *flags, static_cast<int64_t>(i), owner);
+    }
+  }
+  return Py_BuildValue("(OnnOO)", flat ? Py_True : Py_False, defined, matching,
+                       is_clean ? Py_True : Py_False, hooked ? Py_True : Py_False);
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef kMethods[] = {
+    {"scan", scan, METH_VARARGS,
+     "scan(params, addresses, views, clean, flags, owner) -> (flat, defined, matching, "
+     "clean, watched): same_addresses, grads, the views' versions against clean, and the "
+     "presence hooks in place, in one pass"},
     {"same_addresses", same_addresses, METH_VARARGS,
      "same_addresses(tensors, addresses) -> bool: every tensors[i].data_ptr() == addresses[i]"},
     {"versions", versions, METH_O, "versions(tensors) -> list: each tensor's _version"},
@@ -231,6 +306,10 @@ PyMethodDef kMethods[] = {
     {"set_grads", set_grads, METH_VARARGS,
      "set_grads(params, grads) -> None: params[i].grad = grads[i] (grads None: None)"},
     {"trainable", trainable, METH_O, "trainable(tensors) -> int: how many require grad"},
+    {"bind", bind, METH_VARARGS,
+     "bind(name, args) -> capsule: the operator poco_kernels_cpp::name with its arguments "
+     "converted once (bound.cpp)"},
+    {"call", call, METH_O, "call(capsule) -> None: a bound operator call, made again"},
     {"watch", watch, METH_VARARGS,
      "watch(params, flags, owner) -> None: a hook on each parameter that requires grad "
      "that sets flags[i] when autograd accumulates into it (presence.cpp)"},

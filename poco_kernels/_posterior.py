@@ -67,7 +67,8 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
     def _sample(self, kind: str, trainable_checked: bool) -> None:
         """:meth:`sample` (``trainable_checked``: step/refresh followed ``requires_grad``
         already, the closures cannot change it unnoticed: accumulate sees their grads)."""
-        check(kind in KIND_NAMES, f"kind must be one of {tuple(KIND_NAMES)}, got {kind!r}")
+        if kind not in KIND_NAMES:            # (the message is built only when it is raised)
+            check(False, f"kind must be one of {tuple(KIND_NAMES)}, got {kind!r}")
         k = KIND_NAMES[kind]
         draw = self._sample_admitted(k, trainable_checked)
         try:
@@ -91,8 +92,9 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
             raise RuntimeError("no outer sample: the correction is not active "
                                "(no refresh yet, or alpha == 0 in every group)")
         draw = self._pending.draws[k]
-        check(draw < _noise.MAX_DRAWS, f"at most {_noise.MAX_DRAWS} samples of one kind per "
-                                       "step: call step() or refresh()")
+        if draw >= _noise.MAX_DRAWS:
+            check(False, f"at most {_noise.MAX_DRAWS} samples of one kind per step: call "
+                         "step() or refresh()")
         return draw
 
     def _check_no_mix(self, k: int) -> None:

@@ -63,7 +63,8 @@ class StepPlan:
     the update's launches.  Each launch is kept as recorded (to compare with one derived
     again) and prepared (to replay)."""
 
-    def __init__(self, key, stamp, state, values, samples, update, update_state, eng):
+    def __init__(self, key, stamp, state, values, samples, update, finish, update_state,
+                 eng):
         self.key = key                # the correction's buckets and the groups waiting
         self.stamp = stamp            # the groups' values the launches were derived from
         self.state = state            # the engine's side (FusedBackend.plan_state)
@@ -75,6 +76,7 @@ class StepPlan:
                         for kind, calls, noise, checks in samples]
         self.update_calls = tuple(update)   # the step launches as recorded
         self.update = eng.prepare(update)
+        self.finish = eng.prepare(finish)   # the counters' advance after the update
         #: the engine's side when the update starts, and the pending sums and counts then
         self.update_state, sums, self.counts = update_state
         self.sums = dict(sums)
@@ -144,7 +146,7 @@ def _parse(key, rec, eng) -> Optional[StepPlan]:
     if [n for n, _ in tail[:nb]] != [_STEP] * nb or any(n != _FINISH for n, _ in tail[nb:]):
         return None
     return StepPlan(key[1:], key[0], rec.start, eng.row_values(), samples, tail[:nb],
-                    marks[-1][2], eng)
+                    tail[nb:], marks[-1][2], eng)
 
 
 
@@ -223,6 +225,7 @@ class StepPlanMixin:
         fast = ((stamp is plan.stamp or _same(stamp, plan.stamp))
                 and _same(eng.row_values(), plan.values))
         agreed = [True]
+        checked = [0]                         # (the last closure's replay_accumulate)
         losses = []
         try:
             outer = None                      # (how many outer samples: read after the inner)
@@ -231,14 +234,17 @@ class StepPlanMixin:
                     outer = self._closure_samples()
                     if outer != 1:
                         agreed[0] = False
+                        checked[0] = 0
                         for _ in range(outer):
                             self._run_closure(closure, "outer")
                         break
                 if self._sample_admitted(kind, True) == 0 and self._sample_as_planned(
                         j, kind, rec, noise, fast, stamp, settings):
-                    loss = self._replay_closure(kind, calls, noise, checks, check_calls, closure)
+                    loss, checked[0] = self._replay_closure(kind, calls, noise, checks,
+                                                            check_calls, closure)
                 else:
                     agreed[0] = False
+                    checked[0] = 0
                     loss = self._run_closure(closure, _KIND_NAME[kind])
                 if kind == KIND_INNER:
                     losses.append(loss)
@@ -256,7 +262,7 @@ class StepPlanMixin:
                 if derived is None or not _same(tuple(derived), plan.update_calls):
                     agreed[0] = False
                     return NotImplemented
-            return eng.replay_step(plan.update)
+            return eng.replay_step(plan.update, plan.finish, checked[0] == 2)
         self._update(corr, None, None, replay)
         if not agreed[0]:                     # (recorded again from the next iteration)
             self._step_plan = None
@@ -279,7 +285,8 @@ class StepPlanMixin:
 
     def _replay_closure(self, kind, calls, noise, checks, check_calls, closure):
         """``_run_closure`` of a planned sample: the sample's launches, the closure, the
-        buffers handed out lent as the sums (or the slow ``_accumulate``)."""
+        buffers handed out lent as the sums (or the slow ``_accumulate``).  Returns the
+        loss and what ``replay_accumulate`` returned (0: the slow path ran)."""
         eng = self._runner
         pend = self._pending
         try:
@@ -293,8 +300,9 @@ class StepPlanMixin:
         try:
             with torch.enable_grad():
                 loss = closure()
-            if self._active == (kind, 0) and not pend.count[kind] \
-                    and eng.replay_accumulate(kind, checks, check_calls):
+            done = (self._active == (kind, 0) and not pend.count[kind]
+                    and eng.replay_accumulate(kind, checks, check_calls))
+            if done:
                 self._accumulated(kind, plan_buckets(self), set(), True, True)
             else:
                 self._accumulate(clear_grads=True, keep_views=True)
@@ -304,4 +312,4 @@ class StepPlanMixin:
                 self._active = None
             else:
                 self.restore()
-        return loss
+        return loss, done

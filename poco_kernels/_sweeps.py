@@ -1,7 +1,8 @@
 """The engine's sweeps over a bucket's parameters, run in every public call of an
 iteration: whether they are still the views of the flat buffer (their addresses), which
 ``.grad`` are the views handed out, whether the gradient buffers are still zero (their
-version counters), which parameters are trainable.
+version counters), which parameters are trainable; :func:`scan`, the first three and whether the presence
+hooks are in place, in one pass.
 
 With the C++ extension built (and not disabled) these are its functions
 (``csrc/sweeps.cpp``), which read the C++ tensors' fields without a Python object per
@@ -73,18 +74,34 @@ def py_trainable(tensors: Sequence[Tensor]) -> int:
     return list(map(_requires_grad, tensors)).count(True)
 
 
+def py_scan(params: Sequence[Tensor], addresses: Optional[List[int]],
+            views: Optional[Sequence[Tensor]], clean: Optional[List[int]], flags,
+            owner: int) -> Tuple[bool, int, int, bool, bool]:
+    """``(flat, defined, matching, clean, watched)``: :func:`py_same_addresses` (True
+    when ``addresses`` is None), :func:`py_grads`, the views' versions equal to ``clean``
+    (False when either is None), and False for the hooks (Python cannot see them: the
+    caller installs them again, which finds them in place)."""
+    flat = addresses is None or py_same_addresses(params, addresses)
+    defined, matching = py_grads(params, views)
+    is_clean = views is not None and clean is not None and py_versions(views) == list(clean)
+    return flat, defined, matching, is_clean, False
+
+
 def _load():
     from .kernels import cpp_status
     if cpp_status() is None:
         try:
-            from ._C import grads, readable_grads, same_addresses, set_grads, trainable, versions
+            from ._C import (grads, readable_grads, same_addresses, scan, set_grads, trainable,
+                             versions)
         except ImportError:                   # (an extension built before them)
             pass
         else:
-            return "cpp", same_addresses, versions, grads, readable_grads, set_grads, trainable
+            return ("cpp", same_addresses, versions, grads, readable_grads, set_grads, trainable,
+                    scan)
     return ("python", py_same_addresses, py_versions, py_grads, py_readable_grads, py_set_grads,
-            py_trainable)
+            py_trainable, py_scan)
 
 
 #: "cpp" or "python": which implementation the functions below are
-IMPLEMENTATION, same_addresses, versions, grads, readable_grads, set_grads, trainable = _load()
+(IMPLEMENTATION, same_addresses, versions, grads, readable_grads, set_grads, trainable,
+ scan) = _load()

@@ -87,6 +87,8 @@ class TransactionMixin:
         """AMP arguments: one-element real tensors, as torch.amp.GradScaler passes them;
         ``grad_scale`` positive and finite, checked where reading it is free (a CPU tensor,
         or the torch backend, which reads its gradients anyway)."""
+        if grad_scale is None and found_inf is None:
+            return                            # (the messages below are not built for nothing)
         for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
             check(t is None or (isinstance(t, Tensor) and t.numel() == 1 and t.dim() <= 1
                                 and not t.is_complex() and t.device.type != "meta"),

@@ -79,9 +79,10 @@ class GradBuffer:
     def is_clean(self) -> bool:
         return self.clean is not None and self.clean == self._versions()
 
-    def zero(self) -> None:
-        """Make it hold zeros (one memset, skipped when it is known to)."""
-        if not self.is_clean():
+    def zero(self, clean: Optional[bool] = None) -> None:
+        """Make it hold zeros (one memset, skipped when it is known to; ``clean``:
+        :meth:`is_clean`, already read by a :func:`~poco_kernels._sweeps.scan`)."""
+        if not (self.is_clean() if clean is None else clean):
             self.flat.zero_()
             self.clean = self._versions()
 
@@ -146,14 +147,53 @@ class GradsMixin:
                     and _sweeps.grads(b.params, b.grad_bufs[b.handed].views)[1] == len(b.params)):
                 i = self._swap_in(b, i)
             gb = b.grad_bufs[i]
-            gb.zero()
-            if _sweeps.grads(b.params, gb.views)[1] != len(b.params):
+            pres = b.presence
+            _, _, matching, clean, watched = _sweeps.scan(
+                b.params, None, gb.views, gb.clean, None if pres is None else pres.flags,
+                self._watcher.owner)
+            gb.zero(clean)
+            if matching != len(b.params):
                 _sweeps.set_grads(b.params, gb.views)
-            if b.presence is None:
-                b.presence = Presence(len(b.params))
-            self._watcher.watch(b.params, b.presence)     # (in place: a few µs)
-            b.presence.clear()
+            if pres is None:
+                b.presence = pres = Presence(len(b.params))
+            self._watcher.watch(b.params, pres, watched)
+            pres.clear()
             b.handed = i
+
+    def check_and_hand_out(self) -> None:
+        """:meth:`~.fused_layout.LayoutMixin.check_layout`, then :meth:`hand_out` (before a
+        sample), in one sweep per bucket (:func:`~poco_kernels._sweeps.scan`) where nothing
+        moved: every parameter still the view of its flat buffer, the buffer handed out
+        last the first free one.  Anywhere else, or where a bucket is not flat, the two
+        calls themselves (nothing is changed before every bucket is checked)."""
+        if not self.view.grad_views or torch.compiler.is_compiling():
+            self.check_layout()
+            self.hand_out()
+            return
+        lent = self._lent()
+        seen = []
+        for b in self.view.buckets:
+            i, ptrs, pres = b.handed, b.flat_ptrs, b.presence
+            if (b.segments is not None or i is None or b.swapped or pres is None
+                    or ptrs is None or ptrs[0] != b.flat_param.data_ptr()
+                    or self._free_buffer(b, lent) != i):
+                break
+            gb = b.grad_bufs[i]
+            scanned = _sweeps.scan(b.params, ptrs, gb.views, gb.clean, pres.flags,
+                                   self._watcher.owner)
+            if not scanned[0]:
+                break
+            seen.append((b, gb, scanned))
+        else:
+            for b, gb, (_, _, matching, clean, watched) in seen:
+                gb.zero(clean)
+                if matching != len(b.params):
+                    _sweeps.set_grads(b.params, gb.views)
+                self._watcher.watch(b.params, b.presence, watched)
+                b.presence.clear()
+            return
+        self.check_layout()
+        self.hand_out()
 
     def _swap_in(self, b, i: int) -> int:
         """The ``.grad`` are the views of buffer ``b.handed``, which a pending sum holds
@@ -201,9 +241,9 @@ class GradsMixin:
             gb = b.grad_bufs[b.handed]
             if id(gb.flat) in lent:
                 continue
-            k = _sweeps.grads(b.params, gb.views)[1]
+            _, _, k, clean, _ = _sweeps.scan(b.params, None, gb.views, gb.clean, None, 0)
             if k:
-                gb.zero()
+                gb.zero(clean)
                 done.append(b.ids() if k == len(b.params)     # (the usual case: all)
                             else frozenset(id(p) for p, v in zip(b.params, gb.views)
                                            if p.grad is v))
@@ -340,9 +380,15 @@ class GradsMixin:
             out.append(g.reshape(-1).contiguous())
         return out
 
+    #: the update just made was a step plan's whose every ``.grad`` was seen to be the
+    #: view handed out after the last closure (none was cleared: no views to hand out)
+    _views_kept = False
+
     def after_update(self) -> None:
         """The pending sums of an update are gone (consumed or dropped): the gradient
         buffers lent to them are free (swapped memory goes back), and parameters whose
         ``.grad`` ``accumulate`` cleared get views of a zeroed one again."""
         self._swap_back()
-        self.hand_out(cleared_only=True)
+        kept, self._views_kept = self._views_kept, False
+        if not kept:
+            self.hand_out(cleared_only=True)

@@ -178,45 +178,59 @@ class PlanMixin:
     def replay_sample(self, calls, noise: Dict[int, Any]) -> None:
         """:meth:`~.fused_samples.SamplesMixin.sample` of a planned kind: the checks and
         the hand-out as always, then the recorded launches."""
-        self.check_layout()
-        self.hand_out()
+        self.check_and_hand_out()
         self.ahead = None
         for fn, args in calls:
             fn(*args)
         self.active_noise.update(noise)
         self.params_hold_mean = False
 
-    def replay_accumulate(self, kind: int, checks, check_calls) -> bool:
+    def replay_accumulate(self, kind: int, checks, check_calls) -> int:
         """:meth:`~.fused_samples.SamplesMixin.accumulate` of a planned kind, when every
         bucket's ``.grad`` are still the views handed out, each reached by the backward,
         and the buffer handed out is the recorded one (``checks``: per bucket the buffer
         and its control tensor; ``check_calls``: their prepared finiteness checks): the
-        buffer becomes the pending sum.  False (nothing done): the slow path's turn."""
+        buffer becomes the pending sum.  0 (nothing done): the slow path's turn; 1: done;
+        2: done, and every parameter is still the view of its flat buffer (the same
+        sweep: :meth:`replay_step` need not check the layout again)."""
         buckets = self.view.buckets
         sums = self.view.pending.sums
         lent = {id(t) for t in sums.values()}
+        flat = True
         for b, (grad, _) in zip(buckets, checks):
             gb = b.grad_bufs[b.handed] if b.handed is not None else None
             if (gb is None or gb.flat is not grad or id(grad) in lent
-                    or (kind, b.index, "g") in sums or not b.presence.all()
-                    or _sweeps.grads(b.params, gb.views)[1] != len(b.params)):
-                return False
+                    or (kind, b.index, "g") in sums or not b.presence.all()):
+                return 0
+            ptrs = b.flat_ptrs                # (:meth:`_is_flat`'s, if still of flat_param)
+            if ptrs is None or ptrs[0] != b.flat_param.data_ptr():
+                ptrs = flat = None
+            same, _, matching, _, _ = _sweeps.scan(b.params, ptrs, gb.views, None, None, 0)
+            if matching != len(b.params):
+                return 0
+            flat = flat and same
         for b, (grad, _), (fn, args) in zip(buckets, checks, check_calls):
             b.grad_bufs[b.handed].clean = None        # (it holds a gradient now)
             fn(*args)
             sums[(kind, b.index, "g")] = grad
         self._complete = frozenset()
-        return True
+        return 2 if flat else 1
 
-    def replay_step(self, calls) -> Optional[bool]:
-        """:meth:`~.fused.FusedBackend.step` with the recorded launches."""
-        self.check_layout()
+    def replay_step(self, calls, finish, checked: bool = False) -> Optional[bool]:
+        """:meth:`~.fused.FusedBackend.step` with the recorded launches and counter
+        advances (``finish``: ``_finish``'s; ``checked``: the last closure's
+        :meth:`replay_accumulate` returned 2, and nothing since moved a parameter or a
+        ``.grad``: no layout to check, no views to hand out after)."""
+        if not checked:
+            self.check_layout()
+        self._views_kept = checked
         self.ahead = None
         for fn, args in calls:
             fn(*args)
         self.params_hold_mean = True
         taken = self._raise_if_bad(COUNTER_STEPS, None) if self.view.check_finite else None
-        self._finish(COUNTER_STEPS, None)
+        for fn, args in finish:
+            fn(*args)
         if taken:
             self.mom_start.clear()
         return taken

@@ -90,11 +90,15 @@ class Watcher:
         #: parameter -> the handle of its Python hook
         self._hooked = WeakIdKeyDictionary()
 
-    def watch(self, params, presence: Presence) -> None:
+    def watch(self, params, presence: Presence, in_place: bool = False) -> None:
         """Hooks on ``params`` (a bucket's, in order; those that do not require grad are
         skipped) that mark ``presence``: C++ ones, or Python ones without the extension
-        and while compiled autograd is configured (removed once it is not)."""
+        and while compiled autograd is configured (removed once it is not).
+        ``in_place``: a :func:`~poco_kernels._sweeps.scan` found every C++ hook in place
+        (nothing to do unless Python hooks are to be put in or taken out)."""
         if self._op is not None and not _compiled_autograd():
+            if in_place and not self._hooked:
+                return
             if self._hooked:
                 for p in params:
                     handle = self._hooked.pop(p, None)

@@ -47,8 +47,7 @@ class SamplesMixin:
 
     @torch.no_grad()
     def sample(self, kind: int, draw: int) -> None:
-        self.check_layout()
-        self.hand_out()
+        self.check_and_hand_out()
         view = self.view
         if self.takes_ahead(kind, draw):      # the step wrote it: nothing moves
             for b in view.buckets:

@@ -109,12 +109,22 @@ def prepare(name: str, args: tuple):
     times), prepared once: the operator and the arguments this module would pass it, so
     that ``fn(*args)`` is that call without the records' conversions."""
     if name == "sample":
-        return _ops.sample.default, _sample_args(*args)
+        return _bound(name, _sample_args(*args))
     if name == "step":
-        return _ops.step.default, _step_args(*args)
-    if name == "check":
-        return _ops.check.default, tuple(args)
+        return _bound(name, _step_args(*args))
+    if name in ("check", "finish"):
+        return _bound(name, tuple(args))
     return globals()[name], tuple(args)
+
+
+def _bound(name: str, args: tuple):
+    """``(function, arguments)`` calling the operator ``name`` with ``args``: bound once by
+    the extension (``_C.bind``: no conversion of the arguments at each call), or through
+    ``torch.ops`` (an extension built before it)."""
+    bind = getattr(poco_kernels._C, "bind", None)
+    if bind is None:
+        return getattr(_ops, name).default, args
+    return poco_kernels._C.call, (bind(name, args),)
 
 
 def finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:

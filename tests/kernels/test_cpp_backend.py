@@ -241,3 +241,32 @@ def test_operators_check_their_inputs(bad, match):
             None, None, a["ctl"], None, None, 0, a["noise"], 0, 0, a["hp"], K.FAMILY_IVON, 0)
     for k, v in before.items():
         assert torch.equal(a[k], v), k
+
+
+@needs_cpp
+def test_a_bound_call_is_the_operator_call():
+    """``_C.bind``/``_C.call`` (a step plan's prepared calls): the operator with the
+    arguments converted once, each call the same kernel as ``torch.ops``'s (written
+    values, version counters, the operator's own checks), and clear errors."""
+    from poco_kernels import _C
+    import poco_kernels.kernels.cpp_ops  # noqa: F401  (loads the operators)
+    out, ref = torch.empty(1001), torch.empty(1001)
+    v = ref._version
+    torch.ops.poco_kernels_cpp.randn(ref, 11, 2, 3, 5, 7)
+    moved = ref._version - v
+    bound = _C.bind("randn", (out, 11, 2, 3, 5, 7))
+    v = out._version
+    _C.call(bound)
+    assert torch.equal(out, ref) and out._version - v == moved
+    out.zero_()
+    _C.call(bound)
+    assert torch.equal(out, ref)
+    bad = _C.bind("randn", (out, 11, 3, 3, 5, 7))                 # noise version 3
+    with pytest.raises(RuntimeError, match="noise version must be 1 or 2"):
+        _C.call(bad)
+    with pytest.raises(TypeError, match="takes 6 arguments, 5 given"):
+        _C.bind("randn", (out, 11, 2, 3, 5))
+    with pytest.raises(RuntimeError):
+        _C.bind("no_such_op", ())
+    with pytest.raises(ValueError):
+        _C.call(object())

@@ -137,6 +137,49 @@ def test_replayed_iterations_equal_the_slow_path(cls, backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", CPP)
+@pytest.mark.parametrize("cls", [pk.IVON, pk.IVONPoCoMo])
+def test_the_one_sweep_hand_out_equals_the_layout_check_and_the_hand_out(cls, backend):
+    """The engine's ``check_and_hand_out`` (one ``scan`` per bucket where nothing moved)
+    against a twin that runs ``check_layout`` and ``hand_out`` themselves, through the
+    events above and each of the hand-out's own: a user hook taking a parameter's hook
+    slot, a ``.grad`` replaced by another tensor between iterations, closures that leave
+    the zeroing to the hand-out, and the sweeps of every replayed update skipped
+    (``replay_accumulate`` saw the layout)."""
+    twins = _twins(cls, backend)
+    prob = Problem()
+    slow = twins[1][1]._runner
+    slow.check_and_hand_out = lambda: (slow.check_layout(), slow.hand_out())
+    ps = [list(m.parameters()) for m, _ in twins]
+    for t in range(60):
+        outcomes = []
+        for k, (m, opt) in enumerate(twins):
+            if cls is not pk.IVON and t % 4 == 3:
+                opt.refresh([prob.closure(opt, m, 3)])
+            if t == 21:
+                ps[k][2].register_post_accumulate_grad_hook(lambda p: None)
+            if t == 26:
+                ps[k][1].grad = torch.zeros_like(ps[k][1])
+            closure = _events(t, m, opt, prob)
+            if 30 <= t < 40 and closure is not None:      # (no zero_grad: the hand-out's)
+                closure = (lambda m, i: lambda: prob.loss(m, i).backward())(m, t % 5)
+            try:
+                loss = opt.step(closure)
+                outcomes.append(("ok", None if loss is None else float(loss.detach())))
+            except (KeyError, ValueError) as e:
+                outcomes.append((type(e).__name__, None))
+        assert outcomes[0] == outcomes[1], t
+        _same(*twins)
+        views = [[i for i, p in enumerate(m.parameters()) for b in opt._buckets
+                  for gb in b.grad_bufs if any(p.grad is v for v in gb.views)]
+                 for m, opt in twins]
+        assert views[0] == views[1], t
+        assert [b.presence.flags.tolist() if b.presence is not None else None
+                for b in twins[0][1]._buckets] == \
+            [b.presence.flags.tolist() if b.presence is not None else None
+             for b in twins[1][1]._buckets], t
+
+
+@pytest.mark.parametrize("backend", CPP)
 def test_a_plan_is_made_from_two_agreeing_iterations_and_kept_through_a_new_value(backend):
     (m, opt), _ = _twins(pk.IVONPoCoMo, backend)
     prob = Problem()

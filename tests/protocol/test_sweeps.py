@@ -51,6 +51,58 @@ def test_cpp_and_python_sweeps_agree(seed):
     _same_readable_grads(_C, ps)
 
 
+@needs_cpp
+@pytest.mark.parametrize("seed", range(8))
+def test_scan_gives_what_the_separate_sweeps_give(seed):
+    """``scan``: the addresses, the ``.grad`` against the views, the views' versions against
+    ``clean`` in one pass, as the Python twin gives them (which reports no hooks)."""
+    from poco_kernels import _C
+    ps, views = _case(seed)
+    addrs = [p.data_ptr() for p in ps]
+    clean = _sweeps.py_versions(views)
+    moved = list(addrs)
+    moved[len(moved) // 2] += 4
+    stale = list(clean)
+    stale[-1] += 1
+    for a in (addrs, moved, addrs[:-1], None):
+        for v in (views, None):
+            for c in (clean, stale, None):
+                got = _C.scan(ps, a, v, c, None, 0)
+                assert got == _sweeps.py_scan(ps, a, v, c, None, 0)
+                assert got[0] is (a is None or a == addrs)
+                assert got[1:3] == _sweeps.py_grads(ps, v)
+                assert got[3] is (v is not None and c is clean) and got[4] is False
+    with pytest.raises(ValueError):
+        _C.scan(ps, None, views[:-1], None, None, 0)
+    with pytest.raises(ValueError):
+        _C.scan(ps, None, views, clean[:-1], None, 0)
+    with pytest.raises(TypeError):
+        _C.scan(ps, None, views, None, 5, 0)
+
+
+@needs_cpp
+def test_scan_sees_the_presence_hooks_that_watch_puts_in():
+    """``watched`` is True exactly when ``watch`` would change nothing: every trainable
+    leaf has the hook of this owner for this byte array at its index."""
+    from poco_kernels import _C
+    ps = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
+    ps[2].requires_grad_(False)              # (skipped by both)
+    flags, other = torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
+    assert _C.scan(ps, None, None, None, flags, 7)[4] is False
+    _C.watch(ps, flags, 7)
+    assert _C.scan(ps, None, None, None, flags, 7)[4] is True
+    assert _C.scan(ps, None, None, None, other, 7)[4] is False      # another array
+    assert _C.scan(ps, None, None, None, flags, 8)[4] is False      # another owner
+    assert _C.scan(ps[1:], None, None, None, flags, 7)[4] is False  # other indices
+    assert _C.scan(ps, None, None, None, None, 7)[4] is False
+    ps[3].register_post_accumulate_grad_hook(lambda p: None)      # (takes the slot)
+    assert _C.scan(ps, None, None, None, flags, 7)[4] is False
+    _C.watch(ps, flags, 7)
+    assert _C.scan(ps, None, None, None, flags, 7)[4] is True
+    ps[3].sum().backward()
+    assert flags.tolist() == [0, 0, 0, 1]
+
+
 def _same_readable_grads(c, ps):
     (ga, ka), (gb, kb) = c.readable_grads(ps), _sweeps.py_readable_grads(ps)
     assert ka == kb and (ga is None) == (gb is None) == (ka is not None)
@@ -138,7 +190,7 @@ def _train(monkeypatch, impl):
     replaced, a .grad set to None, a parameter re-pointed (``p.data = ...``), one frozen."""
     if impl == "python":
         for name in ("same_addresses", "versions", "grads", "readable_grads", "set_grads",
-                     "trainable"):
+                     "trainable", "scan"):
             monkeypatch.setattr(_sweeps, name, getattr(_sweeps, "py_" + name))
     import poco_kernels as pk
     torch.manual_seed(0)
