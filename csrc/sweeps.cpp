@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace poco {
 namespace {
@@ -224,7 +225,9 @@ PyObject* trainable(PyObject* /*self*/, PyObject* arg) {
 // times):
 //   flat: params[i].data_ptr() == addresses[i] for every i (addresses None: True);
 //   defined, matching: grads(params, views);
-//   clean: views and clean given, every views[i]._version == clean[i] (else False);
+//   clean: views and clean given, True if every views[i]._version == clean[i]; else, views
+//     given, the list of their versions (what `versions(views)` gives: a buffer zeroed now
+//     is clean at those, its views' counters being their own); else False;
 //   watched: flags a tensor, every params[i] that requires grad and is a leaf has the hook
 //     of `owner` that sets flags[i] (`watch` would change nothing); flags None: False.
 PyObject* scan(PyObject* /*self*/, PyObject* args) {
@@ -255,6 +258,9 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
   }
   bool flat = addrs ? PyTuple_GET_SIZE(addrs.get()) == p.n : true;
   bool is_clean = vs != Py_None && cs != Py_None;
+  // the views' versions, kept until they are known not to be needed
+  std::vector<long long> seen;
+  if (vs != Py_None) seen.reserve(static_cast<size_t>(v.n));
   bool hooked = flags != nullptr;
   Py_ssize_t defined = 0, matching = 0;
   for (Py_ssize_t i = 0; i < p.n; ++i) {
@@ -275,17 +281,33 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
       ++defined;
       if (w != nullptr && g.unsafeGetTensorImpl() == w->unsafeGetTensorImpl()) ++matching;
     }
-    if (is_clean) {
-      const long long want = PyLong_AsLongLong(PyTuple_GET_ITEM(clean.get(), i));
-      if (PyErr_Occurred()) return nullptr;
-      is_clean = static_cast<long long>(w->_version()) == want;
+    if (w != nullptr) {
+      const auto version = static_cast<long long>(w->_version());
+      seen.push_back(version);
+      if (is_clean) {
+        const long long want = PyLong_AsLongLong(PyTuple_GET_ITEM(clean.get(), i));
+        if (PyErr_Occurred()) return nullptr;
+        is_clean = version == want;
+      }
     }
     if (hooked && x->requires_grad() && x->is_leaf()) {
       hooked = watched(*x, *flags, static_cast<int64_t>(i), owner);
     }
   }
-  return Py_BuildValue("(OnnOO)", flat ? Py_True : Py_False, defined, matching,
-                       is_clean ? Py_True : Py_False, hooked ? Py_True : Py_False);
+  PyObject* clean_out = is_clean ? Py_True : Py_False;
+  THPObjectPtr versions_out;
+  if (!is_clean && vs != Py_None) {
+    versions_out = PyList_New(v.n);
+    if (!versions_out) return nullptr;
+    for (Py_ssize_t i = 0; i < v.n; ++i) {
+      PyObject* o = PyLong_FromLongLong(seen[static_cast<size_t>(i)]);
+      if (o == nullptr) return nullptr;
+      PyList_SET_ITEM(versions_out.get(), i, o);
+    }
+    clean_out = versions_out.get();
+  }
+  return Py_BuildValue("(OnnOO)", flat ? Py_True : Py_False, defined, matching, clean_out,
+                       hooked ? Py_True : Py_False);
   END_HANDLE_TH_ERRORS
 }
 

@@ -78,13 +78,18 @@ def py_scan(params: Sequence[Tensor], addresses: Optional[List[int]],
             views: Optional[Sequence[Tensor]], clean: Optional[List[int]], flags,
             owner: int) -> Tuple[bool, int, int, bool, bool]:
     """``(flat, defined, matching, clean, watched)``: :func:`py_same_addresses` (True
-    when ``addresses`` is None), :func:`py_grads`, the views' versions equal to ``clean``
-    (False when either is None), and False for the hooks (Python cannot see them: the
-    caller installs them again, which finds them in place)."""
+    when ``addresses`` is None), :func:`py_grads`, for ``clean`` True when the views'
+    versions equal ``clean``, else (views given) their versions, else False; and False for
+    the hooks (Python cannot see them: the caller installs them again, which finds them
+    in place)."""
     flat = addresses is None or py_same_addresses(params, addresses)
     defined, matching = py_grads(params, views)
-    is_clean = views is not None and clean is not None and py_versions(views) == list(clean)
-    return flat, defined, matching, is_clean, False
+    if views is None:
+        return flat, defined, matching, False, False
+    now = py_versions(views)
+    if clean is not None and len(clean) != len(now):
+        raise ValueError("scan: as many views and versions as parameters expected")
+    return flat, defined, matching, clean is not None and now == list(clean) or now, False
 
 
 def _load():

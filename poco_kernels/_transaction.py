@@ -61,7 +61,8 @@ class TransactionMixin:
                 self._runner.prefetch()
 
     def _closure_samples(self, group_key: str = "mc_samples") -> int:
-        return max(int(g.get(group_key, 1)) for g in self._groups)
+        # (dict.get: the key is not one of ParamGroup's aliases, whose lookups run Python)
+        return max(int(dict.get(g, group_key, 1)) for g in self._groups)
 
     def _run_closure(self, closure: Callable, kind: str) -> Tensor:
         """One evaluation at a ``kind`` sample.  A backend whose update rewrites the

@@ -79,12 +79,14 @@ class GradBuffer:
     def is_clean(self) -> bool:
         return self.clean is not None and self.clean == self._versions()
 
-    def zero(self, clean: Optional[bool] = None) -> None:
-        """Make it hold zeros (one memset, skipped when it is known to; ``clean``:
-        :meth:`is_clean`, already read by a :func:`~poco_kernels._sweeps.scan`)."""
-        if not (self.is_clean() if clean is None else clean):
-            self.flat.zero_()
-            self.clean = self._versions()
+    def zero(self, clean=None) -> None:
+        """Make it hold zeros (one memset, skipped when it is known to; ``clean``: what a
+        :func:`~poco_kernels._sweeps.scan` of the views found, True or their versions)."""
+        if clean is None:
+            clean = self.is_clean() or None
+        if clean is not True:
+            self.flat.zero_()                 # (the views' counters are their own: unmoved)
+            self.clean = clean if isinstance(clean, list) else self._versions()
 
 
 class DirectGrads(list):
@@ -164,8 +166,9 @@ class GradsMixin:
         """:meth:`~.fused_layout.LayoutMixin.check_layout`, then :meth:`hand_out` (before a
         sample), in one sweep per bucket (:func:`~poco_kernels._sweeps.scan`) where nothing
         moved: every parameter still the view of its flat buffer, the buffer handed out
-        last the first free one.  Anywhere else, or where a bucket is not flat, the two
-        calls themselves (nothing is changed before every bucket is checked)."""
+        last the first free one or (its views every ``.grad``) swapped with it.  Anywhere
+        else, or where a bucket is not flat, the two calls themselves (nothing is changed
+        before every bucket is checked)."""
         if not self.view.grad_views or torch.compiler.is_compiling():
             self.check_layout()
             self.hand_out()
@@ -175,17 +178,22 @@ class GradsMixin:
         for b in self.view.buckets:
             i, ptrs, pres = b.handed, b.flat_ptrs, b.presence
             if (b.segments is not None or i is None or b.swapped or pres is None
-                    or ptrs is None or ptrs[0] != b.flat_param.data_ptr()
-                    or self._free_buffer(b, lent) != i):
+                    or ptrs is None or ptrs[0] != b.flat_param.data_ptr()):
+                break
+            free = self._free_buffer(b, lent)
+            if free != i and not _SWAP:
                 break
             gb = b.grad_bufs[i]
-            scanned = _sweeps.scan(b.params, ptrs, gb.views, gb.clean, pres.flags,
-                                   self._watcher.owner)
-            if not scanned[0]:
+            scanned = _sweeps.scan(b.params, ptrs, gb.views, gb.clean if free == i else None,
+                                   pres.flags, self._watcher.owner)
+            if not scanned[0] or (free != i and scanned[2] != len(b.params)):
                 break
-            seen.append((b, gb, scanned))
+            seen.append((b, free, gb, scanned))
         else:
-            for b, gb, (_, _, matching, clean, watched) in seen:
+            for b, free, gb, (_, _, matching, clean, watched) in seen:
+                if free != b.handed:          # (hand_out's swap: the views keep their memory)
+                    self._swap_in(b, free)
+                    clean = True if gb.clean is not None else clean    # (clean: the versions)
                 gb.zero(clean)
                 if matching != len(b.params):
                     _sweeps.set_grads(b.params, gb.views)

@@ -55,7 +55,8 @@ def test_cpp_and_python_sweeps_agree(seed):
 @pytest.mark.parametrize("seed", range(8))
 def test_scan_gives_what_the_separate_sweeps_give(seed):
     """``scan``: the addresses, the ``.grad`` against the views, the views' versions against
-    ``clean`` in one pass, as the Python twin gives them (which reports no hooks)."""
+    ``clean`` (True, or the versions themselves) in one pass, as the Python twin gives
+    them (which reports no hooks)."""
     from poco_kernels import _C
     ps, views = _case(seed)
     addrs = [p.data_ptr() for p in ps]
@@ -71,11 +72,13 @@ def test_scan_gives_what_the_separate_sweeps_give(seed):
                 assert got == _sweeps.py_scan(ps, a, v, c, None, 0)
                 assert got[0] is (a is None or a == addrs)
                 assert got[1:3] == _sweeps.py_grads(ps, v)
-                assert got[3] is (v is not None and c is clean) and got[4] is False
+                assert got[3] == (False if v is None else True if c is clean else clean)
+                assert got[4] is False
     with pytest.raises(ValueError):
         _C.scan(ps, None, views[:-1], None, None, 0)
-    with pytest.raises(ValueError):
-        _C.scan(ps, None, views, clean[:-1], None, 0)
+    for scan in (_C.scan, _sweeps.py_scan):
+        with pytest.raises(ValueError):
+            scan(ps, None, views, clean[:-1], None, 0)
     with pytest.raises(TypeError):
         _C.scan(ps, None, views, None, 5, 0)
 
