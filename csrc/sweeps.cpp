@@ -11,11 +11,13 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/utils/object_ptr.h>
 
 #include "py_functions.h"
 
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -23,21 +25,81 @@
 namespace poco {
 namespace {
 
+// What the sweeps read of each tensor, by the shortest way (at 148 tensors the at::Tensor
+// accessors' checks were most of a sweep: `grad()` asks whether the tensor is a leaf and
+// retains its gradient, through two virtual calls, to warn about a non-leaf's `.grad`;
+// `data_ptr()` checks for a copy-on-write storage to materialise).
+//   address: the first element's address, as `data_ptr()` gives it (no storage: the
+//     accessor itself, which raises as Python's `data_ptr()` does);
+//   grad_of: `.grad`, as `grad()` gives it, without the warning's checks;
+//   trainable_leaf: requires grad and is a leaf (the presence hooks' parameters).
+uintptr_t address(const at::Tensor& x) {
+  const c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+  if (!impl->has_storage() || impl->is_python_dispatch()) {
+    return reinterpret_cast<uintptr_t>(x.data_ptr());
+  }
+  return reinterpret_cast<uintptr_t>(x.const_data_ptr());
+}
+
+const at::Tensor& grad_of(const at::Tensor& x) { return x.unsafeGetTensorImpl()->grad(); }
+
+bool trainable_leaf(const at::Tensor& x) {
+  auto* meta = torch::autograd::impl::get_autograd_meta(x);
+  if (meta == nullptr || !meta->requires_grad()) return false;
+  if (meta->is_view_) return x.is_leaf();     // (a view's grad_fn may be made on demand)
+  return meta->grad_fn_ == nullptr;
+}
+
+// A sequence of addresses: a buffer of uint64 (array('Q'): read in place, the engine's
+// form) or any sequence of ints (each converted).
+struct Addresses {
+  Py_buffer buf{};
+  bool held = false;
+  THPObjectPtr items;
+  Py_ssize_t n = 0;
+  bool init(PyObject* o) {
+    if (PyObject_CheckBuffer(o)) {
+      if (PyObject_GetBuffer(o, &buf, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return false;
+      held = true;
+      if (buf.itemsize != 8 || buf.format == nullptr ||
+          (std::string(buf.format) != "Q" && std::string(buf.format) != "L")) {
+        PyErr_SetString(PyExc_TypeError, "addresses: a buffer of uint64 expected");
+        return false;
+      }
+      n = buf.len / 8;
+      return true;
+    }
+    items = PySequence_Tuple(o);
+    if (!items) return false;
+    n = PyTuple_GET_SIZE(items.get());
+    return true;
+  }
+  // the i-th address (an error set, and 0, if it is not an unsigned int)
+  unsigned long long at(Py_ssize_t i) const {
+    if (held) return static_cast<const unsigned long long*>(buf.buf)[i];
+    return PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(items.get(), i));
+  }
+  ~Addresses() {
+    if (held) PyBuffer_Release(&buf);
+  }
+};
+
 // same_addresses(tensors, addresses) -> bool: tensors[i].data_ptr() == addresses[i] for
 // every i (and as many of each).
 PyObject* same_addresses(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *ts, *addrs;
   if (!PyArg_ParseTuple(args, "OO", &ts, &addrs)) return nullptr;
-  Tensors t(ts), a(addrs);
-  if (!t.ok() || !a.ok()) return nullptr;
+  Tensors t(ts);
+  Addresses a;
+  if (!t.ok() || !a.init(addrs)) return nullptr;
   if (t.n != a.n) Py_RETURN_FALSE;
   for (Py_ssize_t i = 0; i < t.n; ++i) {
     const at::Tensor* x = t.tensor(i);
     if (x == nullptr) return nullptr;
-    const unsigned long long want = PyLong_AsUnsignedLongLong(a.item(i));
+    const unsigned long long want = a.at(i);
     if (PyErr_Occurred()) return nullptr;
-    if (reinterpret_cast<uintptr_t>(x->data_ptr()) != want) Py_RETURN_FALSE;  // (as Python's)
+    if (address(*x) != want) Py_RETURN_FALSE;
   }
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS
@@ -79,7 +141,7 @@ PyObject* grads(PyObject* /*self*/, PyObject* args) {
   for (Py_ssize_t i = 0; i < p.n; ++i) {
     const at::Tensor* x = p.tensor(i);
     if (x == nullptr) return nullptr;
-    const at::Tensor& g = x->grad();
+    const at::Tensor& g = grad_of(*x);
     if (!g.defined()) continue;
     ++defined;
     if (vs != Py_None) {
@@ -107,7 +169,7 @@ PyObject* readable_grads(PyObject* /*self*/, PyObject* arg) {
   for (Py_ssize_t i = 0; i < p.n && readable; ++i) {
     const at::Tensor* x = p.tensor(i);
     if (x == nullptr) return nullptr;
-    const at::Tensor& g = x->grad();
+    const at::Tensor& g = grad_of(*x);
     readable = g.defined() && g.layout() == at::kStrided && g.has_storage() &&
                g.is_contiguous() && g.scalar_type() == x->scalar_type() &&
                g.numel() == x->numel() && !g.is_neg();
@@ -123,7 +185,7 @@ PyObject* readable_grads(PyObject* /*self*/, PyObject* arg) {
   for (Py_ssize_t i = 0; i < p.n; ++i) {
     const at::Tensor* x = p.tensor(i);
     if (x == nullptr) return nullptr;
-    const at::Tensor& g = x->grad();
+    const at::Tensor& g = grad_of(*x);
     PyObject* w = g.defined() ? THPVariable_Wrap(g) : (Py_INCREF(Py_None), Py_None);
     if (w == nullptr) return nullptr;
     PyList_SET_ITEM(gs.get(), i, w);
@@ -239,8 +301,8 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
   if (!p.ok()) return nullptr;
   Tensors v(vs == Py_None ? ps : vs);
   if (!v.ok()) return nullptr;
-  THPObjectPtr addrs(as == Py_None ? nullptr : PySequence_Tuple(as));
-  if (as != Py_None && !addrs) return nullptr;
+  Addresses addrs;
+  if (as != Py_None && !addrs.init(as)) return nullptr;
   THPObjectPtr clean(cs == Py_None ? nullptr : PySequence_Tuple(cs));
   if (cs != Py_None && !clean) return nullptr;
   if ((vs != Py_None && v.n != p.n) || (cs != Py_None && vs != Py_None &&
@@ -256,7 +318,7 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
     }
     flags = &THPVariable_Unpack(fo);
   }
-  bool flat = addrs ? PyTuple_GET_SIZE(addrs.get()) == p.n : true;
+  bool flat = as != Py_None ? addrs.n == p.n : true;
   bool is_clean = vs != Py_None && cs != Py_None;
   // the views' versions, kept until they are known not to be needed
   std::vector<long long> seen;
@@ -266,12 +328,12 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
   for (Py_ssize_t i = 0; i < p.n; ++i) {
     const at::Tensor* x = p.tensor(i);
     if (x == nullptr) return nullptr;
-    if (flat && addrs) {
-      const unsigned long long want = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(addrs.get(), i));
+    if (flat && as != Py_None) {
+      const unsigned long long want = addrs.at(i);
       if (PyErr_Occurred()) return nullptr;
-      flat = reinterpret_cast<uintptr_t>(x->data_ptr()) == want;
+      flat = address(*x) == want;
     }
-    const at::Tensor& g = x->grad();
+    const at::Tensor& g = grad_of(*x);
     const at::Tensor* w = nullptr;
     if (vs != Py_None) {
       w = v.tensor(i);
@@ -290,7 +352,7 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
         is_clean = version == want;
       }
     }
-    if (hooked && x->requires_grad() && x->is_leaf()) {
+    if (hooked && trainable_leaf(*x)) {
       hooked = watched(*x, *flags, static_cast<int64_t>(i), owner);
     }
   }

@@ -238,8 +238,10 @@ class Bucket:
     #: backends/fused_layout.py, flatten; None while sharded: FSDP2 owns the shards)
     flat_param: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
     #: the parameters' addresses as views of ``flat_param``, cached to tell whether they
-    #: still are (fused: backends/fused_layout.py, _is_flat)
-    flat_ptrs: Optional[List[int]] = field(default=None, init=False, repr=False, compare=False)
+    #: still are (fused: backends/fused_layout.py, _is_flat; an ``array('Q')``, which the
+    #: sweeps read in place)
+    flat_ptrs: Optional[Sequence[int]] = field(default=None, init=False, repr=False,
+                                               compare=False)
     #: the flat gradient buffers of the parameter dtype, fused_grads.GradBuffer objects,
     #: more while some are lent as pending sums (fused: flatten, _free_buffer; [] sharded)
     grad_bufs: Optional[list] = field(default=None, init=False, repr=False, compare=False)

@@ -12,6 +12,7 @@ parameters and a flat buffer go shard by shard (:meth:`LayoutMixin._params_to`,
 """
 from __future__ import annotations
 
+import array
 from typing import Optional
 
 import torch
@@ -153,7 +154,7 @@ class LayoutMixin:
         ptrs = getattr(b, "flat_ptrs", None)
         if ptrs is None or ptrs[0] != b.flat_param.data_ptr():
             base, size = b.flat_param.data_ptr(), b.flat_param.element_size()
-            b.flat_ptrs = ptrs = [base + off * size for off in b.offsets]
+            b.flat_ptrs = ptrs = array.array("Q", [base + off * size for off in b.offsets])
         return _sweeps.same_addresses(b.params, ptrs)
 
     def check_layout(self) -> None:

@@ -1,6 +1,8 @@
 """The engine's sweeps over parameters (``poco_kernels/_sweeps.py``): the C++ functions
 (``csrc/sweeps.cpp``) give what their Python twins give, on every kind of input the
 engine passes them and on what it must refuse."""
+import array
+
 import pytest
 import torch
 
@@ -65,12 +67,13 @@ def test_scan_gives_what_the_separate_sweeps_give(seed):
     moved[len(moved) // 2] += 4
     stale = list(clean)
     stale[-1] += 1
-    for a in (addrs, moved, addrs[:-1], None):
+    for a in (addrs, moved, addrs[:-1], None, array.array("Q", addrs),
+              array.array("Q", moved)):
         for v in (views, None):
             for c in (clean, stale, None):
                 got = _C.scan(ps, a, v, c, None, 0)
                 assert got == _sweeps.py_scan(ps, a, v, c, None, 0)
-                assert got[0] is (a is None or a == addrs)
+                assert got[0] is (a is None or list(a) == addrs)
                 assert got[1:3] == _sweeps.py_grads(ps, v)
                 assert got[3] == (False if v is None else True if c is clean else clean)
                 assert got[4] is False
@@ -81,6 +84,11 @@ def test_scan_gives_what_the_separate_sweeps_give(seed):
             scan(ps, None, views, clean[:-1], None, 0)
     with pytest.raises(TypeError):
         _C.scan(ps, None, views, None, 5, 0)
+    with pytest.raises(TypeError, match="uint64"):
+        _C.same_addresses(ps, array.array("d", [0.0] * len(ps)))
+    with pytest.raises(TypeError, match="uint64"):
+        _C.scan(ps, array.array("i", [0] * len(ps)), None, None, None, 0)
+    assert _C.same_addresses(ps, array.array("Q", addrs)) is True
 
 
 @needs_cpp
