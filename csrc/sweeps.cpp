@@ -266,6 +266,47 @@ PyObject* set_grads(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// grads_now(params) -> list: (params[i], params[i].grad, its version counter or 0 when
+// None) for each i, what a `sampled()` block puts back if it fails.  A tensor subclass, or
+// any tensor while a torch function mode is active, is read through Python (`.grad`,
+// `._version`: whatever its overrides give).
+PyObject* grads_now(PyObject* /*self*/, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  Tensors p(arg);
+  if (!p.ok()) return nullptr;
+  THPObjectPtr out(PyList_New(p.n));
+  if (!out) return nullptr;
+  const bool modes = at::impl::torch_function_mode_enabled();
+  for (Py_ssize_t i = 0; i < p.n; ++i) {
+    const at::Tensor* x = p.tensor(i);
+    if (x == nullptr) return nullptr;
+    PyObject* item = nullptr;
+    if (modes || !plain(p.item(i))) {
+      THPObjectPtr g(PyObject_GetAttrString(p.item(i), "grad"));
+      if (!g) return nullptr;
+      THPObjectPtr v(g.get() == Py_None ? PyLong_FromLong(0)
+                                        : PyObject_GetAttrString(g.get(), "_version"));
+      if (!v) return nullptr;
+      item = PyTuple_Pack(3, p.item(i), g.get(), v.get());
+      if (item == nullptr) return nullptr;
+      PyList_SET_ITEM(out.get(), i, item);
+      continue;
+    }
+    const at::Tensor& g = grad_of(*x);
+    if (g.defined()) {
+      PyObject* w = THPVariable_Wrap(g);
+      if (w == nullptr) return nullptr;
+      item = Py_BuildValue("(ONL)", p.item(i), w, static_cast<long long>(g._version()));
+    } else {
+      item = Py_BuildValue("(OOi)", p.item(i), Py_None, 0);
+    }
+    if (item == nullptr) return nullptr;
+    PyList_SET_ITEM(out.get(), i, item);
+  }
+  return out.release();
+  END_HANDLE_TH_ERRORS
+}
+
 // trainable(tensors) -> int: how many require grad.
 PyObject* trainable(PyObject* /*self*/, PyObject* arg) {
   HANDLE_TH_ERRORS
@@ -390,6 +431,8 @@ PyMethodDef kMethods[] = {
     {"set_grads", set_grads, METH_VARARGS,
      "set_grads(params, grads) -> None: params[i].grad = grads[i] (grads None: None)"},
     {"trainable", trainable, METH_O, "trainable(tensors) -> int: how many require grad"},
+    {"grads_now", grads_now, METH_O,
+     "grads_now(params) -> list: (param, param.grad, its _version or 0 when None) each"},
     {"bind", bind, METH_VARARGS,
      "bind(name, args) -> capsule: the operator poco_kernels_cpp::name with its arguments "
      "converted once (bound.cpp)"},

@@ -69,6 +69,15 @@ def py_set_grads(params: Sequence[Tensor], grads: Optional[Sequence[Tensor]]) ->
         p.grad = g
 
 
+def py_grads_now(params: Sequence[Tensor]) -> List[Tuple[Tensor, Optional[Tensor], int]]:
+    """``(p, p.grad, its version counter or 0 when None)`` for each parameter."""
+    out = []
+    for p in params:
+        g = p.grad
+        out.append((p, g, 0 if g is None else g._version))
+    return out
+
+
 def py_trainable(tensors: Sequence[Tensor]) -> int:
     """How many require grad."""
     return list(map(_requires_grad, tensors)).count(True)
@@ -96,17 +105,17 @@ def _load():
     from .kernels import cpp_status
     if cpp_status() is None:
         try:
-            from ._C import (grads, readable_grads, same_addresses, scan, set_grads, trainable,
-                             versions)
+            from ._C import (grads, grads_now, readable_grads, same_addresses, scan, set_grads,
+                             trainable, versions)
         except ImportError:                   # (an extension built before them)
             pass
         else:
             return ("cpp", same_addresses, versions, grads, readable_grads, set_grads, trainable,
-                    scan)
+                    scan, grads_now)
     return ("python", py_same_addresses, py_versions, py_grads, py_readable_grads, py_set_grads,
-            py_trainable, py_scan)
+            py_trainable, py_scan, py_grads_now)
 
 
 #: "cpp" or "python": which implementation the functions below are
 (IMPLEMENTATION, same_addresses, versions, grads, readable_grads, set_grads, trainable,
- scan) = _load()
+ scan, grads_now) = _load()

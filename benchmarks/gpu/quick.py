@@ -79,7 +79,8 @@ def _host_calls(dev, smoke, out_dir):
         fh.write(host_calls.markdown(dev, rows, "tiny", iters, warm, every) + "\n")
     iters, rounds = (3, 1) if smoke else (100, 5)
     step_rows = host_step.measure(dev, host_step.KINDS + host_step.JIT_KINDS
-                                  + host_step.NO_PLAN_KINDS, iters, rounds)
+                                  + host_step.NO_PLAN_KINDS + host_step.SAMPLED_KINDS,
+                                  iters, rounds)
     with open(os.path.join(out_dir, "host_step.md"), "w") as fh:
         fh.write(host_step.markdown(dev, step_rows, iters, rounds) + "\n")
     return {"calls": rows, "step": step_rows}, []

@@ -12,7 +12,9 @@ step()``), IVON and IVON-PoCoMo (the correction active, two closure calls), the 
 backend of the device; ``*_jit_launch``: the same with every Triton launch through the
 JIT (``triton_launch.ENABLED = False``; what the cached launches save; on the CPU the
 C++ kernels run and both are the same); ``*_no_plan``: without step plans
-(``opt.step_plans = False``: every iteration by the slow path).  Best of ``--rounds`` rounds of ``--iters`` iterations, the rows
+(``opt.step_plans = False``: every iteration by the slow path); ``*_sampled``: the
+protocol without a closure, ``with opt.sampled(): <gradients>`` per sample, then
+``opt.step()`` (no plan: the slow path).  Best of ``--rounds`` rounds of ``--iters`` iterations, the rows
 interleaved round by round (this machine's timings drift by tens of percent)::
 
     python -m benchmarks.studies.host_step --out /tmp/hs [--device cpu]
@@ -40,6 +42,9 @@ KINDS = ("adamw_fused", "ivon", "ivon_pocomo")
 JIT_KINDS = ("ivon_jit_launch", "ivon_pocomo_jit_launch")
 #: the rows without step plans (every iteration by the slow path: what the plans save)
 NO_PLAN_KINDS = ("ivon_no_plan", "ivon_pocomo_no_plan")
+#: the rows of the protocol without a closure: ``with opt.sampled(): <gradients>`` (and
+#: ``sampled("outer")``), then ``opt.step()``
+SAMPLED_KINDS = ("ivon_sampled", "ivon_pocomo_sampled")
 
 
 def _row(kind: str, dev):
@@ -58,6 +63,9 @@ def _row(kind: str, dev):
     no_plan = kind in NO_PLAN_KINDS
     if no_plan:
         kind = kind[:-len("_no_plan")]
+    sampled = kind in SAMPLED_KINDS
+    if sampled:
+        kind = kind[:-len("_sampled")]
     ps = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in ot.gpt2_shapes("tiny")]
     fixed = [torch.full_like(p, 1e-3) for p in ps]
     loss = torch.zeros((), device=dev)
@@ -99,6 +107,15 @@ def _row(kind: str, dev):
     opt.step(closure)                         # (the views handed out)
     if poco:
         opt.refresh([closure])
+    if sampled:
+        def protocol():
+            with opt.sampled():
+                write()
+            if poco:
+                with opt.sampled("outer"):
+                    write()
+            opt.step()
+        return protocol, write, 2 if poco else 1
     return (lambda: opt.step(closure)), write, 2 if poco else 1
 
 
@@ -143,8 +160,8 @@ def markdown(dev, rows, iters: int, rounds: int) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=None)
-    ap.add_argument("--kinds", nargs="+", default=list(KINDS + NO_PLAN_KINDS),
-                    choices=KINDS + JIT_KINDS + NO_PLAN_KINDS)
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS + NO_PLAN_KINDS + SAMPLED_KINDS),
+                    choices=KINDS + JIT_KINDS + NO_PLAN_KINDS + SAMPLED_KINDS)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", required=True)

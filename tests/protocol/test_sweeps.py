@@ -43,8 +43,17 @@ def test_cpp_and_python_sweeps_agree(seed):
         assert _C.grads(seq, views) == _sweeps.py_grads(seq, views)
         assert _C.grads(seq, None) == _sweeps.py_grads(seq, None)
         assert _C.trainable(seq) == _sweeps.py_trainable(seq)
+        now, twin = _C.grads_now(seq), _sweeps.py_grads_now(seq)
+        assert [(id(p), id(g), v) for p, g, v in now] == [(id(p), id(g), v) for p, g, v in twin]
+        assert [v for _, g, v in now if g is not None] and all(
+            g is p.grad for p, g, _ in now)
         assert _C.versions(seq) == _sweeps.py_versions(seq)
         assert _C.same_addresses(seq, addrs) is _sweeps.py_same_addresses(seq, addrs) is True
+    mixed = [_Logged(torch.randn(3)), ps[0]]          # (a subclass: read through Python)
+    mixed[0].grad = torch.ones(3)
+    mixed[0].grad.add_(1)
+    assert [(id(p), id(g), v) for p, g, v in _C.grads_now(mixed)] == \
+        [(id(p), id(g), v) for p, g, v in _sweeps.py_grads_now(mixed)]
     moved = list(addrs)
     moved[-1] += 4
     for other in (moved, addrs[:-1], addrs + [0]):
@@ -201,7 +210,7 @@ def _train(monkeypatch, impl):
     replaced, a .grad set to None, a parameter re-pointed (``p.data = ...``), one frozen."""
     if impl == "python":
         for name in ("same_addresses", "versions", "grads", "readable_grads", "set_grads",
-                     "trainable", "scan"):
+                     "trainable", "scan", "grads_now"):
             monkeypatch.setattr(_sweeps, name, getattr(_sweeps, "py_" + name))
     import poco_kernels as pk
     torch.manual_seed(0)

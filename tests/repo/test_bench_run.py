@@ -198,7 +198,8 @@ def test_bench_gpu_quick_smoke_runs_every_section(tmp_path, bench_modules):
         host = json.load(f)["result"]
     assert set(host["step"]) == {"adamw_fused", "ivon", "ivon_pocomo", "ivon_jit_launch",
                                  "ivon_pocomo_jit_launch", "ivon_no_plan",
-                                 "ivon_pocomo_no_plan"}
+                                 "ivon_pocomo_no_plan", "ivon_sampled",
+                                 "ivon_pocomo_sampled"}
     assert "| ivon_pocomo |" in (tmp_path / "host_step.md").read_text()
     with open(tmp_path / "steady.json") as f:
         launch = json.load(f)["result"]["launch"]
@@ -383,9 +384,10 @@ def test_host_step_study_times_each_optimizer_less_its_gradient_writing(tmp_path
     with open(tmp_path / "hs" / "host_step.json") as f:
         rows = json.load(f)["rows"]
     assert set(rows) == {"adamw_fused", "ivon", "ivon_pocomo", "ivon_no_plan",
-                         "ivon_pocomo_no_plan"}
+                         "ivon_pocomo_no_plan", "ivon_sampled", "ivon_pocomo_sampled"}
     assert rows["ivon_pocomo"]["closure_calls"] == 2 and rows["ivon"]["closure_calls"] == 1
     assert rows["ivon_pocomo_no_plan"]["closure_calls"] == 2
+    assert rows["ivon_pocomo_sampled"]["closure_calls"] == 2
     for kind, r in rows.items():
         assert r["host_us"] == pytest.approx(
             r["iteration_us"] - r["closure_calls"] * r["gradient_writing_us"], abs=0.2), kind
