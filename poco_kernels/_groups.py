@@ -216,11 +216,12 @@ class ParamGroupsMixin:
     def _trainable_changed(self) -> bool:
         """A parameter's ``requires_grad`` changed since the buckets were laid out (one
         sweep over the parameters, in C, when every one is trainable)."""
-        n = sum(_sweeps.trainable(g["params"]) for g in self._groups)
+        params = [dict.__getitem__(g, "params") for g in self._groups]
+        n = sum(map(_sweeps.trainable, params))
         nb = sum(len(b.params) for b in self._buckets)
         if n != nb:
             return True
-        return (n != sum(len(g["params"]) for g in self._groups)
+        return (n != sum(map(len, params))
                 and sum(_sweeps.trainable(b.params) for b in self._buckets) != nb)
 
     def _check_trainable(self) -> None:

@@ -298,8 +298,12 @@ class StepPlanMixin:
         pend.draws[kind] = 1
         ok = False
         try:
-            with torch.enable_grad():
+            prev = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(True)  # (torch.enable_grad(), without its objects)
+            try:
                 loss = closure()
+            finally:
+                torch._C._set_grad_enabled(prev)
             done = (self._active == (kind, 0) and not pend.count[kind]
                     and eng.replay_accumulate(kind, checks, check_calls))
             if done:
