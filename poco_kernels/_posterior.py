@@ -15,10 +15,10 @@ from torch import Tensor
 from . import _sweeps
 from . import noise as _noise
 from ._groups import _from_lightning, as_closures
-from ._optimizer import BucketedOptimizer, step_hooks, without_grad_mode
+from ._optimizer import BucketedOptimizer
 from ._protocol import KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH, Pending, mean_loss
 from ._step_plan import StepPlanMixin
-from ._transaction import TransactionMixin
+from ._transaction import TransactionMixin, step_hooks, without_grad_mode
 from ._validation import check
 
 
