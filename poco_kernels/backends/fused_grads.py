@@ -28,11 +28,8 @@ from .fused_presence import Presence
 #: call of an iteration are in ``poco_kernels/_sweeps.py``)
 _grad = operator.attrgetter("grad")
 _dtype = operator.attrgetter("dtype")
-
 #: address tables kept per bucket whose gradients are read in place (every one present)
 _TABLES = 4
-
-
 #: the storages' memory can be swapped (torch's ``UntypedStorage._swap_data_ptr_``; else
 #: the views of another buffer are handed out, a ``.grad`` assignment per parameter)
 _SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
@@ -114,14 +111,17 @@ class GradsMixin:
         lent until the update that consumes it)."""
         return {id(t) for t in self.view.pending.sums.values()}
 
-    def _free_buffer(self, b, lent: set, prefer: Optional[int] = None) -> int:
+    def _free_buffer(self, b, lent: set, prefer: Optional[int] = None,
+                     make: bool = True) -> Optional[int]:
         """The index of a gradient buffer of ``b`` not lent to a pending sum (``prefer``
-        if it is free); a new one when all are lent."""
+        if it is free); a new one when all are lent (``make=False``: None)."""
         if prefer is not None and id(b.grad_bufs[prefer].flat) not in lent:
             return prefer
         for i, gb in enumerate(b.grad_bufs):
             if id(gb.flat) not in lent:
                 return i
+        if not make:
+            return None
         b.grad_bufs.append(GradBuffer(b))
         return len(b.grad_bufs) - 1
 
@@ -163,12 +163,10 @@ class GradsMixin:
             b.handed = i
 
     def check_and_hand_out(self) -> None:
-        """:meth:`~.fused_layout.LayoutMixin.check_layout`, then :meth:`hand_out` (before a
-        sample), in one sweep per bucket (:func:`~poco_kernels._sweeps.scan`) where nothing
-        moved: every parameter still the view of its flat buffer, the buffer handed out
-        last the first free one or (its views every ``.grad``) swapped with it.  Anywhere
-        else, or where a bucket is not flat, the two calls themselves (nothing is changed
-        before every bucket is checked)."""
+        """``check_layout()`` then :meth:`hand_out` before a sample, by one
+        :func:`~poco_kernels._sweeps.scan` per bucket where every parameter is still its
+        flat buffer's view and the buffer handed out last is the first free one (or, its
+        views every ``.grad``, swapped with it); else those two calls (nothing changed)."""
         if not self.view.grad_views or torch.compiler.is_compiling():
             self.check_layout()
             self.hand_out()
@@ -180,8 +178,8 @@ class GradsMixin:
             if (b.segments is not None or i is None or b.swapped or pres is None
                     or ptrs is None or ptrs[0] != b.flat_param.data_ptr()):
                 break
-            free = self._free_buffer(b, lent)
-            if free != i and not _SWAP:
+            free = self._free_buffer(b, lent, make=False)     # (nothing changed yet)
+            if free is None or (free != i and not _SWAP):
                 break
             gb = b.grad_bufs[i]
             scanned = _sweeps.scan(b.params, ptrs, gb.views, gb.clean if free == i else None,

@@ -121,10 +121,11 @@ def _bound(name: str, args: tuple):
     """``(function, arguments)`` calling the operator ``name`` with ``args``: bound once by
     the extension (``_C.bind``: no conversion of the arguments at each call), or through
     ``torch.ops`` (an extension built before it)."""
+    op = getattr(_ops, name).default
     bind = getattr(poco_kernels._C, "bind", None)
     if bind is None:
-        return getattr(_ops, name).default, args
-    return poco_kernels._C.call, (bind(name, args),)
+        return op, args
+    return poco_kernels._C.call, (bind(name, args, op),)   # (op: under a torch function mode)
 
 
 def finish(ctl: Tensor, found_inf: Optional[Tensor], slot: int) -> None:

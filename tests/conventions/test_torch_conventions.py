@@ -380,6 +380,54 @@ def test_step_profiler_range():
     assert seen == [True] and torch.is_grad_enabled()
 
 
+def test_step_hooks_as_torchs_wrapper_runs_them():
+    """What torch.optim's wrapper does, the step does without it: a post hook registered
+    during the step (inside the closure) runs after it, a pre hook so registered waits for
+    the next step; a subclass whose own ``step`` calls ``super().step()`` runs each hook
+    once; a profiler started without Python's flag (torch's C++ entry points) still sees
+    the step's range."""
+    m = Tiny()
+    o = make("IVON", m.parameters(), "cpp")
+    calls = []
+
+    def inside():
+        if not calls:
+            o.register_step_pre_hook(lambda *a: calls.append("pre"))
+            o.register_step_post_hook(lambda *a: calls.append("post"))
+            calls.append("registered")
+        return closure(o, m, BATCHES[0])()
+    o.step(inside)
+    assert calls == ["registered", "post"]
+    o.step(inside)
+    assert calls == ["registered", "post", "pre", "post"]
+
+    class Mine(pk.IVON):
+        def step(self, closure=None, **kw):
+            return super().step(closure, **kw)
+    m2 = Tiny()
+    o2 = Mine(m2.parameters(), lr=0.01, ess=100.0, seed=5, backend="cpp")
+    seen = []
+    o2.register_step_pre_hook(lambda *a: seen.append("pre"))
+    o2.register_step_post_hook(lambda *a: seen.append("post"))
+    o2.step(closure(o2, m2, BATCHES[0]))
+    assert seen == ["pre", "post"]
+
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.autograd import (ProfilerActivity, ProfilerConfig, ProfilerState,
+                                _disable_profiler, _enable_profiler, _prepare_profiler)
+    o3 = make("IVON", m.parameters(), "cpp")
+    o3.step(closure(o3, m, BATCHES[1]))
+    cfg = ProfilerConfig(ProfilerState.KINETO, False, False, False, False, False,
+                         _ExperimentalConfig())
+    _prepare_profiler(cfg, {ProfilerActivity.CPU})
+    _enable_profiler(cfg, {ProfilerActivity.CPU})
+    try:
+        o3.step(closure(o3, m, BATCHES[2]))
+    finally:
+        events = _disable_profiler().events()
+    assert any(e.name().startswith("Optimizer.step#IVON.step") for e in events)
+
+
 @pytest.mark.parametrize("kind,backend", CASES_RT)
 def test_state_dict_pre_and_post_hooks(kind, backend):
     """torch's state_dict hooks: the pre hook runs before the dict is built, the post

@@ -270,3 +270,19 @@ def test_a_bound_call_is_the_operator_call():
         _C.bind("no_such_op", ())
     with pytest.raises(ValueError):
         _C.call(object())
+    # under a torch function mode the fallback (torch.ops' overload) runs, so the mode
+    # sees the call; with no fallback given the bound call goes straight to the kernel
+    from torch.overrides import TorchFunctionMode
+    seen = []
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+    op = torch.ops.poco_kernels_cpp.randn.default
+    with_fallback = _C.bind("randn", (out, 11, 2, 3, 5, 7), op)
+    out.zero_()
+    with Seen():
+        _C.call(with_fallback)
+        _C.call(bound)
+    assert seen == [str(op)] and torch.equal(out, ref)

@@ -358,7 +358,8 @@ def test_the_device_work_check_can_fail(backend, monkeypatch):
     fix) make two consecutive iterations differ."""
     real = fused_grads.GradsMixin._free_buffer
     monkeypatch.setattr(fused_grads.GradsMixin, "_free_buffer",
-                        lambda self, b, lent, prefer=None: real(self, b, lent, b.handed))
+                        lambda self, b, lent, prefer=None, make=True:
+                        real(self, b, lent, b.handed, make))
     runs = _replays(backend)
     its = [log for what, log in runs if what == "it"]
     assert its[0] != its[1]

@@ -180,6 +180,50 @@ def test_the_one_sweep_hand_out_equals_the_layout_check_and_the_hand_out(cls, ba
 
 
 @pytest.mark.parametrize("backend", CPP)
+def test_a_sample_refused_by_the_layout_check_makes_no_gradient_buffer(backend):
+    """The one-sweep hand-out decides before changing anything: a sample whose layout
+    check raises (a parameter converted after ``accumulate`` lent the only buffer) leaves
+    the buckets' gradient buffers as they were."""
+    (m, opt), _ = _twins(pk.IVON, backend)
+    prob = Problem()
+    opt.step(prob.closure(opt, m, 0))
+    with opt.sampled():
+        prob.loss(m, 1).backward()             # (the buffer lent to the pending sum)
+    before = [len(b.grad_bufs) for b in opt._buckets]
+    p = list(m.parameters())[0]
+    p.data = p.data.double()
+    with pytest.raises(RuntimeError, match="since the optimizer was built"):
+        with opt.sampled():
+            pass
+    assert [len(b.grad_bufs) for b in opt._buckets] == before
+
+
+@pytest.mark.parametrize("backend", CPP)
+def test_a_torch_function_mode_sees_a_replayed_iterations_kernels(backend):
+    """A replayed iteration's operator calls are bound once (``_C.call``); while a torch
+    function mode is active they go through ``torch.ops``, which the mode sees, as in a
+    recorded iteration."""
+    from torch.overrides import TorchFunctionMode
+    (m, opt), _ = _twins(pk.IVON, backend)
+    prob = Problem()
+    for t in range(4):
+        opt.step(prob.closure(opt, m, t))
+    plan = opt._step_plan
+    assert isinstance(plan, StepPlan)
+    seen = []
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+    with Seen():
+        opt.step(prob.closure(opt, m, 4))
+    assert opt._step_plan is plan
+    assert {"poco_kernels_cpp.sample.default", "poco_kernels_cpp.step.default",
+            "poco_kernels_cpp.check.default", "poco_kernels_cpp.finish.default"} <= set(seen)
+
+
+@pytest.mark.parametrize("backend", CPP)
 def test_a_plan_is_made_from_two_agreeing_iterations_and_kept_through_a_new_value(backend):
     (m, opt), _ = _twins(pk.IVONPoCoMo, backend)
     prob = Problem()
