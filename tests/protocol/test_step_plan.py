@@ -45,6 +45,15 @@ def _same(a, b):
     assert set(oa._pending.sums) == set(ob._pending.sums)
 
 
+def _outcome(opt, closure):
+    """``opt.step(closure)``'s loss, or the name of the error the events make it raise."""
+    try:
+        loss = opt.step(closure)
+    except (KeyError, ValueError) as e:
+        return type(e).__name__, None
+    return "ok", None if loss is None else float(loss.detach())
+
+
 #: the events, 5 or more iterations apart (a plan is made again in between); those marked
 #: replayed meet a plan that still fits when the iteration starts
 EVENTS = {9: "lr", 14: "freeze", 19: "unfreeze", 28: "data", 33: "set_to_none",
@@ -124,11 +133,7 @@ def test_replayed_iterations_equal_the_slow_path(cls, backend, monkeypatch):
             if cls is not pk.IVON and t % 4 == 3:
                 opt.refresh([prob.closure(opt, m, 3)])
             closure = _events(t, m, opt, prob)
-            try:
-                loss = opt.step(closure)
-                outcomes.append(("ok", None if loss is None else float(loss.detach())))
-            except (KeyError, ValueError) as e:
-                outcomes.append((type(e).__name__, None))
+            outcomes.append(_outcome(opt, closure))
         assert outcomes[0] == outcomes[1], t
         _same(*twins)
     assert not [o for o, _ in replays if o is twins[1][1]]
@@ -162,11 +167,7 @@ def test_the_one_sweep_hand_out_equals_the_layout_check_and_the_hand_out(cls, ba
             closure = _events(t, m, opt, prob)
             if 30 <= t < 40 and closure is not None:      # (no zero_grad: the hand-out's)
                 closure = (lambda m, i: lambda: prob.loss(m, i).backward())(m, t % 5)
-            try:
-                loss = opt.step(closure)
-                outcomes.append(("ok", None if loss is None else float(loss.detach())))
-            except (KeyError, ValueError) as e:
-                outcomes.append((type(e).__name__, None))
+            outcomes.append(_outcome(opt, closure))
         assert outcomes[0] == outcomes[1], t
         _same(*twins)
         views = [[i for i, p in enumerate(m.parameters()) for b in opt._buckets
