@@ -3,7 +3,8 @@
 // A step plan (poco_kernels/_step_plan.py) replays the same calls of the operators
 // `torch.ops.poco_kernels_cpp.*` with the same arguments at every iteration.  Called from
 // Python, an operator parses its arguments against its schema at every call (the step's
-// 23: about 5 us on this project's CPUs).  `bind` converts them once into the dispatcher's
+// 23: its call took 5.8 us through torch.ops against 1.6 bound, kernel included, at tiny
+// tensors on this project's Intel CPU).  `bind` converts them once into the dispatcher's
 // values; `call` hands a copy of those to the dispatcher (the same kernel, the same
 // dispatch keys, the GIL released as torch's Python calls release it; while a torch
 // function mode is active, torch.ops' Python call itself, so that the mode sees it).

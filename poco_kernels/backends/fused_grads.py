@@ -174,9 +174,8 @@ class GradsMixin:
         lent = self._lent()
         seen = []
         for b in self.view.buckets:
-            i, ptrs, pres = b.handed, b.flat_ptrs, b.presence
-            if (b.segments is not None or i is None or b.swapped or pres is None
-                    or ptrs is None or ptrs[0] != b.flat_param.data_ptr()):
+            i, pres, ptrs = b.handed, b.presence, self.cached_addresses(b)
+            if b.segments is not None or i is None or b.swapped or pres is None or ptrs is None:
                 break
             free = self._free_buffer(b, lent, make=False)     # (nothing changed yet)
             if free is None or (free != i and not _SWAP):

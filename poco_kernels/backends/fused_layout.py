@@ -147,12 +147,20 @@ class LayoutMixin:
                     "moving or converting the model (a state dict carries its state over)")
 
     @staticmethod
+    def cached_addresses(b):
+        """The views' addresses :meth:`_is_flat` cached for ``b``, if they are still those
+        of its flat buffer (else None)."""
+        ptrs, flat = b.flat_ptrs, b.flat_param
+        return ptrs if ptrs is not None and flat is not None and ptrs[0] == flat.data_ptr() \
+            else None
+
+    @staticmethod
     def _is_flat(b) -> bool:
         """The bucket's parameters are (still) the views of its flat buffer made by
         :meth:`flatten` or a re-link: their addresses are those of the views (one list
         comparison; a parameter re-pointed elsewhere has another address)."""
-        ptrs = getattr(b, "flat_ptrs", None)
-        if ptrs is None or ptrs[0] != b.flat_param.data_ptr():
+        ptrs = LayoutMixin.cached_addresses(b)
+        if ptrs is None:
             base, size = b.flat_param.data_ptr(), b.flat_param.element_size()
             b.flat_ptrs = ptrs = array.array("Q", [base + off * size for off in b.offsets])
         return _sweeps.same_addresses(b.params, ptrs)

@@ -202,13 +202,11 @@ class PlanMixin:
             if (gb is None or gb.flat is not grad or id(grad) in lent
                     or (kind, b.index, "g") in sums or not b.presence.all()):
                 return 0
-            ptrs = b.flat_ptrs                # (:meth:`_is_flat`'s, if still of flat_param)
-            if ptrs is None or ptrs[0] != b.flat_param.data_ptr():
-                ptrs = flat = None
+            ptrs = self.cached_addresses(b)   # (None: the layout is checked by the update)
             same, _, matching, _, _ = _sweeps.scan(b.params, ptrs, gb.views, None, None, 0)
             if matching != len(b.params):
                 return 0
-            flat = flat and same
+            flat = flat and ptrs is not None and same
         for b, (grad, _), (fn, args) in zip(buckets, checks, check_calls):
             b.grad_bufs[b.handed].clean = None        # (it holds a gradient now)
             fn(*args)
