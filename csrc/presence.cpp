@@ -77,12 +77,11 @@ PresenceHook* as_ours(Hook* h) {
 
 }  // namespace
 
-bool watched(const at::Tensor& p, const at::Tensor& flags, int64_t i, int64_t owner) {
+bool watched(const at::Tensor& p, const c10::StorageImpl* flags, int64_t i, int64_t owner) {
   for (PresenceHook* ours = as_ours(torch::autograd::impl::post_acc_grad_hooks(p).get());
        ours != nullptr; ours = as_ours(ours->inner.get())) {
     if (ours->owner == owner) {
-      return ours->index == i &&
-             ours->flags._unsafe_get_target() == flags.storage().unsafeGetStorageImpl();
+      return ours->index == i && ours->flags._unsafe_get_target() == flags;
     }
   }
   return false;

@@ -90,7 +90,7 @@ PyObject* same_addresses(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *ts, *addrs;
   if (!PyArg_ParseTuple(args, "OO", &ts, &addrs)) return nullptr;
-  Tensors t(ts);
+  Tensors t(ts, Hold::kBorrow);
   Addresses a;
   if (!t.ok() || !a.init(addrs)) return nullptr;
   if (t.n != a.n) Py_RETURN_FALSE;
@@ -108,7 +108,7 @@ PyObject* same_addresses(PyObject* /*self*/, PyObject* args) {
 // versions(tensors) -> list: each tensor's version counter (``t._version``).
 PyObject* versions(PyObject* /*self*/, PyObject* arg) {
   HANDLE_TH_ERRORS
-  Tensors t(arg);
+  Tensors t(arg, Hold::kBorrow);
   if (!t.ok()) return nullptr;
   THPObjectPtr out(PyList_New(t.n));         // (freed on every error path)
   if (!out) return nullptr;
@@ -129,9 +129,9 @@ PyObject* grads(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *ps, *vs;
   if (!PyArg_ParseTuple(args, "OO", &ps, &vs)) return nullptr;
-  Tensors p(ps);
+  Tensors p(ps, Hold::kBorrow);
   if (!p.ok()) return nullptr;
-  Tensors v(vs == Py_None ? ps : vs);        // (unused when None)
+  Tensors v(vs == Py_None ? ps : vs, Hold::kBorrow);        // (unused when None)
   if (!v.ok()) return nullptr;
   if (vs != Py_None && v.n != p.n) {
     PyErr_SetString(PyExc_ValueError, "grads: as many views as parameters expected");
@@ -310,7 +310,7 @@ PyObject* grads_now(PyObject* /*self*/, PyObject* arg) {
 // trainable(tensors) -> int: how many require grad.
 PyObject* trainable(PyObject* /*self*/, PyObject* arg) {
   HANDLE_TH_ERRORS
-  Tensors t(arg);
+  Tensors t(arg, Hold::kBorrow);
   if (!t.ok()) return nullptr;
   Py_ssize_t n = 0;
   for (Py_ssize_t i = 0; i < t.n; ++i) {
@@ -338,16 +338,16 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
   PyObject *ps, *as, *vs, *cs, *fo;
   long long owner;
   if (!PyArg_ParseTuple(args, "OOOOOL", &ps, &as, &vs, &cs, &fo, &owner)) return nullptr;
-  Tensors p(ps);
+  Tensors p(ps, Hold::kBorrow);     // (no Python code runs while the sweep reads)
   if (!p.ok()) return nullptr;
-  Tensors v(vs == Py_None ? ps : vs);
+  Tensors v(vs == Py_None ? ps : vs, Hold::kBorrow);
   if (!v.ok()) return nullptr;
   Addresses addrs;
   if (as != Py_None && !addrs.init(as)) return nullptr;
-  THPObjectPtr clean(cs == Py_None ? nullptr : PySequence_Tuple(cs));
+  THPObjectPtr clean(cs == Py_None ? nullptr : PySequence_Fast(cs, "scan: a sequence of versions expected"));
   if (cs != Py_None && !clean) return nullptr;
   if ((vs != Py_None && v.n != p.n) || (cs != Py_None && vs != Py_None &&
-                                        PyTuple_GET_SIZE(clean.get()) != v.n)) {
+                                        PySequence_Fast_GET_SIZE(clean.get()) != v.n)) {
     PyErr_SetString(PyExc_ValueError, "scan: as many views and versions as parameters expected");
     return nullptr;
   }
@@ -359,6 +359,9 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
     }
     flags = &THPVariable_Unpack(fo);
   }
+  const c10::StorageImpl* flags_storage =
+      flags != nullptr ? flags->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()
+                       : nullptr;
   bool flat = as != Py_None ? addrs.n == p.n : true;
   bool is_clean = vs != Py_None && cs != Py_None;
   // the views' versions, kept until they are known not to be needed
@@ -388,13 +391,13 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
       const auto version = static_cast<long long>(w->_version());
       seen.push_back(version);
       if (is_clean) {
-        const long long want = PyLong_AsLongLong(PyTuple_GET_ITEM(clean.get(), i));
+        const long long want = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(clean.get(), i));
         if (PyErr_Occurred()) return nullptr;
         is_clean = version == want;
       }
     }
     if (hooked && trainable_leaf(*x)) {
-      hooked = watched(*x, *flags, static_cast<int64_t>(i), owner);
+      hooked = watched(*x, flags_storage, static_cast<int64_t>(i), owner);
     }
   }
   PyObject* clean_out = is_clean ? Py_True : Py_False;

@@ -24,6 +24,12 @@ def _immutable(v) -> bool:
         isinstance(v, tuple) and all(map(_immutable, v)))
 
 
+def group_items(g) -> tuple:
+    """A group's keys and values, compared by identity to see that nothing in it was
+    replaced (its parameter list too)."""
+    return (*dict.keys(g), *dict.values(g))
+
+
 def as_closures(closures) -> List[Callable]:
     """``refresh``'s argument as a list: one closure, or an iterable of closures."""
     if callable(closures):
@@ -140,18 +146,30 @@ class ParamGroupsMixin:
 
     def _check_groups(self) -> None:
         """Validate every group (before each step and refresh).  A group whose keys and
-        values are the very objects last validated, each value immutable (numbers,
-        strings, tuples of them: not a tensor or a list, which change in place), is not
-        validated again."""
+        values are the very objects last validated (:func:`group_items`), each value
+        immutable (numbers, strings, tuples of them: not a tensor or a list, which change
+        in place), is not validated again.  ``_group_stamp``: the groups as validated
+        (the step plans' key), None while a group's values can change in place."""
         seen = self.__dict__.setdefault("_validated", {})
-        for gi, g in enumerate(self._groups):
-            items = [x for kv in dict.items(g) if kv[0] != "params" for x in kv]
-            last = seen.get(gi)
-            if (last is not None and last[0] is g and len(last[1]) == len(items)
-                    and all(map(operator.is_, last[1], items))):
-                continue
-            self._check_group(g, gi)
-            seen[gi] = (g, items) if all(map(_immutable, items[1::2])) else None
+        groups = self._groups
+        changed = len(groups) != self.__dict__.get("_stamped", -1)
+        try:
+            for gi, g in enumerate(groups):
+                items = group_items(g)
+                last = seen.get(gi)
+                if (last is not None and last[0] is g and len(last[1]) == len(items)
+                        and all(map(operator.is_, last[1], items))):
+                    continue
+                changed = True
+                seen[gi] = None
+                self._check_group(g, gi)
+                if all(_immutable(v) for k, v in dict.items(g) if k != "params"):
+                    seen[gi] = (g, items)
+        finally:
+            if changed:
+                stamp = tuple(seen.get(gi) for gi in range(len(groups)))
+                self._group_stamp = None if None in stamp else stamp
+                self._stamped = len(groups)
 
     def _new_buckets(self, groups: List[Dict[str, Any]], old: List[Bucket]) -> List[Bucket]:
         """Buckets for ``groups``, the first ``len(old)`` taking over the old buckets'
@@ -216,13 +234,16 @@ class ParamGroupsMixin:
     def _trainable_changed(self) -> bool:
         """A parameter's ``requires_grad`` changed since the buckets were laid out (one
         sweep over the parameters, in C, when every one is trainable)."""
-        params = [dict.__getitem__(g, "params") for g in self._groups]
-        n = sum(map(_sweeps.trainable, params))
-        nb = sum(len(b.params) for b in self._buckets)
+        n = total = nb = 0
+        for g in self._groups:
+            params = dict.__getitem__(g, "params")
+            n += _sweeps.trainable(params)
+            total += len(params)
+        for b in self._buckets:
+            nb += len(b.params)
         if n != nb:
             return True
-        return (n != sum(map(len, params))
-                and sum(_sweeps.trainable(b.params) for b in self._buckets) != nb)
+        return n != total and sum(_sweeps.trainable(b.params) for b in self._buckets) != nb
 
     def _check_trainable(self) -> None:
         """Follow the parameters' ``requires_grad`` (freezing or unfreezing layers between

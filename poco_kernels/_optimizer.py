@@ -341,7 +341,7 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
         (the next backward's gradients are then copied into the buffers once);
         ``False``: every ``.grad`` zeroed in place."""
         done = self._runner.zero_grads() if set_to_none is not True else set()
-        if len(done) == sum(len(dict.__getitem__(g, "params")) for g in self._groups):
+        if len(done) == sum([len(dict.__getitem__(g, "params")) for g in self._groups]):
             return                            # (every one a view, zeroed in place)
         with torch.no_grad():
             for group in self._groups:

@@ -143,7 +143,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
         if not kept and not torch.compiler.is_compiling():
             for group in self._groups:
                 _sweeps.set_grads(group["params"], None)     # (in C)
-        elif len(kept) != sum(len(dict.__getitem__(g, "params")) for g in self._groups):
+        elif len(kept) != sum([len(dict.__getitem__(g, "params")) for g in self._groups]):
             for group in self._groups:
                 for p in group["params"]:
                     if id(p) not in kept:

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from ._groups import group_items
 from ._protocol import KIND_INNER, KIND_OUTER, mean_loss
 from .backends.fused_plan import same as _same
 
@@ -38,9 +39,7 @@ def group_stamp(opt) -> Optional[tuple]:
     """The groups as ``_check_groups`` last validated them (one entry per group, replaced
     when a value changes), or None where a group holds a value that can change in place
     (a tensor ``lr``: it is read at every update, not planned)."""
-    seen = opt.__dict__.get("_validated", {})
-    out = tuple(seen.get(gi) for gi in range(len(opt._groups)))
-    return None if None in out else out
+    return opt.__dict__.get("_group_stamp")
 
 
 def groups_unchanged(opt, stamp) -> bool:
@@ -51,7 +50,7 @@ def groups_unchanged(opt, stamp) -> bool:
     for g, (g0, items0) in zip(groups, stamp):
         if g is not g0:
             return False
-        items = [x for kv in dict.items(g) if kv[0] != "params" for x in kv]
+        items = group_items(g)
         if len(items) != len(items0) or not all(map(operator.is_, items, items0)):
             return False
     return True
@@ -80,15 +79,16 @@ class StepPlan:
         #: the engine's side when the update starts, and the pending sums and counts then
         self.update_state, sums, self.counts = update_state
         self.sums = dict(sums)
+        self._sum_keys, self._sum_values = tuple(self.sums), tuple(self.sums.values())
+        self._count = dict(self.counts)
 
     def pending_as_planned(self, pend) -> bool:
         """The update would read what it was planned to: the same sums, counts, no
         parameter without a gradient."""
         sums = pend.sums
         return (len(sums) == len(self.sums)
-                and all(sums.get(k) is v for k, v in self.sums.items())
-                and tuple(sorted(pend.count.items())) == self.counts
-                and not any(pend.no_grad.values()))
+                and all(map(operator.is_, map(sums.get, self._sum_keys), self._sum_values))
+                and pend.count == self._count and not any(pend.no_grad.values()))
 
 
 def from_recordings(a, b, eng) -> Optional[StepPlan]:

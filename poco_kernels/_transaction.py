@@ -114,7 +114,7 @@ class TransactionMixin:
 
     def _closure_samples(self, group_key: str = "mc_samples") -> int:
         # (dict.get: the key is not one of ParamGroup's aliases, whose lookups run Python)
-        return max(int(dict.get(g, group_key, 1)) for g in self._groups)
+        return max([int(dict.get(g, group_key, 1)) for g in self._groups])
 
     def _run_closure(self, closure: Callable, kind: str) -> Tensor:
         """One evaluation at a ``kind`` sample.  A backend whose update rewrites the
@@ -173,8 +173,7 @@ class TransactionMixin:
         pend = self._pending
         sets = [pend.no_grad[k] for k in kinds if pend.count[k]]
         missing = frozenset.intersection(*sets) if sets else frozenset()
-        n = sum(len(b.params) for b in self._buckets)
-        if n and len(missing) == n:
+        if missing and len(missing) == sum([len(b.params) for b in self._buckets]):
             self._drop_pending(kinds)
             what = "step" if KIND_INNER in kinds else "refresh"
             raise RuntimeError(

@@ -138,7 +138,7 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, PlanMixin,
             return None
         if found_inf is not None and bool(found_inf.detach().float().sum() != 0):
             return False
-        bad = any(c.tolist()[iface.CTL_BAD] != 0 for c in self.ctl.values())  # (one read)
+        bad = any([c.tolist()[iface.CTL_BAD] != 0 for c in self.ctl.values()])  # (one read each)
         if bad:
             for c in self.ctl.values():
                 self.ops.finish(c, found_inf, slot)

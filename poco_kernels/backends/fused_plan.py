@@ -87,23 +87,22 @@ class PlanMixin:
         :func:`same`, besides the groups' values and the rows' (:meth:`row_values`): the
         buckets, their parameter, gradient and state buffers, the control tensors and the
         rows of the samples and steps, the view's settings the derivation reads."""
-        view = self.view
         out: List[Any] = [*self.plan_settings(), self.params_hold_mean, self.ahead is None,
                           not self.mom_start]
-        for b in view.buckets:
+        for b in self.view.buckets:
+            buffers = b.buffers
             out += (b, b.flat_param, b.handed, *(b.swapped or (None, None)), b.presence,
-                    *b.buffers, *b.buffers.values(), *(gb.flat for gb in b.grad_bufs))
+                    *buffers, *buffers.values(), *[gb.flat for gb in b.grad_bufs])
         out += self.ctl.values()
-        for (_, name), r in self.rows.rows.items():
-            if name != "refresh":             # (a step's launches read the others)
-                out += (r, r.row)
+        out += [x for (_, name), r in self.rows.rows.items() if name != "refresh"
+                for x in (r, r.row)]          # (a step's launches read the others)
         return tuple(out)
 
     def plan_settings(self) -> tuple:
-        """The view's settings a sample's launches read (a closure may set them)."""
-        view = self.view
-        return (view.check_finite, view.grad_views, view.sample_ahead, view.noise_version,
-                view.seed)
+        """The view's settings a sample's launches read (a closure may set them): the
+        optimizer's, read where the view reads them."""
+        o = self.view._opt
+        return (o.check_finite, o.grad_views, o.sample_ahead, o.noise_version, o.seed)
 
     def row_values(self) -> tuple:
         """The values last written to the rows of the samples and steps."""

@@ -49,7 +49,38 @@ def _cpp_watch():
 def _compiled_autograd() -> bool:
     """Compiled autograd is configured (it runs Python hooks, not the C++ one)."""
     dynamo = sys.modules.get("torch._dynamo")
-    return bool(dynamo is not None and getattr(dynamo.config, "compiled_autograd", False))
+    if dynamo is None:
+        return False
+    config = dynamo.config
+    entry = _unset_entry(config)
+    if entry is not None and entry.user_override.get() is _UNSET:
+        return bool(entry.default)            # (never set: torch's getattr, 2 us, says so)
+    return bool(getattr(config, "compiled_autograd", False))
+
+
+_UNSET = object()
+_ENTRY: list = [None, None]                   # (the config module, its entry or None)
+
+
+def _unset_entry(config):
+    """The config's entry for ``compiled_autograd`` where only a user's setting (through
+    the config module, read by its ``user_override``) can make its value other than its
+    default: no alias, environment or justknob value, not hidden; else None (read by
+    ``getattr``, as torch's own code reads it)."""
+    global _UNSET
+    if _ENTRY[0] is not config:
+        entry = None
+        try:
+            from torch.utils import _config_module as cm
+            e = config._config["compiled_autograd"]
+            unset = cm._UNSET_SENTINEL
+            if (e.alias is None and e.env_value_force is unset and e.env_value_default is unset
+                    and e.justknob is None and not e.hide and e.user_override.get() is unset):
+                entry, _UNSET = e, unset
+        except Exception:                     # (another torch's config module)
+            entry = None
+        _ENTRY[:] = [config, entry]
+    return _ENTRY[1]
 
 
 class Presence:

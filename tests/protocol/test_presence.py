@@ -222,3 +222,55 @@ def test_a_refused_watch_installs_nothing():
     _C.watch(ps, pr.flags, 1)
     _backward(ps)
     assert list(pr.mem) == [1, 1]
+
+
+def test_the_compiled_autograd_flag_reads_what_torch_reads(monkeypatch):
+    """``_compiled_autograd`` reads the config entry's own fields while nothing set it (a
+    config module's ``getattr`` costs about 2 us a hand-out) and ``getattr`` otherwise:
+    the same value either way, whatever sets it and however it is put back."""
+    import torch._dynamo
+    cfg = torch._dynamo.config
+    for _ in range(2):
+        assert fused_presence._compiled_autograd() == bool(cfg.compiled_autograd)
+        with cfg.patch(compiled_autograd=True):
+            assert fused_presence._compiled_autograd() is True
+        assert fused_presence._compiled_autograd() == bool(cfg.compiled_autograd)
+
+    from torch.utils._config_module import _UNSET_SENTINEL as unset
+
+    class Override:                           # (torch's context-local override)
+        value = unset
+
+        def get(self):
+            return self.value
+
+    class Entry:
+        default, alias, justknob, hide = False, None, None, False
+        env_value_force = env_value_default = unset
+        user_override = Override()
+
+    class Config:                             # (a config module: its entry, and getattr)
+        _config = {"compiled_autograd": Entry()}
+
+        def __getattr__(self, name):
+            v = Entry.user_override.value
+            return Entry.default if v is unset else v
+
+    fake = Config()
+    monkeypatch.setattr(torch._dynamo, "config", fake)
+    monkeypatch.setattr(fused_presence, "_ENTRY", [None, None])
+    assert fused_presence._compiled_autograd() is False
+    assert fused_presence._ENTRY[1] is fake._config["compiled_autograd"]     # (the fast path)
+    Entry.user_override.value = True
+    assert fused_presence._compiled_autograd() is True
+    Entry.user_override.value = False
+    assert fused_presence._compiled_autograd() is False
+    Entry.user_override.value = unset
+    Entry.default = True                      # (a default read from the entry itself)
+    assert fused_presence._compiled_autograd() is True
+
+    class Other:                              # (no entry of that form: getattr alone)
+        compiled_autograd = True
+    monkeypatch.setattr(torch._dynamo, "config", Other())
+    assert fused_presence._compiled_autograd() is True
+    assert fused_presence._ENTRY[1] is None

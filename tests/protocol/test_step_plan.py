@@ -417,3 +417,38 @@ def test_only_rules_that_declare_it_are_planned(backend):
     for t in range(5):
         opt.step(prob.closure(opt, m, t))
     assert not opt.rule.step_plans and opt._step_plan is None
+
+
+@pytest.mark.parametrize("backend", CPP)
+def test_the_group_stamp_is_what_was_validated(backend):
+    """``_check_groups`` keeps the groups' stamp (the plans' key): the same object while
+    nothing in a group is replaced, a new one when a value is, None while a group is
+    refused or holds a value that changes in place (a tensor)."""
+    from poco_kernels._step_plan import group_stamp
+    (m, opt), _ = _twins(pk.IVON, backend)
+    prob = Problem()
+    opt.step(prob.closure(opt, m, 0))
+    s0 = group_stamp(opt)
+    assert s0 is not None and s0[0][0] is opt.param_groups[0]
+    opt.step(prob.closure(opt, m, 1))
+    assert group_stamp(opt) is s0
+    g = opt.param_groups[0]
+    g["lr"] = 0.04
+    opt.step(prob.closure(opt, m, 2))
+    s1 = group_stamp(opt)
+    assert s1 is not s0 and any(x is g["lr"] for x in s1[0][1])
+    g["lr"] = -1.0
+    with pytest.raises(ValueError):
+        opt.step(prob.closure(opt, m, 3))
+    assert group_stamp(opt) is None
+    g["lr"] = 0.04
+    opt.step(prob.closure(opt, m, 3))
+    s2 = group_stamp(opt)
+    assert s2 is not None and s2 is not s1
+    g["params"] = list(g["params"])           # (the same parameters, a new list)
+    opt.step(prob.closure(opt, m, 4))
+    s3 = group_stamp(opt)
+    assert s3 is not None and s3 is not s2
+    g["lr"] = torch.tensor(0.04)
+    opt.step(prob.closure(opt, m, 5))
+    assert group_stamp(opt) is None
