@@ -99,10 +99,9 @@ class PlanMixin:
         return tuple(out)
 
     def plan_settings(self) -> tuple:
-        """The view's settings a sample's launches read (a closure may set them): the
-        optimizer's, read where the view reads them."""
-        o = self.view._opt
-        return (o.check_finite, o.grad_views, o.sample_ahead, o.noise_version, o.seed)
+        """The view's settings a sample's launches read (a closure may set them)."""
+        v = self.view
+        return (v.check_finite, v.grad_views, v.sample_ahead, v.noise_version, v.seed)
 
     def row_values(self) -> tuple:
         """The values last written to the rows of the samples and steps."""
