@@ -3,6 +3,8 @@
 
     python -m poco_kernels.experiments.lm_study            # the full study (~35 min, 2 cores)
     python -m poco_kernels.experiments.lm_study --quick    # the pipeline in about a minute
+    python -m poco_kernels.experiments.lm_study --scale gpu-window            # one GPU, < 8 min
+    python -m poco_kernels.experiments.lm_study --scale gpu-window --dry-run  # its plan and time
 
 ``--quick`` is a smoke scale (a tiny model, 40 steps): it exercises every stage, and its
 verdicts, labelled so, decide nothing.
@@ -21,7 +23,13 @@ arm A and one of arm B with the same seed are paired):
 * ``alpha=a``: constant alpha from the main start; ``sched=*``: alpha schedules from an
   early start; ``refresh=m``: a refresh every m steps (mega-batch fixed) from the main start.
 
-Outputs in ``--out-dir`` (default ``lm_study_out/``): ``runs/<arm>/seed<k>/result.json``
+A scale with a window (``Scale.budget_s``: ``gpu-window``, the claims (a)-(c) on one GPU
+inside 8 minutes) runs seed by seed and starts no run that its time model
+(:mod:`.lm_study_time`) says would end after the window; ``--dry-run`` prints the plan and
+the predicted time (``--measure``: from a few steps of each kind timed on this machine).
+
+Outputs in ``--out-dir`` (default ``lm_study_out/``; ``gpu-window``:
+``benchmarks/results/lm_study_gpu/<the GPU's name>/``): ``runs/<arm>/seed<k>/result.json``
 (one per run; a rerun reuses every run whose settings are unchanged, so a stopped study
 resumes), ``curves.csv`` (every run's evaluations), ``finals.csv``, ``claims.md`` (the
 verdict table, :mod:`.lm_study_claims`), ``claims.json`` and PNG plots
@@ -36,7 +44,7 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .lm_study_config import ALPHA, SCALES, SCHEDULES, Scale
 from .lm_study_runner import Job, _run_dir, cached_result, machine, run_jobs
@@ -53,7 +61,9 @@ def _base_settings(sc: Scale, data: str) -> Dict[str, Any]:
                 log_every=sc.eval_every, ckpt_every=10 ** 9, device=sc.device,
                 amp="none" if sc.device == "cpu" else "bf16", backend="auto",
                 refresh_every=sc.refresh_every,
-                mega_batches=sc.mega_batches, quiet=True)
+                mega_batches=sc.mega_batches, quiet=True,
+                **{k: v for k, v in (("vocab_size", sc.vocab_size),
+                                     ("block_size", sc.block_size)) if v is not None})
 
 
 def _make(sc: Scale, arm: str, seed: int, optimizer: str, data: str = "stdlib", **over
@@ -89,8 +99,10 @@ def plan(sc: Scale, adamw_lr: float, ivon_lr: float, data: str = "stdlib") -> Li
         jobs.append(_job(sc, "adamw", seed, "adamw", lr=adamw_lr))
         jobs.append(_job(sc, "ivon", seed, "ivon", lr=ivon_lr))
         jobs.append(_job(sc, "ivon-3x", seed, "ivon", lr=ivon_lr, batch_size=3 * sc.batch))
-        for s in sorted(set(sc.starts) | {sc.start}):
+        for s in sorted(set(sc.starts) | {sc.start}, key=lambda s: (s != sc.start, s)):
             jobs.append(_job(sc, f"pocomo@{s}", seed, "ivon-pocomo", lr=ivon_lr, poco_start=s))
+        if not sc.ablations:
+            continue
         for a in sc.alphas:
             jobs.append(_job(sc, f"alpha={a:g}", seed, "ivon-pocomo", lr=ivon_lr,
                              poco_start=sc.start, alpha=str(a)))
@@ -115,15 +127,66 @@ def _pick(results: List[Dict[str, Any]], prefix: str) -> Tuple[float, Dict[str, 
     return min(finite, key=finite.get), losses
 
 
+def study_jobs(sc: Scale, data: str = "stdlib") -> List[Job]:
+    """The runs a study trains, for its plan and time (``--dry-run``): the sweeps, then
+    the arms at the sweeps' first lrs (the picked ones where a sweep has one lr), less
+    the arms' runs that are sweep runs."""
+    sweeps = sweep_jobs(sc, data)
+    keys = {j.key() for j in sweeps}
+    return sweeps + [j for j in plan(sc, sc.adamw_lrs[0], sc.ivon_lrs[0], data)
+                     if j.key() not in keys]
+
+
+def default_rates(sc: Scale, data: str = "stdlib", measure_here: bool = False, log=print):
+    """The time model's rates for ``sc`` (:mod:`.lm_study_time`): measured on this
+    machine's device, or, for a GPU this machine does not have, extrapolated."""
+    from . import lm_study_time as T
+    jobs = study_jobs(sc, data)
+    if measure_here or sc.device == "cpu" or _has_device(sc.device):
+        log(f"measuring the rates of {sc.name}'s steps on {_device_name(sc.device)}:")
+        return T.measure(jobs, _device_name(sc.device), log=log)
+    return T.extrapolated(_model_settings(jobs), sc.batch)
+
+
+def _model_settings(jobs: List[Job]) -> Dict[str, Any]:
+    """An IVON-PoCoMo run's settings (the refresh's too), else the first run's."""
+    return next((j.cfg_dict() for j in jobs if j.optimizer == "ivon-pocomo"),
+                jobs[0].cfg_dict())
+
+
+def _has_device(device: str) -> bool:
+    import torch
+    return device != "cuda" or torch.cuda.is_available()
+
+
+def _device_name(device: str) -> str:
+    import torch
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return machine() if device == "cpu" else device
+
+
 def run_study(scale: str = "full", out_dir: str = "lm_study_out", n_jobs: int = 2,
-              quiet: bool = False, log=print, data: str = "stdlib") -> Dict[str, Any]:
-    """Both stages, then the tables, verdicts and plots; returns the claims' summary."""
+              quiet: bool = False, log=print, data: str = "stdlib", rates=None,
+              budget_s: Optional[float] = None) -> Dict[str, Any]:
+    """Both stages, then the tables, verdicts and plots; returns the claims' summary.
+    ``budget_s`` (default the scale's window): no run starts that the time model
+    (``rates``, measured first where none are given) says would end after it."""
     from .lm_study_claims import judge, write_outputs
+    from .lm_study_time import Clock
     sc = SCALES[scale]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    sweeps = run_jobs(sweep_jobs(sc, data), out, n_jobs, "lr sweeps", quiet)
+    budget = sc.budget_s if budget_s is None else budget_s
+    clock = None
+    if budget is not None:
+        clock = Clock(rates or default_rates(sc, data, log=log), budget, t0)
+    sweeps = run_jobs(sweep_jobs(sc, data), out, n_jobs, "lr sweeps", quiet, clock)
+    if len(sweeps) < len(sweep_jobs(sc, data)):
+        raise RuntimeError(f"the lr sweeps do not fit the window of {budget:.0f} s "
+                           f"(not started: {clock.skipped}); the runs saved so far are "
+                           "reused by a rerun")
     adamw_lr, adamw_sweep = _pick(sweeps, "adamw-lr=")
     ivon_lr, ivon_sweep = _pick(sweeps, "ivon-lr=")
     log(f"lr sweeps (seed 0, final val loss): AdamW {adamw_sweep} -> {adamw_lr:g}; "
@@ -140,23 +203,51 @@ def run_study(scale: str = "full", out_dir: str = "lm_study_out", n_jobs: int = 
             d = _run_dir(out, j)
             d.mkdir(parents=True, exist_ok=True)
             (d / "result.json").write_text(json.dumps(s, indent=1))
-    results = run_jobs(jobs, out, n_jobs, "arms", quiet)
+    results = run_jobs(jobs, out, n_jobs, "arms", quiet, clock)
+    missing = [j.run_id for j in jobs if j.run_id not in {r["arm"] + "/seed" + str(r["seed"])
+                                                        for r in results}]
     meta = {"scale": asdict(sc), "adamw_lr": adamw_lr, "ivon_lr": ivon_lr,
             "adamw_sweep": adamw_sweep, "ivon_sweep": ivon_sweep,
-            "machine": machine(), "jobs": n_jobs, "torch_threads_per_run": 1,
+            "machine": machine(), "device": _device_name(sc.device), "jobs": n_jobs,
+            "torch_threads_per_run": 1 if n_jobs > 1 else None,
             "wall_s": time.perf_counter() - t0,           # this call (saved runs are reused)
             "runs": len({r["key"] for r in sweeps + results}),     # trained, copies once
             "run_s_total": sum({r["key"]: r["run_s"] for r in sweeps + results}.values()),
             "date": time.strftime("%Y-%m-%d"),
             "data": data,
+            "budget_s": budget, "not_started": missing,
+            "time_model": None if clock is None else {
+                "rates": clock.rates.source, "worst_ratio": clock.ratio},
             "command": "python -m poco_kernels.experiments.lm_study"
                        + {"full": "", "quick": " --quick"}.get(scale, f" --scale {scale}")
                        + ("" if data == "stdlib" else f" --data {data}")}
     summary = judge(results, sc, meta)
     write_outputs(out, results, sweeps, summary, sc, meta)
     log(summary["table_text"])
+    if missing:
+        log(f"the window ended before {len(missing)} runs started ({', '.join(missing)}): "
+            "the verdicts use the runs that finished; a rerun trains the rest")
     log(f"wrote {out}/claims.md, curves.csv, finals.csv and the plots")
     return summary
+
+
+def dry_run(scale: str, n_jobs: int, data: str = "stdlib", measure_here: bool = False,
+            log=print) -> str:
+    """The plan of a study and its predicted time, without training it (``--measure``:
+    from rates measured on this machine; else, for a GPU scale without a GPU, from rates
+    extrapolated to an H200 and an H100)."""
+    from . import lm_study_time as T
+    sc = SCALES[scale]
+    jobs = study_jobs(sc, data)
+    if measure_here or sc.device == "cpu" or _has_device(sc.device):
+        texts = [T.plan_text(jobs, default_rates(sc, data, True, log), n_jobs, sc.budget_s)]
+    else:
+        texts = [T.plan_text(jobs, T.extrapolated(_model_settings(jobs), sc.batch, dev),
+                             n_jobs, sc.budget_s) for dev in ("h200", "h100")]
+    text = f"{scale}: {len(jobs)} runs (the arms' seed 0 of AdamW and IVON are the lr " \
+           "sweeps' runs)\n" + "\n\n".join(texts)
+    log(text)
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,16 +259,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a smoke scale (--scale quick): a tiny model and 40 steps, the "
                         "whole pipeline in about a minute; its verdicts decide nothing")
     p.add_argument("--scale", default="full", choices=tuple(SCALES),
-                   help="full: the CPU study (about 35 min on 2 cores); ablation-33m: the "
-                        "paper's ablation model on a GPU (with --data)")
+                   help="full: the CPU study (about 35 min on 2 cores); gpu-window: claims "
+                        "(a)-(c) on one GPU inside 8 minutes; ablation-33m: the paper's "
+                        "ablation model on a GPU (with --data); quick, quick-window: smoke "
+                        "scales of the pipelines")
     p.add_argument("--data", default="stdlib", help="'stdlib' (the built-in corpus) or a "
                    "directory with nanoGPT's uint16 train.bin and val.bin")
     p.add_argument("--out-dir", default=None,
-                   help="default lm_study_out (lm_study_out/quick with --quick)")
+                   help="default lm_study_out (full), lm_study_out/<scale> (the others), "
+                        "benchmarks/results/lm_study_gpu/<the GPU's name> (gpu-window)")
     p.add_argument("--jobs", type=int, default=None,
                    help="runs at a time, one thread each (1: in this process); default 2 "
                         "on the CPU, 1 on a GPU")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and its predicted time, train nothing")
+    p.add_argument("--measure", action="store_true",
+                   help="with --dry-run: the rates measured on this machine's device (a few "
+                        "steps of each kind), not extrapolated")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="the window in seconds: no run starts that would end after it "
+                        "(default: the scale's; gpu-window 450)")
     return p
 
 
@@ -190,8 +292,19 @@ def main(argv=None) -> Dict[str, Any]:
         raise SystemExit("--jobs must be >= 1")
     if a.data != "stdlib" and not os.path.isdir(a.data):
         raise SystemExit(f"--data {a.data!r}: not 'stdlib' nor a directory")
-    out = a.out_dir or ("lm_study_out" if scale == "full" else f"lm_study_out/{scale}")
-    return run_study(scale, out, jobs, a.quiet, data=a.data)
+    if a.dry_run:
+        return {"plan": dry_run(scale, jobs, a.data, a.measure)}
+    if SCALES[scale].device == "cuda" and not _has_device("cuda"):
+        raise SystemExit(f"--scale {scale} trains on a GPU and none is here: --dry-run "
+                         "prints its plan")
+    out = a.out_dir or ("lm_study_out" if scale == "full" else
+                        f"benchmarks/results/lm_study_gpu/{_slug(_device_name('cuda'))}"
+                        if scale == "gpu-window" else f"lm_study_out/{scale}")
+    return run_study(scale, out, jobs, a.quiet, data=a.data, budget_s=a.budget_s)
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ from .lm_study_report import (CURVE_FIELDS, SMOKE_NOTE, _mean, _sd, _secs,  # no
                               claims_markdown, claims_text, write_outputs)
 
 __all__ = ["Diff", "paired", "below", "above", "similar", "loss_at", "judge", "write_outputs",
-           "T95"]
+           "T95", "NOT_RUN"]
+
+#: the verdict of a claim whose arms a scale does not run
+NOT_RUN = "not run at this scale"
 
 #: Student's t, 97.5th percentile (95% two-sided), by degrees of freedom
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
@@ -258,6 +261,16 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
          f"{_secs(R.wall(main))}, IVON-3x {_secs(R.wall('ivon-3x'))}"],
         _combine([v3, v4]))
 
+    if not getattr(sc, "ablations", True):
+        for cid, claim in (("d", "over alpha, correction beats no correction, with a U-shape"),
+                           ("e", "an increasing alpha schedule (0.2 -> 0.8) beats warm-up "
+                                 "then 0.5, which beats decreasing (0.8 -> 0.2), which beats "
+                                 "alpha = 1"),
+                           ("f", "refreshing too often or too seldom both hurt")):
+            add(cid, claim, f"no alpha, schedule or refresh arms at the {sc.name} scale",
+                [], NOT_RUN)
+        return _summary(R, claims, sc, meta)
+
     # (d) alpha: correction beats none; U-shape
     alphas = sorted(set(sc.alphas) | {ALPHA})
     arm_of = {a: (main if abs(a - ALPHA) < 1e-12 else f"alpha={a:g}") for a in alphas}
@@ -311,6 +324,10 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
         f"step {sc.start}; final validation loss after {sc.steps} steps (same steps: more "
         f"refreshes cost more evaluations)", parts, v_f)
 
+    return _summary(R, claims, sc, meta)
+
+
+def _summary(R: _Runs, claims, sc, meta) -> Dict[str, Any]:
     spreads = {arm: _sd(R.final(arm)) for arm in R.by}
     diverged = sorted(f"{arm}/seed{s}" for arm, runs in R.by.items()
                       for s, r in runs.items() if not math.isfinite(r["final_val_loss"]))

@@ -3,7 +3,7 @@ weight of the main arm and the alpha schedules."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 __all__ = ["Scale", "SCALES", "ALPHA", "SCHEDULES", "EVAL_SEED"]
 
@@ -38,6 +38,12 @@ class Scale:
     preset: str = "gpt-tiny"         # the GPT preset the sizes above override
     device: str = "cpu"
     decisive: bool = True            # False: a smoke scale, whose verdicts decide nothing
+    ablations: bool = True           # False: claims (b), (c) and (a) only (no alpha,
+    #                                  schedule or refresh arms: claims d-f "not run")
+    vocab_size: Optional[int] = None     # the model's, where not the preset's
+    block_size: Optional[int] = None     # the position table, where not the preset's
+    budget_s: Optional[float] = None     # a device window: no run starts that the time
+    #                                      model says would end after it (lm_study_time)
 
 
 ALPHA = 0.7                          # the package's recipes (the paper's continual runs)
@@ -59,4 +65,18 @@ SCALES = {
                           5000, (3000, 5000, 8000), 1000, 10, 10, (0.2, 0.5, 0.9, 1.0),
                           (2, 5, 25, 100), (3e-4, 6e-4, 1.2e-3), (0.1, 0.3, 1.0),
                           1 - 1 / 12_000, preset="gpt2-124m", device="cuda"),
+    # one GPU for at most 8 minutes, claims (a)-(c) (docs/lm-study.md, 'On a GPU, inside
+    # one device window'): GPT with 6 layers, 6 heads, 384 wide (10.7M weights, byte
+    # vocabulary), context 256, 16 sequences (4,096 tokens) a step, 2,000 steps (8.2M
+    # tokens, 0.7 of the corpus); IVON-PoCoMo corrected from mid-run and from a third; lrs
+    # swept over the CPU study's pick and the value below it (AdamW 1e-3: small GPTs';
+    # IVON 0.3: the paper's)
+    "gpu-window": Scale("gpu-window", 6, 6, 384, 256, 16, 2000, 100, 50, 8, 64, 3, 1000,
+                        (667, 1000), 100, 10, 10, (), (), (1e-3, 3e-3), (0.3, 1.0), 1 - 1 / 2000,
+                        preset="gpt-small", device="cuda", ablations=False, vocab_size=256,
+                        budget_s=450.0),
+    # the window's pipeline on the CPU in well under a minute (tests): a smoke scale
+    "quick-window": Scale("quick-window", 1, 2, 32, 32, 8, 30, 3, 5, 2, 4, 3, 15, (10, 15),
+                          5, 5, 5, (), (), (1e-2,), (1.0,), 1 - 1 / 30, decisive=False,
+                          ablations=False, budget_s=600.0),
 }

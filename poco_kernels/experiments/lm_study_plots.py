@@ -7,7 +7,7 @@ extra).
 * ``starts.png``: IVON-PoCoMo from each start against IVON, and the per-seed difference
   to IVON (claim a);
 * ``ablations.png``: final loss against alpha, per alpha schedule, and against the
-  refresh interval (claims d, e, f).
+  refresh interval (claims d, e, f; at a scale that runs their arms).
 """
 from __future__ import annotations
 
@@ -74,8 +74,9 @@ def plot_all(out: Path, results: List[Dict[str, Any]], sc, meta) -> List[str]:
             ax.axvline(sc.start, color="0.5", ls=":", lw=1)
         else:
             xs, *_ = _band(results, main, key)
-            steps = [p["step"] for p in next(r for r in results if r["arm"] == main)["curve"]]
             if xs:
+                steps = [p["step"] for p in next(r for r in results
+                                                  if r["arm"] == main)["curve"]]
                 ax.axvline(xs[min(range(len(steps)), key=lambda i: abs(steps[i] - sc.start))],
                            color="0.5", ls=":", lw=1)
         ax.set_xlabel(xlabel)
@@ -124,12 +125,16 @@ def plot_all(out: Path, results: List[Dict[str, Any]], sc, meta) -> List[str]:
     for ax in axes:
         ax.set_xlabel("optimizer steps")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # (no IVON-PoCoMo run yet: nothing to name)
+            ax.legend(fontsize=8)
     fig.suptitle("claim (a): correction started at different steps (dotted)", fontsize=10)
     fig.tight_layout()
     paths.append(str(out / "starts.png"))
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
+
+    if not getattr(sc, "ablations", True):    # (no alpha, schedule or refresh arms)
+        return paths
 
     # ablations.png ----------------------------------------------------------
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))

@@ -95,11 +95,22 @@ def write_outputs(out: Path, results, sweeps, summary, sc, meta) -> None:
         {k: v for k, v in summary.items() if k not in ("table_md", "table_text")},
         indent=1, default=str))
     settings = dict(sc.__dict__) if hasattr(sc, "__dict__") else meta["scale"]
-    lines = [f"# The paper's LLM claims at CPU scale ({sc.name})", "",
-             f"Command: `{meta['command']}`; {meta['date']}; {meta['machine']}; "
+    where = meta["machine"] if meta.get("device", meta["machine"]) == meta["machine"] \
+        else f"{meta['device']} (host: {meta['machine']})"
+    lines = [f"# The paper's LLM claims, scale {sc.name}", "",
+             f"Command: `{meta['command']}`; {meta['date']}; {where}; "
              f"{meta['runs']} runs, {meta['run_s_total'] / 60:.1f} min of run time, "
-             f"{meta['jobs']} at a time (one thread each).",
-             "", f"Learning rates (seed-0 sweeps, final validation loss): AdamW "
+             f"{meta['jobs']} at a time" + (" (one thread each)." if meta["jobs"] > 1 else ".")]
+    tm = meta.get("time_model")
+    if tm:
+        lines.append(f"Window {meta['budget_s']:.0f} s, time model: rates {tm['rates']}; the "
+                     f"worst ratio of a run's time to its prediction {tm['worst_ratio']:.2f}; "
+                     f"wall time of this call {meta['wall_s']:.0f} s.")
+    if meta.get("not_started"):
+        lines.append(f"**Not started (the window ended first): "
+                     f"{', '.join(meta['not_started'])}.** The verdicts use the runs that "
+                     "finished; a rerun trains the rest.")
+    lines += ["", f"Learning rates (seed-0 sweeps, final validation loss): AdamW "
              f"{_sweep_text(meta['adamw_sweep'])} -> **{meta['adamw_lr']:g}**; IVON "
              f"{_sweep_text(meta['ivon_sweep'])} -> **{meta['ivon_lr']:g}** (IVON-PoCoMo "
              f"and IVON-3x take IVON's).", "",

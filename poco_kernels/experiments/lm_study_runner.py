@@ -235,11 +235,15 @@ def _stage_text(desc: str, n_runs: int, n_todo: int, n_shared: int) -> str:
 
 
 def run_jobs(jobs: Sequence[Job], out: Path, n_jobs: int = 2, desc: str = "runs",
-             quiet: bool = False) -> List[Dict[str, Any]]:
+             quiet: bool = False, clock=None) -> List[Dict[str, Any]]:
     """Every job's result, reusing saved ones; the rest run ``n_jobs`` at a time (worker
     processes of one thread each; ``n_jobs=1``: in this process, with its threads), the
     longest first, with one progress bar in gradient evaluations.  A failed run stops the
-    study (the queued runs are cancelled) with an error that names it."""
+    study (the queued runs are cancelled) with an error that names it.
+
+    ``clock`` (a :class:`~.lm_study_time.Clock` with a budget): the runs go seed by seed
+    in the order given, and a run the clock says would end after the window is not
+    started (its result is missing from the list; ``clock.skipped`` names it)."""
     results: Dict[str, Dict[str, Any]] = {}
     todo = []
     for j in jobs:
@@ -248,21 +252,48 @@ def run_jobs(jobs: Sequence[Job], out: Path, n_jobs: int = 2, desc: str = "runs"
             results[j.run_id] = r
         else:
             todo.append(j)
-    todo.sort(key=lambda j: -j.cost())
+    budget = clock is not None and clock.budget_s is not None
+    if budget:
+        todo.sort(key=lambda j: j.seed)       # (stable: the plan's order within a seed)
+    else:
+        todo.sort(key=lambda j: -j.cost())
     shared = sum(1 for r in results.values() if r.get("copied_from"))
     bar = _bar(sum(j.cost() for j in todo),
                _stage_text(desc, len(jobs), len(todo), shared), quiet)
+    queue = iter(todo)
+
+    def next_job() -> Optional[Job]:
+        for j in queue:
+            if clock is None or clock.fits(j):
+                return j
+            bar.update(j.cost())
+        return None
+
+    def done(j, r, t0):
+        results[j.run_id] = r
+        if clock is not None:
+            clock.finished(j, time.perf_counter() - t0)
+        bar.set_postfix_str(j.run_id)
     try:
         if n_jobs <= 1:
-            for j in todo:
-                results[j.run_id] = run_job(j, out, lambda rid, d: bar.update(d))
-                bar.set_postfix_str(j.run_id)
+            while (j := next_job()) is not None:
+                t0 = time.perf_counter()
+                done(j, run_job(j, out, lambda rid, d: bar.update(d)), t0)
         elif todo:
             ctx = mp.get_context("spawn")
             with mp.Manager() as manager, cf.ProcessPoolExecutor(
                     n_jobs, mp_context=ctx) as pool:
                 q = manager.Queue()
-                futs = {pool.submit(_worker, j, str(out), q): j for j in todo}
+                futs: Dict[Any, Tuple[Job, float]] = {}
+
+                def submit() -> bool:
+                    j = next_job()
+                    if j is not None:
+                        futs[pool.submit(_worker, j, str(out), q)] = (j, time.perf_counter())
+                    return j is not None
+
+                while len(futs) < n_jobs and submit():
+                    pass
                 pending = set(futs)
 
                 def drain(timeout):
@@ -276,19 +307,21 @@ def run_jobs(jobs: Sequence[Job], out: Path, n_jobs: int = 2, desc: str = "runs"
                     drain(0.2)
                     finished = {f for f in pending if f.done()}
                     for f in finished:
-                        j = futs[f]
+                        j, t0 = futs[f]
                         if f.exception() is not None:    # cancel what waits, let the
                             pool.shutdown(wait=True, cancel_futures=True)   # running end
                             raise RuntimeError(f"run {j.run_id} failed (the runs saved so "
                                                f"far are reused by a rerun): "
                                                f"{f.exception()!r}") from f.exception()
-                        results[j.run_id] = f.result()
-                        bar.set_postfix_str(j.run_id)
+                        done(j, f.result(), t0)
                     pending -= finished
+                    for _ in finished:
+                        if submit():
+                            pending.add(next(reversed(futs)))
                 drain(0.05)
     finally:
         bar.close()
-    return [results[j.run_id] for j in jobs]
+    return [results[j.run_id] for j in jobs if j.run_id in results]
 
 
 # --------------------------------------------------------------------------- the study

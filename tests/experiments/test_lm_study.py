@@ -288,3 +288,116 @@ def test_missing_arms_one_seed_and_divergence_are_reported_not_crashed():
     assert verdicts["f"] == "inconclusive" and verdicts["b"] == "inconclusive"
     assert summary["diverged"] == [f"{results[0]['arm']}/seed0"]
     assert "Diverged" in summary["table_md"] and "(one seed)" in summary["table_text"]
+
+
+# --------------------------------------------------------------------------- a GPU window
+def test_the_gpu_window_plan_fits_its_window():
+    """``--scale gpu-window --dry-run`` without a GPU: the arms of claims (a)-(c), three
+    seeds each, predicted (extrapolated to an H200 and an H100) inside the window, which
+    is inside the issue's 8 minutes."""
+    from poco_kernels.experiments import lm_study_time as T
+    sc = S.SCALES["gpu-window"]
+    assert sc.budget_s <= 8 * 60 and sc.device == "cuda" and not sc.ablations
+    jobs = S.study_jobs(sc)
+    arms = {j.arm for j in jobs}
+    assert arms == {"adamw-lr=0.001", "adamw-lr=0.003", "ivon-lr=0.3", "ivon-lr=1", "adamw",
+                    "ivon", "ivon-3x", "pocomo@1000", "pocomo@667"}
+    assert not any(j.arm in ("adamw", "ivon") and j.seed == 0 for j in jobs)   # (the sweeps')
+    assert {j.arm for j in S.plan(sc, 3e-3, 1.0)} == {"adamw", "ivon", "ivon-3x",
+                                                      "pocomo@1000", "pocomo@667"}
+    assert len(jobs) == 17 and sorted({j.seed for j in jobs}) == [0, 1, 2]
+    lines = []
+    text = S.dry_run("gpu-window", 1, log=lines.append)
+    assert lines == [text] and text.count("window 450 s: fits") == 2
+    assert "h200" in text and "h100" in text
+    for dev in ("h200", "h100"):
+        rates = T.extrapolated(S._model_settings(jobs), sc.batch, dev)
+        wall = rates.start_s + sum(T.run_seconds(j, rates) for j in jobs)
+        assert wall <= sc.budget_s, (dev, wall)
+        # an IVON-PoCoMo step is two evaluations and a refresh's share, IVON-3x three
+        assert rates.step_s["pocomo"] > 2.5 * rates.step_s["ivon"]
+        assert rates.step_s["ivon-3x"] > 2.5 * rates.step_s["ivon"]
+    size = T.model_size(jobs[0].cfg_dict())
+    assert 10e6 < size["params"] < 11e6 and size["seq"] == 256
+
+
+def test_the_time_model_counts_each_kind_of_step():
+    from poco_kernels.experiments import lm_study_time as T
+    sc = S.SCALES["quick-window"]
+    rates = T.Rates("x", "test", {"adamw": 1.0, "ivon": 2.0, "ivon-3x": 5.0, "pocomo": 7.0},
+                    val_s=0.5, run_s=3.0, start_s=10.0)
+    jobs = {j.arm: j for j in S.plan(sc, 1e-2, 1.0) if j.seed == 0}
+    n_val = (sc.steps // sc.eval_every + 1) * sc.eval_batches + sc.final_eval_batches
+    fixed = n_val * 0.5 + 3.0
+    assert T.run_seconds(jobs["adamw"], rates) == sc.steps * 1.0 + fixed
+    assert T.run_seconds(jobs["ivon-3x"], rates) == sc.steps * 5.0 + fixed
+    s = sc.start
+    assert T.run_seconds(jobs[f"pocomo@{s}"], rates) == s * 2.0 + (sc.steps - s) * 7.0 + fixed
+
+
+def test_the_clock_starts_no_run_that_would_end_after_the_window():
+    from poco_kernels.experiments import lm_study_time as T
+    sc = S.SCALES["quick-window"]
+    rates = T.Rates("x", "test", {k: 0.01 for k in T.KINDS}, 0.0, 0.0, 0.0)
+    job = S.plan(sc, 1e-2, 1.0)[0]
+    need = T.run_seconds(job, rates)                  # (0.3 s)
+    clock = T.Clock(rates, budget_s=10 * need)
+    assert clock.fits(job) and clock.skipped == []
+    clock.finished(job, 4 * need)                     # (a run took 4x its prediction)
+    assert clock.predict(job) == pytest.approx(4 * need)
+    clock.finished(job, need)                         # (the worst ratio stays)
+    assert clock.ratio == pytest.approx(4.0)
+    clock.t0 -= 7 * need                              # (7 of the 10 spent)
+    assert not clock.fits(job) and clock.skipped == [job.run_id]
+    assert T.Clock(rates, None).fits(job)
+
+
+def test_a_scale_without_ablations_says_so_for_claims_d_to_f():
+    sc = S.SCALES["quick-window"]
+
+    def loss(arm, seed, t):
+        return (3.0 - t / sc.steps + 0.01 * seed + (0.2 if arm == "adamw" else 0.0)
+                - (0.1 if arm.startswith("pocomo") and t > sc.start else 0.0))
+    summary = C.judge(_synthetic(sc, loss), sc, {"scale": "quick-window"})
+    verdicts = {c["id"]: c["verdict"] for c in summary["claims"]}
+    assert [verdicts[k] for k in "def"] == [C.NOT_RUN] * 3
+    assert verdicts["b"] == "holds"           # (PoCoMo below IVON below AdamW, by construction)
+    assert verdicts["a"].startswith("at once: ")
+
+
+@pytest.mark.long
+def test_the_window_pipeline_stops_at_its_budget_and_resumes(tmp_path):
+    """The quick window on the CPU: rates measured here; a budget that the IVON-PoCoMo
+    runs do not fit leaves them unstarted (the verdicts say which runs ran), and a rerun
+    without it trains only those."""
+    pytest.importorskip("matplotlib")
+    from poco_kernels.experiments import lm_study_time as T
+    sc = S.SCALES["quick-window"]
+    rates = T.Rates("cpu", "test", {"adamw": 1e-3, "ivon": 1e-3, "ivon-3x": 1e-3,
+                                    "pocomo": 60.0}, 0.0, 0.0, 0.0)
+    logs = []
+    first = S.run_study("quick-window", str(tmp_path), n_jobs=1, quiet=True,
+                        log=logs.append, rates=rates, budget_s=300.0)
+    pocomo = {j.run_id for j in S.plan(sc, 1e-2, 1.0) if j.arm.startswith("pocomo")}
+    assert set(first["meta"]["not_started"]) == pocomo
+    assert any("the window ended before 6 runs started" in str(x) for x in logs)
+    assert "Not started (the window ended first)" in (tmp_path / "claims.md").read_text()
+    assert not (tmp_path / "ablations.png").exists() and (tmp_path / "starts.png").exists()
+    again = S.run_study("quick-window", str(tmp_path), n_jobs=2, quiet=True,
+                        log=lambda *_: None, rates=rates, budget_s=1e9)
+    assert again["meta"]["not_started"] == []
+    finals = list(csv.DictReader((tmp_path / "finals.csv").open()))
+    assert {r["arm"] for r in finals} >= {"adamw", "ivon", "ivon-3x"} | \
+        {p.split("/")[0] for p in pocomo}
+    verdicts = {c["id"]: c["verdict"] for c in again["claims"]}
+    assert [verdicts[k] for k in "def"] == [C.NOT_RUN] * 3
+
+
+@pytest.mark.long
+def test_measured_rates_predict_the_window_pipeline_on_the_cpu(tmp_path):
+    """``--dry-run --measure`` times each kind of step here; its plan lists every run."""
+    lines = []
+    text = S.dry_run("quick-window", 1, measure_here=True, log=lines.append)
+    assert "measured here" in text and text.count("/seed") == 15
+    for kind in ("adamw", "ivon", "pocomo"):
+        assert any(line.strip().startswith(kind) for line in lines[:-1]), kind
