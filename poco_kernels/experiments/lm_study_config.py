@@ -65,12 +65,12 @@ SCALES = {
                           5000, (3000, 5000, 8000), 1000, 10, 10, (0.2, 0.5, 0.9, 1.0),
                           (2, 5, 25, 100), (3e-4, 6e-4, 1.2e-3), (0.1, 0.3, 1.0),
                           1 - 1 / 12_000, preset="gpt2-124m", device="cuda"),
-    # one GPU for at most 8 minutes, claims (a)-(c) (docs/lm-study.md, 'On a GPU, inside
-    # one device window'): GPT with 6 layers, 6 heads, 384 wide (10.7M weights, byte
-    # vocabulary), context 256, 16 sequences (4,096 tokens) a step, 2,000 steps (8.2M
-    # tokens, 0.7 of the corpus); IVON-PoCoMo corrected from mid-run and from a third; lrs
-    # swept over the CPU study's pick and the value below it (AdamW 1e-3: small GPTs';
-    # IVON 0.3: the paper's)
+    # one GPU for at most 8 minutes, claims (a)-(c) (docs/lm-study.md,
+    # 'On a GPU, inside one device window'): GPT with 6 layers, 6 heads, 384 wide (10.7M
+    # weights, byte vocabulary), context 256, 16 sequences (4,096 tokens) a step, 2,000
+    # steps (8.2M tokens, 0.7 of the corpus); IVON-PoCoMo corrected from mid-run and from a
+    # third; lrs swept over the CPU study's pick and the value below it (AdamW 1e-3: small
+    # GPTs'; IVON 0.3: the paper's)
     "gpu-window": Scale("gpu-window", 6, 6, 384, 256, 16, 2000, 100, 50, 8, 64, 3, 1000,
                         (667, 1000), 100, 10, 10, (), (), (1e-3, 3e-3), (0.3, 1.0), 1 - 1 / 2000,
                         preset="gpt-small", device="cuda", ablations=False, vocab_size=256,

@@ -11,6 +11,8 @@ extra).
 """
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
@@ -43,7 +45,7 @@ def _curve(ax, results, arm, key, color, label, ls="-"):
 
 def _ylim(ax, results, arms, sc):
     vals = [p["val_loss"] for r in results if r["arm"] in arms
-            for p in r["curve"] if p["step"] >= sc.steps // 5]
+            for p in r["curve"] if p["step"] >= sc.steps // 5 and math.isfinite(p["val_loss"])]
     if vals:
         ax.set_ylim(min(vals) - 0.02, max(vals) + 0.02)
 

@@ -126,7 +126,10 @@ def write_outputs(out: Path, results, sweeps, summary, sc, meta) -> None:
         from .lm_study_plots import plot_all
     except ImportError:
         return
-    plot_all(out, results, sc, meta)
+    try:
+        plot_all(out, results, sc, meta)
+    except Exception as e:                    # (the tables and CSVs are written: keep them)
+        (out / "plots_failed.txt").write_text(f"{type(e).__name__}: {e}\n")
 
 
 def _sweep_text(sweep: Dict[Any, float]) -> str:

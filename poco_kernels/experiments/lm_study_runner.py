@@ -61,15 +61,21 @@ class Job:
             cfg = asdict(resolve_config(self.optimizer, "cpu", **self.cfg_dict()))
             for k in ("out_dir", "quiet"):
                 cfg.pop(k)
-            _KEYS[self] = json.dumps(
-                {"config": cfg, "final_eval_batches": self.final_eval_batches,
-                 "base_batch": self.base_batch, "eval_seed": EVAL_SEED,
-                 "data": _tokens(cfg["data"]).fingerprint, "version": __version__},
-                sort_keys=True, default=str)
+            key = {"config": cfg, "final_eval_batches": self.final_eval_batches,
+                   "base_batch": self.base_batch, "eval_seed": EVAL_SEED,
+                   "data": _tokens(cfg["data"]).fingerprint, "version": __version__}
+            if cfg["device"] != "cpu":        # (runs of two GPUs in one directory: apart)
+                key["gpu"] = _gpu_name()
+            _KEYS[self] = json.dumps(key, sort_keys=True, default=str)
         return _KEYS[self]
 
 
 _KEYS: Dict[Job, str] = {}
+
+
+def _gpu_name() -> str:
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
 
 
 def _tokens(source: str):
@@ -326,8 +332,13 @@ def run_jobs(jobs: Sequence[Job], out: Path, n_jobs: int = 2, desc: str = "runs"
 
 # --------------------------------------------------------------------------- the study
 def machine() -> str:
-    """The CPU's model name and the ISA the C++ kernels run."""
-    from ..kernels import cpp_ops
+    """The CPU's model name and the ISA the C++ kernels run (or that they are not built:
+    a GPU machine may not have built them)."""
+    try:
+        from ..kernels import cpp_ops
+        isa = cpp_ops.isa()
+    except Exception:                         # (ImportError: no extension built here)
+        isa = "not built"
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -337,4 +348,4 @@ def machine() -> str:
                     break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs, C++ kernels {cpp_ops.isa()}"
+    return f"{cpu}, {os.cpu_count()} logical CPUs, C++ kernels {isa}"

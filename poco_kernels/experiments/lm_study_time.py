@@ -17,7 +17,8 @@ rates come from one of two places (:class:`Rates`):
 
 While a study runs, :class:`Clock` compares each finished run's time with its prediction
 and scales the predictions of the runs still to start by the worst ratio seen, so a model
-that was optimistic on a new device stops the study before it overruns, not after.
+that was optimistic on a new device stops the study before it overruns, not after (and
+one that was pessimistic does not skip runs that fit).
 """
 from __future__ import annotations
 
@@ -146,13 +147,16 @@ def measure(jobs: Sequence, device: str, steps: int = 0, log=print) -> Rates:
     for kind, j in picked.items():
         s = dict(j.cfg_dict())
         m = s.get("refresh_every", 1)
-        warm = 2
+        # untimed: the first steps, and for IVON-PoCoMo two refreshes with the steps
+        # between (every kernel a kind uses compiled, on a GPU, before the timing starts)
+        warm = 4 + (2 * m if kind == "pocomo" else 0)
+        warm += warm % 2
         n = steps or max(3 * m if kind == "pocomo" else 10, 10)
-        n += n % warm
-        s.update(max_steps=warm + n, lr_warmup=1, eval_every=10 ** 9, log_every=warm,
+        n += n % 2
+        s.update(max_steps=warm + n, lr_warmup=1, eval_every=10 ** 9, log_every=2,
                  quiet=True)
         if kind == "pocomo":
-            s["poco_start"] = warm
+            s["poco_start"] = 2
         data = _tokens(s["data"])
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
@@ -187,8 +191,9 @@ class Clock:
     rates: Rates
     budget_s: Optional[float]
     t0: float = field(default_factory=time.perf_counter)
-    ratio: float = 1.0
+    ratio: float = 1.0                   # (1 until a run finishes)
     skipped: List[str] = field(default_factory=list)
+    ratios: List[float] = field(default_factory=list)
 
     def predict(self, job) -> float:
         return run_seconds(job, self.rates) * self.ratio
@@ -202,7 +207,10 @@ class Clock:
         return ok
 
     def finished(self, job, seconds: float) -> None:
-        self.ratio = max(self.ratio, seconds / max(run_seconds(job, self.rates), 1e-9))
+        """A run took ``seconds``: the predictions scale by the worst ratio so far (below
+        1 too: measured rates that were pessimistic start no fewer runs than they could)."""
+        self.ratios.append(seconds / max(run_seconds(job, self.rates), 1e-9))
+        self.ratio = max(self.ratios)
 
 
 def plan_text(jobs: Sequence, rates: Rates, n_jobs: int, budget_s: Optional[float]) -> str:

@@ -350,6 +350,9 @@ def test_the_clock_starts_no_run_that_would_end_after_the_window():
     clock.t0 -= 7 * need                              # (7 of the 10 spent)
     assert not clock.fits(job) and clock.skipped == [job.run_id]
     assert T.Clock(rates, None).fits(job)
+    fast = T.Clock(rates, budget_s=10 * need)         # (rates that were pessimistic)
+    fast.finished(job, need / 2)
+    assert fast.predict(job) == pytest.approx(need / 2)
 
 
 def test_a_scale_without_ablations_says_so_for_claims_d_to_f():
@@ -363,6 +366,38 @@ def test_a_scale_without_ablations_says_so_for_claims_d_to_f():
     assert [verdicts[k] for k in "def"] == [C.NOT_RUN] * 3
     assert verdicts["b"] == "holds"           # (PoCoMo below IVON below AdamW, by construction)
     assert verdicts["a"].startswith("at once: ")
+
+
+def test_claim_a_with_a_start_not_run_or_a_gpu_that_is_not_bit_exact():
+    """An IVON-PoCoMo arm with no runs (a window that ended first) is "not run", not a
+    reason to call the claim invalid; on a GPU, curves before the start that differ by
+    less than ``GPU_SAME_TOL`` count as the same run (on the CPU, only identical ones)."""
+    sc = S.SCALES["quick-window"]
+
+    def loss(arm, seed, t):
+        return 3.0 - t / sc.steps + 0.01 * seed - (0.1 if arm.startswith("pocomo") and
+                                                     t > int(arm.split("@")[1]) else 0.0)
+    res = [r for r in _synthetic(sc, loss) if r["arm"] != f"pocomo@{sc.starts[0]}"]
+    (a,) = [c for c in C.judge(res, sc, {})["claims"] if c["id"] == "a"]
+    assert not a["verdict"].startswith("invalid") and a["verdict"].startswith("at once")
+    assert f"start {sc.starts[0]}: not run" in a["result"]
+    res = [r for r in res if not r["arm"].startswith("pocomo")]
+    (a,) = [c for c in C.judge(res, sc, {})["claims"] if c["id"] == "a"]
+    assert a["verdict"] == C.NOT_RUN
+    noisy = _synthetic(sc, loss)
+    for r in noisy:                           # (every curve point a little off IVON's)
+        if r["arm"].startswith("pocomo"):
+            for p in r["curve"]:
+                p["val_loss"] += C.GPU_SAME_TOL / 4
+    gpu = dataclasses.replace(sc, device="cuda")
+    verdicts = [[c["verdict"] for c in C.judge(noisy, s, {})["claims"] if c["id"] == "a"][0]
+                for s in (sc, gpu)]
+    assert verdicts[0].startswith("invalid") and not verdicts[1].startswith("invalid")
+    for r in noisy:
+        if r["arm"].startswith("pocomo"):
+            r["curve"][0]["val_loss"] += C.GPU_SAME_TOL
+    (a,) = [c for c in C.judge(noisy, gpu, {})["claims"] if c["id"] == "a"]
+    assert a["verdict"].startswith("invalid")
 
 
 @pytest.mark.long
@@ -401,3 +436,14 @@ def test_measured_rates_predict_the_window_pipeline_on_the_cpu(tmp_path):
     assert "measured here" in text and text.count("/seed") == 15
     for kind in ("adamw", "ivon", "pocomo"):
         assert any(line.strip().startswith(kind) for line in lines[:-1]), kind
+
+
+def test_the_machine_line_needs_no_cpp_extension(monkeypatch):
+    """A GPU machine may not have built the C++ kernels: the study's outputs still name
+    the machine (this line is written after every run has trained)."""
+    from poco_kernels.kernels import cpp_ops
+
+    def missing():
+        raise ImportError("No module named 'poco_kernels._C'")
+    monkeypatch.setattr(cpp_ops, "isa", missing)
+    assert R.machine().endswith("C++ kernels not built")
