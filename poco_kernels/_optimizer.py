@@ -262,10 +262,13 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
         every group a refresh has taken in; none while ``alpha == 0`` in all of those."""
         if not (self.rule.has_correction and self._refreshes > 0):
             return frozenset()
-        if not any(_maybe_nonzero(dict.get(g, "alpha", 0.0))    # (not an alias: dict's get)
-                   for gi, g in enumerate(self._groups) if gi not in self._awaiting):
+        awaiting = self._awaiting
+        if not any([_maybe_nonzero(dict.get(g, "alpha", 0.0))   # (not an alias: dict's get)
+                    for gi, g in enumerate(self._groups) if gi not in awaiting]):
             return frozenset()
-        return frozenset(b.index for b in self._buckets if b.group_index not in self._awaiting)
+        if not awaiting:                      # (every bucket; its index is its position)
+            return frozenset(range(len(self._buckets)))
+        return frozenset(b.index for b in self._buckets if b.group_index not in awaiting)
 
     def correction_active(self) -> bool:
         """True when a step needs the gradient at the outer sample too: after the first

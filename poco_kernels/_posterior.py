@@ -130,8 +130,11 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
         """What :meth:`_accumulate` notes once the backend has folded the gradients in
         (``views``: the buckets whose ``.grad`` were the views it handed out)."""
         present = views | self._runner.complete()       # (buckets with no None .grad)
-        missing = frozenset({(b.index, i) for b in self._buckets if b.index not in present
-                             for i, p in enumerate(b.params) if p.grad is None} | unwritten)
+        if len(present) == len(self._buckets):  # (every bucket's .grad there: the usual case)
+            missing = frozenset(unwritten)
+        else:
+            missing = frozenset({(b.index, i) for b in self._buckets if b.index not in present
+                                 for i, p in enumerate(b.params) if p.grad is None} | unwritten)
         self._pending.note_grads(k, missing)
         self._pending.count[k] += 1
         if not clear_grads:
