@@ -1,6 +1,6 @@
 """The LM study's time model checked on this machine: rates measured from a few steps of
-each kind (``lm_study_time.measure``, what ``--dry-run --measure`` prints), then real runs
-of the study, each run's time against its prediction.
+each kind (``lm_study_time.measure``: what ``--dry-run`` prints on a machine with the
+device), then real runs of the study, each run's time against its prediction.
 
 Rows: one per run trained (``--scale``'s runs, at most ``--runs`` of them, one of each arm
 first; one at a time, in this process), with the predicted and measured seconds (the
@@ -31,7 +31,8 @@ from benchmarks.common.device import device_info  # noqa: E402
 def main(argv=None) -> dict:
     from poco_kernels.experiments import lm_study as S
     from poco_kernels.experiments import lm_study_time as T
-    from poco_kernels.experiments.lm_study_runner import machine, run_job
+    from poco_kernels.experiments.lm_study_runner import (device_name, has_device, machine,
+                                                          run_job)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", default="quick-window", choices=tuple(S.SCALES))
     p.add_argument("--runs", type=int, default=None, help="at most this many runs")
@@ -39,7 +40,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", required=True, help="output path without extension")
     a = p.parse_args(argv)
     sc = S.SCALES[a.scale]
-    if sc.device != "cpu" and not S._has_device(sc.device):
+    if not has_device(sc.device):
         raise SystemExit(f"--scale {a.scale} needs a {sc.device} device")
     jobs = [j for j in S.study_jobs(sc) if a.arms is None or j.arm in a.arms]
     first = {}
@@ -48,7 +49,7 @@ def main(argv=None) -> dict:
     order = list(first.values()) + [j for j in jobs if first[j.arm] is not j]
     order = order[:a.runs] if a.runs else order
     t0 = time.perf_counter()
-    rates = T.measure(order, S._device_name(sc.device))
+    rates = T.measure(order, device_name(sc.device))
     measure_s = time.perf_counter() - t0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -52,35 +52,34 @@ def _compiled_autograd() -> bool:
     if dynamo is None:
         return False
     config = dynamo.config
-    entry = _unset_entry(config)
-    if entry is not None and entry.user_override.get() is _UNSET:
+    if _ENTRY[0] is not config:
+        _ENTRY[:] = [config, *_unset_entry(config)]
+    _, entry, unset = _ENTRY
+    if entry is not None and entry.user_override.get() is unset:
         return bool(entry.default)            # (never set: torch's getattr, 2 us, says so)
     return bool(getattr(config, "compiled_autograd", False))
 
 
-_UNSET = object()
-_ENTRY: list = [None, None]                   # (the config module, its entry or None)
+#: the config module last read, its ``compiled_autograd`` entry (or None) and torch's
+#: "never set" sentinel
+_ENTRY: list = [None, None, None]
 
 
-def _unset_entry(config):
-    """The config's entry for ``compiled_autograd`` where only a user's setting (through
-    the config module, read by its ``user_override``) can make its value other than its
-    default: no alias, environment or justknob value, not hidden; else None (read by
-    ``getattr``, as torch's own code reads it)."""
-    global _UNSET
-    if _ENTRY[0] is not config:
-        entry = None
-        try:
-            from torch.utils import _config_module as cm
-            e = config._config["compiled_autograd"]
-            unset = cm._UNSET_SENTINEL
-            if (e.alias is None and e.env_value_force is unset and e.env_value_default is unset
-                    and e.justknob is None and not e.hide and e.user_override.get() is unset):
-                entry, _UNSET = e, unset
-        except Exception:                     # (another torch's config module)
-            entry = None
-        _ENTRY[:] = [config, entry]
-    return _ENTRY[1]
+def _unset_entry(config) -> tuple:
+    """``(entry, sentinel)``: the config's entry for ``compiled_autograd`` where only a
+    user's setting (its ``user_override``, torch's sentinel while never set) can make its
+    value other than its default: no alias, environment or justknob value, not hidden;
+    else ``(None, None)`` (read by ``getattr``, as torch's own code reads it)."""
+    try:
+        from torch.utils import _config_module as cm
+        e = config._config["compiled_autograd"]
+        unset = cm._UNSET_SENTINEL
+        if (e.alias is None and e.env_value_force is unset and e.env_value_default is unset
+                and e.justknob is None and not e.hide and e.user_override.get() is unset):
+            return e, unset
+    except Exception:                         # (another torch's config module)
+        pass
+    return None, None
 
 
 class Presence:

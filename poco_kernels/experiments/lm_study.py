@@ -26,7 +26,8 @@ arm A and one of arm B with the same seed are paired):
 A scale with a window (``Scale.budget_s``: ``gpu-window``, the claims (a)-(c) on one GPU
 inside 8 minutes) runs seed by seed and starts no run that its time model
 (:mod:`.lm_study_time`) says would end after the window; ``--dry-run`` prints the plan and
-the predicted time (``--measure``: from a few steps of each kind timed on this machine).
+the predicted time (from a few steps of each kind timed on this machine's device, or
+extrapolated to a GPU this machine does not have).
 
 Outputs in ``--out-dir`` (default ``lm_study_out/``; ``gpu-window``:
 ``benchmarks/results/lm_study_gpu/<the GPU's name>/``): ``runs/<arm>/seed<k>/result.json``
@@ -47,7 +48,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .lm_study_config import ALPHA, SCALES, SCHEDULES, Scale
-from .lm_study_runner import Job, _run_dir, cached_result, machine, run_jobs
+from .lm_study_runner import (Job, _run_dir, cached_result, device_name, has_device,
+                              machine, run_jobs)
 
 __all__ = ["Scale", "SCALES", "Job", "plan", "sweep_jobs", "run_jobs", "run_study", "main"]
 
@@ -137,14 +139,15 @@ def study_jobs(sc: Scale, data: str = "stdlib") -> List[Job]:
                      if j.key() not in keys]
 
 
-def default_rates(sc: Scale, data: str = "stdlib", measure_here: bool = False, log=print):
+def default_rates(sc: Scale, data: str = "stdlib", log=print):
     """The time model's rates for ``sc`` (:mod:`.lm_study_time`): measured on this
-    machine's device, or, for a GPU this machine does not have, extrapolated."""
+    machine's device, or, for a GPU this machine does not have, extrapolated to an
+    H200."""
     from . import lm_study_time as T
     jobs = study_jobs(sc, data)
-    if measure_here or sc.device == "cpu" or _has_device(sc.device):
-        log(f"measuring the rates of {sc.name}'s steps on {_device_name(sc.device)}:")
-        return T.measure(jobs, _device_name(sc.device), log=log)
+    if has_device(sc.device):
+        log(f"measuring the rates of {sc.name}'s steps on {device_name(sc.device)}:")
+        return T.measure(jobs, device_name(sc.device), log=log)
     return T.extrapolated(_model_settings(jobs), sc.batch)
 
 
@@ -152,18 +155,6 @@ def _model_settings(jobs: List[Job]) -> Dict[str, Any]:
     """An IVON-PoCoMo run's settings (the refresh's too), else the first run's."""
     return next((j.cfg_dict() for j in jobs if j.optimizer == "ivon-pocomo"),
                 jobs[0].cfg_dict())
-
-
-def _has_device(device: str) -> bool:
-    import torch
-    return device != "cuda" or torch.cuda.is_available()
-
-
-def _device_name(device: str) -> str:
-    import torch
-    if device == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return machine() if device == "cpu" else device
 
 
 def run_study(scale: str = "full", out_dir: str = "lm_study_out", n_jobs: int = 2,
@@ -208,7 +199,7 @@ def run_study(scale: str = "full", out_dir: str = "lm_study_out", n_jobs: int = 
                                                         for r in results}]
     meta = {"scale": asdict(sc), "adamw_lr": adamw_lr, "ivon_lr": ivon_lr,
             "adamw_sweep": adamw_sweep, "ivon_sweep": ivon_sweep,
-            "machine": machine(), "device": _device_name(sc.device), "jobs": n_jobs,
+            "machine": machine(), "device": device_name(sc.device), "jobs": n_jobs,
             "torch_threads_per_run": 1 if n_jobs > 1 else None,
             "wall_s": time.perf_counter() - t0,           # this call (saved runs are reused)
             "runs": len({r["key"] for r in sweeps + results}),     # trained, copies once
@@ -231,16 +222,15 @@ def run_study(scale: str = "full", out_dir: str = "lm_study_out", n_jobs: int = 
     return summary
 
 
-def dry_run(scale: str, n_jobs: int, data: str = "stdlib", measure_here: bool = False,
-            log=print) -> str:
-    """The plan of a study and its predicted time, without training it (``--measure``:
-    from rates measured on this machine; else, for a GPU scale without a GPU, from rates
-    extrapolated to an H200 and an H100)."""
+def dry_run(scale: str, n_jobs: int, data: str = "stdlib", log=print) -> str:
+    """The plan of a study and its predicted time, without training it: from rates
+    measured on this machine's device (a few steps of each kind), or, for a GPU scale
+    without a GPU, from rates extrapolated to an H200 and an H100."""
     from . import lm_study_time as T
     sc = SCALES[scale]
     jobs = study_jobs(sc, data)
-    if measure_here or sc.device == "cpu" or _has_device(sc.device):
-        texts = [T.plan_text(jobs, default_rates(sc, data, True, log), n_jobs, sc.budget_s)]
+    if has_device(sc.device):
+        texts = [T.plan_text(jobs, default_rates(sc, data, log), n_jobs, sc.budget_s)]
     else:
         texts = [T.plan_text(jobs, T.extrapolated(_model_settings(jobs), sc.batch, dev),
                              n_jobs, sc.budget_s) for dev in ("h200", "h100")]
@@ -273,10 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "on the CPU, 1 on a GPU")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the plan and its predicted time, train nothing")
-    p.add_argument("--measure", action="store_true",
-                   help="with --dry-run: the rates measured on this machine's device (a few "
-                        "steps of each kind), not extrapolated")
+                   help="print the plan and its predicted time, train nothing (rates from a few "
+                        "steps of each kind on this machine's device, or extrapolated to a "
+                        "GPU it does not have)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="the window in seconds: no run starts that would end after it "
                         "(default: the scale's; gpu-window 450)")
@@ -293,12 +282,12 @@ def main(argv=None) -> Dict[str, Any]:
     if a.data != "stdlib" and not os.path.isdir(a.data):
         raise SystemExit(f"--data {a.data!r}: not 'stdlib' nor a directory")
     if a.dry_run:
-        return {"plan": dry_run(scale, jobs, a.data, a.measure)}
-    if SCALES[scale].device == "cuda" and not _has_device("cuda"):
+        return {"plan": dry_run(scale, jobs, a.data)}
+    if not has_device(SCALES[scale].device):
         raise SystemExit(f"--scale {scale} trains on a GPU and none is here: --dry-run "
                          "prints its plan")
     out = a.out_dir or ("lm_study_out" if scale == "full" else
-                        f"benchmarks/results/lm_study_gpu/{_slug(_device_name('cuda'))}"
+                        f"benchmarks/results/lm_study_gpu/{_slug(device_name('cuda'))}"
                         if scale == "gpu-window" else f"lm_study_out/{scale}")
     return run_study(scale, out, jobs, a.quiet, data=a.data, budget_s=a.budget_s)
 

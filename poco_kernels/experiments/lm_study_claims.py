@@ -194,11 +194,6 @@ class _Runs:
             gap = max([gap] + [abs(x - y) for x, y in zip(va, vb)])
         return gap
 
-    def same_until(self, arm: str, other: str, step: int, tol: float = 0.0) -> bool:
-        """Whether ``arm`` and ``other`` have the same curves up to ``step`` (within
-        ``tol``; and at least one pair of runs)."""
-        return self.gap_until(arm, other, step) <= tol
-
 
 # --------------------------------------------------------------------------- claims
 def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, Any]:
@@ -219,13 +214,12 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
     # a device whose runs are not bit-exact (cuDNN, atomics): the curves before the start
     # agree to within its noise, not bit for bit; the CPU's must be identical
     tol = 0.0 if getattr(sc, "device", "cpu") == "cpu" else GPU_SAME_TOL
-    ran = []
+    gaps = {}                                 # (start: IVON-PoCoMo's gap to IVON before it)
     for s in sorted(set(sc.starts) | {sc.start}):
         arm = f"pocomo@{s}"
         if not R.by.get(arm):
             parts.append(f"start {s}: not run")
             continue
-        ran.append(s)
         d = paired(R.at(arm, s + 2 * m), R.at("ivon", s + 2 * m))
         d_soon = paired(R.at(arm, s + soon), R.at("ivon", s + soon))
         end = paired(R.final(arm), R.final("ivon"))
@@ -235,7 +229,7 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
         course = ", ".join(f"+{k}: {paired(R.at(arm, s + k), R.at('ivon', s + k)).mean:+.4f}"
                            for k in sorted({m, 2 * m, 5 * m, soon, 2 * soon})
                            if s + k <= sc.steps)
-        gap = R.gap_until(arm, "ivon", s)
+        gap = gaps[s] = R.gap_until(arm, "ivon", s)
         same = ("yes" if gap == 0.0 else f"within {gap:.2g}" if gap <= tol else "NO")
         parts.append(f"start {s}: at +{2 * m} steps {d.text()} -> {vs_once[-1]}; at "
                      f"+{soon} {d_soon.text()} -> {below(d_soon)}; mean by steps after the "
@@ -243,9 +237,9 @@ def judge(results: List[Dict[str, Any]], sc, meta: Dict[str, Any]) -> Dict[str, 
                      f"{s}: {same}")
     verdict_a = (f"at once: {_combine(vs_once)}; within a tenth of the run: "
                  f"{_combine(vs_soon)}")
-    if not ran:
+    if not gaps:
         verdict_a = NOT_RUN
-    elif not all(R.same_until(f"pocomo@{s}", "ivon", s, tol) for s in ran):
+    elif not all(g <= tol for g in gaps.values()):
         verdict_a = "invalid: IVON-PoCoMo differs from IVON before its start"
     add("a", "every time correction starts, validation loss drops at once",
         f"IVON-PoCoMo minus IVON (same seed): 'at once' {2 * m} steps (two refreshes) "

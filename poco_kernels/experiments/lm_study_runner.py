@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .lm_study_config import EVAL_SEED
 
-__all__ = ["Job", "cached_result", "run_job", "run_jobs", "machine"]
+__all__ = ["Job", "cached_result", "run_job", "run_jobs", "machine", "device_name",
+           "has_device"]
 
 #: the corpora read so far, by source (read once per process)
 _DATA: Dict[str, Any] = {}
@@ -65,7 +66,7 @@ class Job:
                    "base_batch": self.base_batch, "eval_seed": EVAL_SEED,
                    "data": _tokens(cfg["data"]).fingerprint, "version": __version__}
             if cfg["device"] != "cpu":        # (runs of two GPUs in one directory: apart)
-                key["gpu"] = _gpu_name()
+                key["gpu"] = device_name(cfg["device"])
             _KEYS[self] = json.dumps(key, sort_keys=True, default=str)
         return _KEYS[self]
 
@@ -73,9 +74,18 @@ class Job:
 _KEYS: Dict[Job, str] = {}
 
 
-def _gpu_name() -> str:
+def has_device(device: str) -> bool:
+    """A run on ``device`` can train here (a CUDA scale needs a GPU)."""
     import torch
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return device != "cuda" or torch.cuda.is_available()
+
+
+def device_name(device: str) -> str:
+    """What trains a run on ``device`` here: the GPU's name, or :func:`machine`."""
+    import torch
+    if device == "cuda":
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return machine()
 
 
 def _tokens(source: str):

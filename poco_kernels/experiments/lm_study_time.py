@@ -7,7 +7,7 @@ included), its validation mini-batches', and a fixed cost per run and per proces
 rates come from one of two places (:class:`Rates`):
 
 * **measured** (:func:`measure`): a few steps of each kind trained on this device with the
-  scale's model and settings (``--dry-run --measure``);
+  scale's model and settings (``--dry-run`` on a machine with the device);
 * **extrapolated** (:func:`extrapolated`): for a GPU this machine does not have, from the
   one GPU measurement of a training step this project has (GPT-2 124M on an H200,
   ``../shared/gpu-results/h200-2026-11-26``: 26.8 ms per 8 x 1024-token step and 51.2 ms
@@ -128,8 +128,9 @@ def extrapolated(settings: Dict, base_batch: int, device: str = "h200") -> Rates
 # --------------------------------------------------------------------------- measured
 def measure(jobs: Sequence, device: str, steps: int = 0, log=print) -> Rates:
     """Rates measured here: a short run of each kind of step among ``jobs`` with its
-    settings (AdamW, IVON, IVON on 3x the batch, IVON-PoCoMo corrected from its second
-    step), timed after the first steps; the validation batches timed too."""
+    settings (AdamW, IVON, IVON on 3x the batch, IVON-PoCoMo corrected from its third
+    step), timed after the first steps (IVON-PoCoMo's: after two refreshes, so that every
+    kernel it uses is compiled); the validation batches timed too."""
     from .lm_study_runner import _tokens
     from .pretrain_config import resolve_config
     from .pretrain_loop import Trainer

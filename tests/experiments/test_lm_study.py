@@ -11,6 +11,8 @@ from poco_kernels.experiments import lm_study as S
 from poco_kernels.experiments import lm_study_claims as C
 from poco_kernels.experiments import lm_study_runner as R
 
+from lm_synthetic import synthetic
+
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
@@ -170,21 +172,6 @@ def test_paired_interval_and_verdicts():
     assert math.isnan(C.loss_at(curve, 11))
 
 
-def _synthetic(sc, loss):
-    """Result dicts for every arm of ``sc`` with curves ``loss(arm, seed, step)``."""
-    out = []
-    for j in S.plan(sc, 1e-3, 1.0):
-        s = j.cfg_dict()
-        per_step = j.cost() / sc.steps
-        curve = [{"step": t, "evals": t * per_step, "wall_s": 0.01 * t,
-                  "val_loss": loss(j.arm, j.seed, t)}
-                 for t in range(0, sc.steps + 1, sc.eval_every)]
-        out.append({"arm": j.arm, "seed": j.seed, "settings": s, "curve": curve,
-                    "final_val_loss": curve[-1]["val_loss"], "evals": j.cost(),
-                    "train_wall_s": 1.0})
-    return out
-
-
 def test_verdicts_follow_the_numbers():
     sc = S.SCALES["quick"]
     jitter = {0: 0.0, 1: 0.003, 2: -0.002}
@@ -201,7 +188,7 @@ def test_verdicts_follow_the_numbers():
         if arm.startswith("pocomo@") or arm in gain and arm not in ("adamw", "ivon-3x"):
             return base - (g if t > start else 0.0)
         return base - g * t / sc.steps
-    verdict = {c["id"]: c["verdict"] for c in C.judge(_synthetic(sc, paper), sc, {})["claims"]}
+    verdict = {c["id"]: c["verdict"] for c in C.judge(synthetic(sc, paper), sc, {})["claims"]}
     assert verdict["a"] == "at once: holds; within a tenth of the run: holds"
     assert verdict["b"] == "holds"
     assert verdict["d"] == "correction beats none: holds; U-shape: holds"
@@ -209,14 +196,14 @@ def test_verdicts_follow_the_numbers():
     assert verdict["f"] == "holds"
     # only a smoke scale (the quick one) says its verdicts decide nothing
     full = dataclasses.replace(sc, decisive=True)
-    text = C.judge(_synthetic(full, paper), full, {})["table_text"]
+    text = C.judge(synthetic(full, paper), full, {})["table_text"]
     assert C.SMOKE_NOTE not in text and "smoke" not in text
 
     def flat(arm, seed, t):            # nothing differs but noise that sums to 0 over seeds
         if arm.startswith("pocomo@") and t <= int(arm.split("@")[1]):
             arm = "ivon"               # IVON-PoCoMo is IVON before its start
         return 3.0 - t / sc.steps + jitter[seed] + 0.001 * ((seed + len(arm)) % 3 - 1)
-    verdict = {c["id"]: c["verdict"] for c in C.judge(_synthetic(sc, flat), sc, {})["claims"]}
+    verdict = {c["id"]: c["verdict"] for c in C.judge(synthetic(sc, flat), sc, {})["claims"]}
     assert verdict["e"] == verdict["f"] == "inconclusive"
     assert verdict["a"] == "at once: inconclusive; within a tenth of the run: inconclusive"
     assert verdict["d"] == "correction beats none: inconclusive; U-shape: inconclusive"
@@ -226,7 +213,7 @@ def test_verdicts_follow_the_numbers():
         if arm.startswith("pocomo@") and t > int(arm.split("@")[1]):
             return base + 0.1
         return base - (0.3 if arm == "adamw" else 0.0)
-    verdict = {c["id"]: c["verdict"] for c in C.judge(_synthetic(sc, reversed_), sc,
+    verdict = {c["id"]: c["verdict"] for c in C.judge(synthetic(sc, reversed_), sc,
                                                        {})["claims"]}
     assert verdict["a"] == "at once: does not hold; within a tenth of the run: does not hold"
     assert verdict["b"] == "does not hold"
@@ -238,7 +225,7 @@ def test_verdicts_follow_the_numbers():
             return base - 0.01 * max(0, t - s - 2 * sc.refresh_every)
         return base + (0.3 if arm == "adamw" else 0.0)
     long = dataclasses.replace(sc, steps=200)          # a tenth of the run: 20 steps
-    verdict = {c["id"]: c["verdict"] for c in C.judge(_synthetic(long, gradual), long,
+    verdict = {c["id"]: c["verdict"] for c in C.judge(synthetic(long, gradual), long,
                                                        {})["claims"]}
     assert verdict["a"] == "at once: inconclusive; within a tenth of the run: holds"
 
@@ -255,7 +242,7 @@ def test_verdicts_at_the_ends_of_a_sweep_and_for_the_3x_batch():
         start = int(arm.split("@")[1]) if arm.startswith("pocomo@") else sc.start
         g = 0.1 if arm.startswith("pocomo@") or arm == "ivon-3x" else gains.get(arm, 0.0)
         return base - (g if t > start else 0.0)
-    claims = {c["id"]: c for c in C.judge(_synthetic(sc, ends), sc, {})["claims"]}
+    claims = {c["id"]: c for c in C.judge(synthetic(sc, ends), sc, {})["claims"]}
     assert claims["d"]["verdict"] == "correction beats none: holds; U-shape: does not hold"
     assert "alpha 1, an end of the range; minus alpha 0.7" in claims["d"]["result"][-1]
     assert claims["f"]["verdict"] == "does not hold"
@@ -270,7 +257,7 @@ def test_verdicts_at_the_ends_of_a_sweep_and_for_the_3x_batch():
             return base - (0.5 if t == sc.steps else 0.0)
         pocomo = arm.startswith("pocomo@") and t > int(arm.split("@")[1])
         return base - (0.1 if pocomo else 0.0)
-    (c,) = [c for c in C.judge(_synthetic(sc, far), sc, {})["claims"] if c["id"] == "c"]
+    (c,) = [c for c in C.judge(synthetic(sc, far), sc, {})["claims"] if c["id"] == "c"]
     assert "about as good: does not hold" in c["result"][2]
 
 
@@ -279,7 +266,7 @@ def test_missing_arms_one_seed_and_divergence_are_reported_not_crashed():
 
     def plain(arm, seed, t):
         return 3.0 - t / sc.steps
-    results = [r for r in _synthetic(sc, plain) if not r["arm"].startswith("alpha=")
+    results = [r for r in synthetic(sc, plain) if not r["arm"].startswith("alpha=")
                and not r["arm"].startswith("refresh=")]
     results[0]["final_val_loss"] = float("nan")
     summary = C.judge(results, sc, {})
@@ -288,162 +275,3 @@ def test_missing_arms_one_seed_and_divergence_are_reported_not_crashed():
     assert verdicts["f"] == "inconclusive" and verdicts["b"] == "inconclusive"
     assert summary["diverged"] == [f"{results[0]['arm']}/seed0"]
     assert "Diverged" in summary["table_md"] and "(one seed)" in summary["table_text"]
-
-
-# --------------------------------------------------------------------------- a GPU window
-def test_the_gpu_window_plan_fits_its_window():
-    """``--scale gpu-window --dry-run`` without a GPU: the arms of claims (a)-(c), three
-    seeds each, predicted (extrapolated to an H200 and an H100) inside the window, which
-    is inside the issue's 8 minutes."""
-    from poco_kernels.experiments import lm_study_time as T
-    sc = S.SCALES["gpu-window"]
-    assert sc.budget_s <= 8 * 60 and sc.device == "cuda" and not sc.ablations
-    jobs = S.study_jobs(sc)
-    arms = {j.arm for j in jobs}
-    assert arms == {"adamw-lr=0.001", "adamw-lr=0.003", "ivon-lr=0.3", "ivon-lr=1", "adamw",
-                    "ivon", "ivon-3x", "pocomo@1000", "pocomo@667"}
-    assert not any(j.arm in ("adamw", "ivon") and j.seed == 0 for j in jobs)   # (the sweeps')
-    assert {j.arm for j in S.plan(sc, 3e-3, 1.0)} == {"adamw", "ivon", "ivon-3x",
-                                                      "pocomo@1000", "pocomo@667"}
-    assert len(jobs) == 17 and sorted({j.seed for j in jobs}) == [0, 1, 2]
-    lines = []
-    text = S.dry_run("gpu-window", 1, log=lines.append)
-    assert lines == [text] and text.count("window 450 s: fits") == 2
-    assert "h200" in text and "h100" in text
-    for dev in ("h200", "h100"):
-        rates = T.extrapolated(S._model_settings(jobs), sc.batch, dev)
-        wall = rates.start_s + sum(T.run_seconds(j, rates) for j in jobs)
-        assert wall <= sc.budget_s, (dev, wall)
-        # an IVON-PoCoMo step is two evaluations and a refresh's share, IVON-3x three
-        assert rates.step_s["pocomo"] > 2.5 * rates.step_s["ivon"]
-        assert rates.step_s["ivon-3x"] > 2.5 * rates.step_s["ivon"]
-    size = T.model_size(jobs[0].cfg_dict())
-    assert 10e6 < size["params"] < 11e6 and size["seq"] == 256
-
-
-def test_the_time_model_counts_each_kind_of_step():
-    from poco_kernels.experiments import lm_study_time as T
-    sc = S.SCALES["quick-window"]
-    rates = T.Rates("x", "test", {"adamw": 1.0, "ivon": 2.0, "ivon-3x": 5.0, "pocomo": 7.0},
-                    val_s=0.5, run_s=3.0, start_s=10.0)
-    jobs = {j.arm: j for j in S.plan(sc, 1e-2, 1.0) if j.seed == 0}
-    n_val = (sc.steps // sc.eval_every + 1) * sc.eval_batches + sc.final_eval_batches
-    fixed = n_val * 0.5 + 3.0
-    assert T.run_seconds(jobs["adamw"], rates) == sc.steps * 1.0 + fixed
-    assert T.run_seconds(jobs["ivon-3x"], rates) == sc.steps * 5.0 + fixed
-    s = sc.start
-    assert T.run_seconds(jobs[f"pocomo@{s}"], rates) == s * 2.0 + (sc.steps - s) * 7.0 + fixed
-
-
-def test_the_clock_starts_no_run_that_would_end_after_the_window():
-    from poco_kernels.experiments import lm_study_time as T
-    sc = S.SCALES["quick-window"]
-    rates = T.Rates("x", "test", {k: 0.01 for k in T.KINDS}, 0.0, 0.0, 0.0)
-    job = S.plan(sc, 1e-2, 1.0)[0]
-    need = T.run_seconds(job, rates)                  # (0.3 s)
-    clock = T.Clock(rates, budget_s=10 * need)
-    assert clock.fits(job) and clock.skipped == []
-    clock.finished(job, 4 * need)                     # (a run took 4x its prediction)
-    assert clock.predict(job) == pytest.approx(4 * need)
-    clock.finished(job, need)                         # (the worst ratio stays)
-    assert clock.ratio == pytest.approx(4.0)
-    clock.t0 -= 7 * need                              # (7 of the 10 spent)
-    assert not clock.fits(job) and clock.skipped == [job.run_id]
-    assert T.Clock(rates, None).fits(job)
-    fast = T.Clock(rates, budget_s=10 * need)         # (rates that were pessimistic)
-    fast.finished(job, need / 2)
-    assert fast.predict(job) == pytest.approx(need / 2)
-
-
-def test_a_scale_without_ablations_says_so_for_claims_d_to_f():
-    sc = S.SCALES["quick-window"]
-
-    def loss(arm, seed, t):
-        return (3.0 - t / sc.steps + 0.01 * seed + (0.2 if arm == "adamw" else 0.0)
-                - (0.1 if arm.startswith("pocomo") and t > sc.start else 0.0))
-    summary = C.judge(_synthetic(sc, loss), sc, {"scale": "quick-window"})
-    verdicts = {c["id"]: c["verdict"] for c in summary["claims"]}
-    assert [verdicts[k] for k in "def"] == [C.NOT_RUN] * 3
-    assert verdicts["b"] == "holds"           # (PoCoMo below IVON below AdamW, by construction)
-    assert verdicts["a"].startswith("at once: ")
-
-
-def test_claim_a_with_a_start_not_run_or_a_gpu_that_is_not_bit_exact():
-    """An IVON-PoCoMo arm with no runs (a window that ended first) is "not run", not a
-    reason to call the claim invalid; on a GPU, curves before the start that differ by
-    less than ``GPU_SAME_TOL`` count as the same run (on the CPU, only identical ones)."""
-    sc = S.SCALES["quick-window"]
-
-    def loss(arm, seed, t):
-        return 3.0 - t / sc.steps + 0.01 * seed - (0.1 if arm.startswith("pocomo") and
-                                                     t > int(arm.split("@")[1]) else 0.0)
-    res = [r for r in _synthetic(sc, loss) if r["arm"] != f"pocomo@{sc.starts[0]}"]
-    (a,) = [c for c in C.judge(res, sc, {})["claims"] if c["id"] == "a"]
-    assert not a["verdict"].startswith("invalid") and a["verdict"].startswith("at once")
-    assert f"start {sc.starts[0]}: not run" in a["result"]
-    res = [r for r in res if not r["arm"].startswith("pocomo")]
-    (a,) = [c for c in C.judge(res, sc, {})["claims"] if c["id"] == "a"]
-    assert a["verdict"] == C.NOT_RUN
-    noisy = _synthetic(sc, loss)
-    for r in noisy:                           # (every curve point a little off IVON's)
-        if r["arm"].startswith("pocomo"):
-            for p in r["curve"]:
-                p["val_loss"] += C.GPU_SAME_TOL / 4
-    gpu = dataclasses.replace(sc, device="cuda")
-    verdicts = [[c["verdict"] for c in C.judge(noisy, s, {})["claims"] if c["id"] == "a"][0]
-                for s in (sc, gpu)]
-    assert verdicts[0].startswith("invalid") and not verdicts[1].startswith("invalid")
-    for r in noisy:
-        if r["arm"].startswith("pocomo"):
-            r["curve"][0]["val_loss"] += C.GPU_SAME_TOL
-    (a,) = [c for c in C.judge(noisy, gpu, {})["claims"] if c["id"] == "a"]
-    assert a["verdict"].startswith("invalid")
-
-
-@pytest.mark.long
-def test_the_window_pipeline_stops_at_its_budget_and_resumes(tmp_path):
-    """The quick window on the CPU: rates measured here; a budget that the IVON-PoCoMo
-    runs do not fit leaves them unstarted (the verdicts say which runs ran), and a rerun
-    without it trains only those."""
-    pytest.importorskip("matplotlib")
-    from poco_kernels.experiments import lm_study_time as T
-    sc = S.SCALES["quick-window"]
-    rates = T.Rates("cpu", "test", {"adamw": 1e-3, "ivon": 1e-3, "ivon-3x": 1e-3,
-                                    "pocomo": 60.0}, 0.0, 0.0, 0.0)
-    logs = []
-    first = S.run_study("quick-window", str(tmp_path), n_jobs=1, quiet=True,
-                        log=logs.append, rates=rates, budget_s=300.0)
-    pocomo = {j.run_id for j in S.plan(sc, 1e-2, 1.0) if j.arm.startswith("pocomo")}
-    assert set(first["meta"]["not_started"]) == pocomo
-    assert any("the window ended before 6 runs started" in str(x) for x in logs)
-    assert "Not started (the window ended first)" in (tmp_path / "claims.md").read_text()
-    assert not (tmp_path / "ablations.png").exists() and (tmp_path / "starts.png").exists()
-    again = S.run_study("quick-window", str(tmp_path), n_jobs=2, quiet=True,
-                        log=lambda *_: None, rates=rates, budget_s=1e9)
-    assert again["meta"]["not_started"] == []
-    finals = list(csv.DictReader((tmp_path / "finals.csv").open()))
-    assert {r["arm"] for r in finals} >= {"adamw", "ivon", "ivon-3x"} | \
-        {p.split("/")[0] for p in pocomo}
-    verdicts = {c["id"]: c["verdict"] for c in again["claims"]}
-    assert [verdicts[k] for k in "def"] == [C.NOT_RUN] * 3
-
-
-@pytest.mark.long
-def test_measured_rates_predict_the_window_pipeline_on_the_cpu(tmp_path):
-    """``--dry-run --measure`` times each kind of step here; its plan lists every run."""
-    lines = []
-    text = S.dry_run("quick-window", 1, measure_here=True, log=lines.append)
-    assert "measured here" in text and text.count("/seed") == 15
-    for kind in ("adamw", "ivon", "pocomo"):
-        assert any(line.strip().startswith(kind) for line in lines[:-1]), kind
-
-
-def test_the_machine_line_needs_no_cpp_extension(monkeypatch):
-    """A GPU machine may not have built the C++ kernels: the study's outputs still name
-    the machine (this line is written after every run has trained)."""
-    from poco_kernels.kernels import cpp_ops
-
-    def missing():
-        raise ImportError("No module named 'poco_kernels._C'")
-    monkeypatch.setattr(cpp_ops, "isa", missing)
-    assert R.machine().endswith("C++ kernels not built")

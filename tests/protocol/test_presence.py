@@ -258,7 +258,7 @@ def test_the_compiled_autograd_flag_reads_what_torch_reads(monkeypatch):
 
     fake = Config()
     monkeypatch.setattr(torch._dynamo, "config", fake)
-    monkeypatch.setattr(fused_presence, "_ENTRY", [None, None])
+    monkeypatch.setattr(fused_presence, "_ENTRY", [None, None, None])
     assert fused_presence._compiled_autograd() is False
     assert fused_presence._ENTRY[1] is fake._config["compiled_autograd"]     # (the fast path)
     Entry.user_override.value = True

@@ -411,33 +411,3 @@ def test_direct_reads_study_times_accumulate_with_the_kernels_out(tmp_path):
     assert 1 <= res["tables_kept"] <= 8        # (read in place: an address table was made)
     assert "| median us |" in (tmp_path / "dr" / "direct_reads.md").read_text()
 
-
-@pytest.mark.long
-def test_lm_time_model_study_predicts_each_run(tmp_path):
-    """Every run of the quick window trained, each with a positive prediction and
-    measured time, and the table and the JSON written."""
-    from benchmarks.studies import lm_time_model
-    rep = lm_time_model.main(["--scale", "quick-window", "--runs", "3", "--out",
-                              str(tmp_path / "t")])
-    assert len(rep["rows"]) == 3 and {r["run"].split("/")[0] for r in rep["rows"]} == \
-        {"adamw-lr=0.01", "ivon-lr=1", "ivon-3x"}
-    for r in rep["rows"]:
-        assert r["predicted_s"] > 0 and r["measured_s"] > 0
-        assert r["ratio"] == pytest.approx(r["measured_s"] / r["predicted_s"])
-    assert "| ivon-3x/seed0 |" in (tmp_path / "t.md").read_text()
-    step_s = json.loads((tmp_path / "t.json").read_text())["rates"]["step_s"]
-    assert sorted(step_s) == sorted(["adamw", "ivon", "ivon-3x", "pocomo"])
-    assert all(v > 0 for v in step_s.values())
-
-
-@pytest.mark.long
-def test_short_horizon_study_pairs_pocomo_with_ivon_per_setting(tmp_path):
-    from benchmarks.studies import short_horizon
-    rows = short_horizon.main(["--steps", "6", "--seeds", "2", "--jobs", "1", "--out",
-                               str(tmp_path / "s")])
-    assert set(rows) == set(short_horizon.SETTINGS)
-    for r in rows.values():
-        assert sorted(r["ivon"]) == sorted(r["pocomo"]) == [0, 1]
-        diffs = [r["pocomo"][s] - r["ivon"][s] for s in (0, 1)]
-        assert r["diff_mean"] == pytest.approx(sum(diffs) / 2)
-    assert "| lr 0.3, beta2 0.99999 |" in (tmp_path / "s.md").read_text()

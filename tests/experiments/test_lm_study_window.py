@@ -1,0 +1,205 @@
+"""The LM study inside a device window (``--scale gpu-window``): its plan and predicted
+time without a GPU, the time model and the clock that keep it inside the window, the
+verdicts with arms a window did not run, the pipeline at its CPU smoke scale (cut by its
+budget, then resumed), and the studies that check the time model and the 200-step run."""
+import csv
+import dataclasses
+import json
+
+import pytest
+
+from poco_kernels.experiments import lm_study as S
+from poco_kernels.experiments import lm_study_claims as C
+from poco_kernels.experiments import lm_study_runner as R
+
+from lm_synthetic import synthetic
+
+
+def test_the_gpu_window_plan_fits_its_window():
+    """``--scale gpu-window --dry-run`` without a GPU: the arms of claims (a)-(c), three
+    seeds each, predicted (extrapolated to an H200 and an H100) inside the window, which
+    is inside the issue's 8 minutes."""
+    from poco_kernels.experiments import lm_study_time as T
+    sc = S.SCALES["gpu-window"]
+    assert sc.budget_s <= 8 * 60 and sc.device == "cuda" and not sc.ablations
+    jobs = S.study_jobs(sc)
+    arms = {j.arm for j in jobs}
+    assert arms == {"adamw-lr=0.001", "adamw-lr=0.003", "ivon-lr=0.3", "ivon-lr=1", "adamw",
+                    "ivon", "ivon-3x", "pocomo@1000", "pocomo@667"}
+    assert not any(j.arm in ("adamw", "ivon") and j.seed == 0 for j in jobs)   # (the sweeps')
+    assert {j.arm for j in S.plan(sc, 3e-3, 1.0)} == {"adamw", "ivon", "ivon-3x",
+                                                      "pocomo@1000", "pocomo@667"}
+    assert len(jobs) == 17 and sorted({j.seed for j in jobs}) == [0, 1, 2]
+    lines = []
+    text = S.dry_run("gpu-window", 1, log=lines.append)
+    assert lines == [text] and text.count("window 450 s: fits") == 2
+    assert "h200" in text and "h100" in text
+    for dev in ("h200", "h100"):
+        rates = T.extrapolated(S._model_settings(jobs), sc.batch, dev)
+        wall = rates.start_s + sum(T.run_seconds(j, rates) for j in jobs)
+        assert wall <= sc.budget_s, (dev, wall)
+        # an IVON-PoCoMo step is two evaluations and a refresh's share, IVON-3x three
+        assert rates.step_s["pocomo"] > 2.5 * rates.step_s["ivon"]
+        assert rates.step_s["ivon-3x"] > 2.5 * rates.step_s["ivon"]
+    size = T.model_size(jobs[0].cfg_dict())
+    assert 10e6 < size["params"] < 11e6 and size["seq"] == 256
+
+
+def test_the_time_model_counts_each_kind_of_step():
+    from poco_kernels.experiments import lm_study_time as T
+    sc = S.SCALES["quick-window"]
+    rates = T.Rates("x", "test", {"adamw": 1.0, "ivon": 2.0, "ivon-3x": 5.0, "pocomo": 7.0},
+                    val_s=0.5, run_s=3.0, start_s=10.0)
+    jobs = {j.arm: j for j in S.plan(sc, 1e-2, 1.0) if j.seed == 0}
+    n_val = (sc.steps // sc.eval_every + 1) * sc.eval_batches + sc.final_eval_batches
+    fixed = n_val * 0.5 + 3.0
+    assert T.run_seconds(jobs["adamw"], rates) == sc.steps * 1.0 + fixed
+    assert T.run_seconds(jobs["ivon-3x"], rates) == sc.steps * 5.0 + fixed
+    s = sc.start
+    assert T.run_seconds(jobs[f"pocomo@{s}"], rates) == s * 2.0 + (sc.steps - s) * 7.0 + fixed
+
+
+def test_the_clock_starts_no_run_that_would_end_after_the_window():
+    from poco_kernels.experiments import lm_study_time as T
+    sc = S.SCALES["quick-window"]
+    rates = T.Rates("x", "test", {k: 0.01 for k in T.KINDS}, 0.0, 0.0, 0.0)
+    job = S.plan(sc, 1e-2, 1.0)[0]
+    need = T.run_seconds(job, rates)                  # (0.3 s)
+    clock = T.Clock(rates, budget_s=10 * need)
+    assert clock.fits(job) and clock.skipped == []
+    clock.finished(job, 4 * need)                     # (a run took 4x its prediction)
+    assert clock.predict(job) == pytest.approx(4 * need)
+    clock.finished(job, need)                         # (the worst ratio stays)
+    assert clock.ratio == pytest.approx(4.0)
+    clock.t0 -= 7 * need                              # (7 of the 10 spent)
+    assert not clock.fits(job) and clock.skipped == [job.run_id]
+    assert T.Clock(rates, None).fits(job)
+    fast = T.Clock(rates, budget_s=10 * need)         # (rates that were pessimistic)
+    fast.finished(job, need / 2)
+    assert fast.predict(job) == pytest.approx(need / 2)
+
+
+def test_a_scale_without_ablations_says_so_for_claims_d_to_f():
+    sc = S.SCALES["quick-window"]
+
+    def loss(arm, seed, t):
+        return (3.0 - t / sc.steps + 0.01 * seed + (0.2 if arm == "adamw" else 0.0)
+                - (0.1 if arm.startswith("pocomo") and t > sc.start else 0.0))
+    summary = C.judge(synthetic(sc, loss), sc, {"scale": "quick-window"})
+    verdicts = {c["id"]: c["verdict"] for c in summary["claims"]}
+    assert [verdicts[k] for k in "def"] == [C.NOT_RUN] * 3
+    assert verdicts["b"] == "holds"           # (PoCoMo below IVON below AdamW, by construction)
+    assert verdicts["a"].startswith("at once: ")
+
+
+def test_claim_a_with_a_start_not_run_or_a_gpu_that_is_not_bit_exact():
+    """An IVON-PoCoMo arm with no runs (a window that ended first) is "not run", not a
+    reason to call the claim invalid; on a GPU, curves before the start that differ by
+    less than ``GPU_SAME_TOL`` count as the same run (on the CPU, only identical ones)."""
+    sc = S.SCALES["quick-window"]
+
+    def loss(arm, seed, t):
+        return 3.0 - t / sc.steps + 0.01 * seed - (0.1 if arm.startswith("pocomo") and
+                                                     t > int(arm.split("@")[1]) else 0.0)
+    res = [r for r in synthetic(sc, loss) if r["arm"] != f"pocomo@{sc.starts[0]}"]
+    (a,) = [c for c in C.judge(res, sc, {})["claims"] if c["id"] == "a"]
+    assert not a["verdict"].startswith("invalid") and a["verdict"].startswith("at once")
+    assert f"start {sc.starts[0]}: not run" in a["result"]
+    res = [r for r in res if not r["arm"].startswith("pocomo")]
+    (a,) = [c for c in C.judge(res, sc, {})["claims"] if c["id"] == "a"]
+    assert a["verdict"] == C.NOT_RUN
+    noisy = synthetic(sc, loss)
+    for r in noisy:                           # (every curve point a little off IVON's)
+        if r["arm"].startswith("pocomo"):
+            for p in r["curve"]:
+                p["val_loss"] += C.GPU_SAME_TOL / 4
+    gpu = dataclasses.replace(sc, device="cuda")
+    verdicts = [[c["verdict"] for c in C.judge(noisy, s, {})["claims"] if c["id"] == "a"][0]
+                for s in (sc, gpu)]
+    assert verdicts[0].startswith("invalid") and not verdicts[1].startswith("invalid")
+    for r in noisy:
+        if r["arm"].startswith("pocomo"):
+            r["curve"][0]["val_loss"] += C.GPU_SAME_TOL
+    (a,) = [c for c in C.judge(noisy, gpu, {})["claims"] if c["id"] == "a"]
+    assert a["verdict"].startswith("invalid")
+
+
+@pytest.mark.long
+def test_the_window_pipeline_stops_at_its_budget_and_resumes(tmp_path):
+    """The quick window on the CPU: rates measured here; a budget that the IVON-PoCoMo
+    runs do not fit leaves them unstarted (the verdicts say which runs ran), and a rerun
+    without it trains only those."""
+    pytest.importorskip("matplotlib")
+    from poco_kernels.experiments import lm_study_time as T
+    sc = S.SCALES["quick-window"]
+    rates = T.Rates("cpu", "test", {"adamw": 1e-3, "ivon": 1e-3, "ivon-3x": 1e-3,
+                                    "pocomo": 60.0}, 0.0, 0.0, 0.0)
+    logs = []
+    first = S.run_study("quick-window", str(tmp_path), n_jobs=1, quiet=True,
+                        log=logs.append, rates=rates, budget_s=300.0)
+    pocomo = {j.run_id for j in S.plan(sc, 1e-2, 1.0) if j.arm.startswith("pocomo")}
+    assert set(first["meta"]["not_started"]) == pocomo
+    assert any("the window ended before 6 runs started" in str(x) for x in logs)
+    assert "Not started (the window ended first)" in (tmp_path / "claims.md").read_text()
+    assert not (tmp_path / "ablations.png").exists() and (tmp_path / "starts.png").exists()
+    again = S.run_study("quick-window", str(tmp_path), n_jobs=2, quiet=True,
+                        log=lambda *_: None, rates=rates, budget_s=1e9)
+    assert again["meta"]["not_started"] == []
+    finals = list(csv.DictReader((tmp_path / "finals.csv").open()))
+    assert {r["arm"] for r in finals} >= {"adamw", "ivon", "ivon-3x"} | \
+        {p.split("/")[0] for p in pocomo}
+    verdicts = {c["id"]: c["verdict"] for c in again["claims"]}
+    assert [verdicts[k] for k in "def"] == [C.NOT_RUN] * 3
+
+
+@pytest.mark.long
+def test_measured_rates_predict_the_window_pipeline_on_the_cpu(tmp_path):
+    """``--dry-run`` of a CPU scale times each kind of step here; its plan lists every
+    run."""
+    lines = []
+    text = S.dry_run("quick-window", 1, log=lines.append)
+    assert "measured here" in text and text.count("/seed") == 15
+    for kind in ("adamw", "ivon", "pocomo"):
+        assert any(line.strip().startswith(kind) for line in lines[:-1]), kind
+
+
+def test_the_machine_line_needs_no_cpp_extension(monkeypatch):
+    """A GPU machine may not have built the C++ kernels: the study's outputs still name
+    the machine (this line is written after every run has trained)."""
+    from poco_kernels.kernels import cpp_ops
+
+    def missing():
+        raise ImportError("No module named 'poco_kernels._C'")
+    monkeypatch.setattr(cpp_ops, "isa", missing)
+    assert R.machine().endswith("C++ kernels not built")
+
+
+@pytest.mark.long
+def test_lm_time_model_study_predicts_each_run(tmp_path):
+    """Every run of the quick window trained, each with a positive prediction and
+    measured time, and the table and the JSON written."""
+    from benchmarks.studies import lm_time_model
+    rep = lm_time_model.main(["--scale", "quick-window", "--runs", "3", "--out",
+                              str(tmp_path / "t")])
+    assert len(rep["rows"]) == 3 and {r["run"].split("/")[0] for r in rep["rows"]} == \
+        {"adamw-lr=0.01", "ivon-lr=1", "ivon-3x"}
+    for r in rep["rows"]:
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0
+        assert r["ratio"] == pytest.approx(r["measured_s"] / r["predicted_s"])
+    assert "| ivon-3x/seed0 |" in (tmp_path / "t.md").read_text()
+    step_s = json.loads((tmp_path / "t.json").read_text())["rates"]["step_s"]
+    assert sorted(step_s) == sorted(["adamw", "ivon", "ivon-3x", "pocomo"])
+    assert all(v > 0 for v in step_s.values())
+
+
+@pytest.mark.long
+def test_short_horizon_study_pairs_pocomo_with_ivon_per_setting(tmp_path):
+    from benchmarks.studies import short_horizon
+    rows = short_horizon.main(["--steps", "6", "--seeds", "2", "--jobs", "1", "--out",
+                               str(tmp_path / "s")])
+    assert set(rows) == set(short_horizon.SETTINGS)
+    for r in rows.values():
+        assert sorted(r["ivon"]) == sorted(r["pocomo"]) == [0, 1]
+        diffs = [r["pocomo"][s] - r["ivon"][s] for s in (0, 1)]
+        assert r["diff_mean"] == pytest.approx(sum(diffs) / 2)
+    assert "| lr 0.3, beta2 0.99999 |" in (tmp_path / "s.md").read_text()
