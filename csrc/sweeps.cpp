@@ -293,15 +293,17 @@ PyObject* grads_now(PyObject* /*self*/, PyObject* arg) {
       continue;
     }
     const at::Tensor& g = grad_of(*x);
-    if (g.defined()) {
-      PyObject* w = THPVariable_Wrap(g);
-      if (w == nullptr) return nullptr;
-      item = Py_BuildValue("(ONL)", p.item(i), w, static_cast<long long>(g._version()));
-    } else {
-      item = Py_BuildValue("(OOi)", p.item(i), Py_None, 0);
-    }
+    item = PyTuple_New(3);      // (filled in place: no format string parsed per parameter)
     if (item == nullptr) return nullptr;
     PyList_SET_ITEM(out.get(), i, item);
+    Py_INCREF(p.item(i));
+    PyTuple_SET_ITEM(item, 0, p.item(i));
+    PyObject* w = g.defined() ? THPVariable_Wrap(g) : Py_NewRef(Py_None);
+    if (w == nullptr) return nullptr;
+    PyTuple_SET_ITEM(item, 1, w);
+    PyObject* v = PyLong_FromLongLong(g.defined() ? static_cast<long long>(g._version()) : 0);
+    if (v == nullptr) return nullptr;
+    PyTuple_SET_ITEM(item, 2, v);
   }
   return out.release();
   END_HANDLE_TH_ERRORS
@@ -330,7 +332,8 @@ PyObject* trainable(PyObject* /*self*/, PyObject* arg) {
 //   defined, matching: grads(params, views);
 //   clean: views and clean given, True if every views[i]._version == clean[i]; else, views
 //     given, the list of their versions (what `versions(views)` gives: a buffer zeroed now
-//     is clean at those, its views' counters being their own); else False;
+//     is clean at those, its views' counters being their own); else False (and when clean
+//     is False: the versions are not wanted, no list is made);
 //   watched: flags a tensor, every params[i] that requires grad and is a leaf has the hook
 //     of `owner` that sets flags[i] (`watch` would change nothing); flags None: False.
 PyObject* scan(PyObject* /*self*/, PyObject* args) {
@@ -344,6 +347,8 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
   if (!v.ok()) return nullptr;
   Addresses addrs;
   if (as != Py_None && !addrs.init(as)) return nullptr;
+  const bool want_versions = cs != Py_False;
+  if (!want_versions) cs = Py_None;
   THPObjectPtr clean(cs == Py_None ? nullptr : PySequence_Fast(cs, "scan: a sequence of versions expected"));
   if (cs != Py_None && !clean) return nullptr;
   if ((vs != Py_None && v.n != p.n) || (cs != Py_None && vs != Py_None &&
@@ -366,7 +371,8 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
   bool is_clean = vs != Py_None && cs != Py_None;
   // the views' versions, kept until they are known not to be needed
   std::vector<long long> seen;
-  if (vs != Py_None) seen.reserve(static_cast<size_t>(v.n));
+  const bool versions = vs != Py_None && want_versions;
+  if (versions) seen.reserve(static_cast<size_t>(v.n));
   bool hooked = flags != nullptr;
   Py_ssize_t defined = 0, matching = 0;
   for (Py_ssize_t i = 0; i < p.n; ++i) {
@@ -387,7 +393,7 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
       ++defined;
       if (w != nullptr && g.unsafeGetTensorImpl() == w->unsafeGetTensorImpl()) ++matching;
     }
-    if (w != nullptr) {
+    if (w != nullptr && versions) {
       const auto version = static_cast<long long>(w->_version());
       seen.push_back(version);
       if (is_clean) {
@@ -402,7 +408,7 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
   }
   PyObject* clean_out = is_clean ? Py_True : Py_False;
   THPObjectPtr versions_out;
-  if (!is_clean && vs != Py_None) {
+  if (!is_clean && versions) {
     versions_out = PyList_New(v.n);
     if (!versions_out) return nullptr;
     for (Py_ssize_t i = 0; i < v.n; ++i) {

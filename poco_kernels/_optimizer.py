@@ -27,6 +27,7 @@ from ._protocol import COUNTER_STEPS, KIND_OUTER, Pending, SampleSpec
 from ._arguments import DeclaredArguments, argument, option
 from ._groups import ParamGroupsMixin, _maybe_nonzero, draw_seed
 from ._state_dict import StateDictMixin
+from ._transaction import outside_dynamo
 from ._validation import check, hyperparameters, strict_keywords
 from ._view import OptimizerView
 from .rules import Rule
@@ -335,7 +336,7 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
         (the torch backend skips AMP overflows and raises on non-finite gradients)."""
         return self._read_counters()[2]
 
-    @torch._disable_dynamo
+    @outside_dynamo
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Reset the gradients.  ``.grad`` that are views of the fused backends' flat
         gradient buffers (``grad_views``) are zeroed in place and stay views (one memset

@@ -18,7 +18,7 @@ from ._groups import _from_lightning, as_closures
 from ._optimizer import BucketedOptimizer
 from ._protocol import KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH, Pending, mean_loss
 from ._step_plan import StepPlanMixin
-from ._transaction import TransactionMixin, step_hooks, without_grad_mode
+from ._transaction import TransactionMixin, outside_dynamo, step_hooks, without_grad_mode
 from ._validation import check
 
 
@@ -52,7 +52,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
     # step and refresh).  Dynamo does not write back attributes assigned on a
     # torch.optim.Optimizer while it traces (it wraps the optimizer without tracking its
     # mutations), so a traced sample() would leave no active sample behind it.
-    @torch._disable_dynamo
+    @outside_dynamo
     def sample(self, kind: str = "inner") -> None:
         """Write a posterior sample into the parameters.
 
@@ -152,7 +152,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
                     if id(p) not in kept:
                         p.grad = None
 
-    @torch._disable_dynamo
+    @outside_dynamo
     def restore(self) -> None:
         """Put the posterior mean back into the parameters (ends the active sample)."""
         self._runner.restore()
@@ -183,7 +183,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
 
     # ------------------------------------------------------------------ step
     @step_hooks
-    @torch._disable_dynamo           # (see sample(); the closure runs eagerly too)
+    @outside_dynamo           # (see sample(); the closure runs eagerly too)
     @without_grad_mode
     def step(self, closure: Optional[Callable] = None, *, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None):
@@ -310,7 +310,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
             self._runner.prefetch()
 
     # ------------------------------------------------------------------ refresh
-    @torch._disable_dynamo
+    @outside_dynamo
     @without_grad_mode
     def refresh(self, closures: Optional[Iterable[Callable]] = None, *,
                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):

@@ -12,6 +12,7 @@ from torch import Tensor
 from . import noise as _noise
 from ._layout import as_local, as_saved, is_sharded
 from ._protocol import Pending
+from ._transaction import outside_dynamo
 from ._validation import check
 
 
@@ -86,7 +87,7 @@ class StateDictMixin:
             self._runner.prefetch()
 
     # ------------------------------------------------------------------ state dict
-    @torch._disable_dynamo
+    @outside_dynamo
     def state_dict(self) -> Dict[str, Any]:
         """``torch.optim``'s state dict (``state`` keyed by parameter index, ``param_groups``)
         plus a ``poco`` entry: counters, seed, pending sums, per-bucket buffers.  Runs the
@@ -140,7 +141,7 @@ class StateDictMixin:
                  for k, v in self.state.items()}
         return {"state": state, "param_groups": groups}
 
-    @torch._disable_dynamo
+    @outside_dynamo
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict of the same optimizer class over the same parameters (or one
         this class can continue: :meth:`_loadable_from`).  The hooks of

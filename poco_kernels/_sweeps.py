@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor
 
@@ -84,16 +84,16 @@ def py_trainable(tensors: Sequence[Tensor]) -> int:
 
 
 def py_scan(params: Sequence[Tensor], addresses: Optional[List[int]],
-            views: Optional[Sequence[Tensor]], clean: Optional[List[int]], flags,
+            views: Optional[Sequence[Tensor]], clean: Union[List[int], None, bool], flags,
             owner: int) -> Tuple[bool, int, int, bool, bool]:
     """``(flat, defined, matching, clean, watched)``: :func:`py_same_addresses` (True
     when ``addresses`` is None), :func:`py_grads`, for ``clean`` True when the views'
-    versions equal ``clean``, else (views given) their versions, else False; and False for
-    the hooks (Python cannot see them: the caller installs them again, which finds them
-    in place)."""
+    versions equal ``clean``, else (views given, ``clean`` not False: False asks for no
+    versions) their versions, else False; and False for the hooks (Python cannot see
+    them: the caller installs them again, which finds them in place)."""
     flat = addresses is None or py_same_addresses(params, addresses)
     defined, matching = py_grads(params, views)
-    if views is None:
+    if views is None or clean is False:
         return flat, defined, matching, False, False
     now = py_versions(views)
     if clean is not None and len(clean) != len(now):

@@ -145,6 +145,10 @@ def hyperparameters(group, keep_tensors: bool = False):
     """A parameter group's hyperparameters for an update: a plain dict, one-element
     tensors (a tensor ``lr``) read as Python floats, or kept as they are
     (``keep_tensors``: the fused backends, whose kernels read them on the device)."""
-    return {k: (float(v.detach().reshape(())) if isinstance(v, torch.Tensor)
-                and not keep_tensors else v)
-            for k, v in group.items() if k != "params"}
+    out = dict(group)                         # (the stored values: no alias is a key)
+    out.pop("params", None)
+    if not keep_tensors and any(issubclass(t, torch.Tensor) for t in set(map(type, out.values()))):
+        for k, v in out.items():
+            if isinstance(v, torch.Tensor):
+                out[k] = float(v.detach().reshape(()))
+    return out

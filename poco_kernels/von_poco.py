@@ -46,6 +46,7 @@ from ._layout import Bucket
 from ._groups import as_closures
 from ._optimizer import BucketedOptimizer
 from ._protocol import KIND_INNER, KIND_OUTER, KIND_REFRESH
+from ._transaction import outside_dynamo
 from ._validation import check, check_range
 from .rules.von_poco import MAX_DIM, VONPoCoRule  # noqa: F401 (MAX_DIM: re-exported)
 
@@ -226,7 +227,7 @@ class VONPoCo(BucketedOptimizer):
         self._runner.commit(new)
 
     # ------------------------------------------------------------------ step
-    @torch._disable_dynamo           # (torch.compile: see PosteriorOptimizer.sample)
+    @outside_dynamo           # (torch.compile: see PosteriorOptimizer.sample)
     def step(self, closure: Optional[Callable] = None):
         """One inner step on the mini-batch of ``closure`` (returns the loss, NO backward).
 
@@ -270,7 +271,7 @@ class VONPoCo(BucketedOptimizer):
         return loss
 
     # ------------------------------------------------------------------ refresh
-    @torch._disable_dynamo
+    @outside_dynamo
     def refresh(self, closures: Optional[Iterable[Callable]] = None):
         """Outer estimate from a mega-batch (or the full batch) at ONE posterior sample.
 

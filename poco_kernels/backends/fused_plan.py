@@ -201,7 +201,7 @@ class PlanMixin:
                     or (kind, b.index, "g") in sums or not b.presence.all()):
                 return 0
             ptrs = self.cached_addresses(b)   # (None: the layout is checked by the update)
-            same, _, matching, _, _ = _sweeps.scan(b.params, ptrs, gb.views, None, None, 0)
+            same, _, matching, _, _ = _sweeps.scan(b.params, ptrs, gb.views, False, None, 0)
             if matching != len(b.params):
                 return 0
             flat = flat and ptrs is not None and same

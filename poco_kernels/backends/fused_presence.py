@@ -86,20 +86,24 @@ class Presence:
     """The bytes of one bucket's parameters: ``clear`` before a backward, ``all`` /
     ``reached(i)`` after (C-speed reads of the byte array, no torch op)."""
 
-    __slots__ = ("flags", "addr", "n", "mem", "__weakref__")
+    __slots__ = ("flags", "addr", "n", "mem", "bytes", "zeros", "__weakref__")
 
     def __init__(self, n: int):
         self.flags = torch.zeros(max(n, 1), dtype=torch.uint8)     # (its storage: the hooks')
         self.n = n
         self.addr = self.flags.data_ptr()
         self.mem = (ctypes.c_ubyte * max(n, 1)).from_address(self.addr)
+        #: the same bytes as a memoryview (slice assignment and ``tobytes``: a memcpy,
+        #: about a tenth of a ctypes call's cost)
+        self.bytes = memoryview(self.mem).cast("B")[:n]
+        self.zeros = bytes(n)
 
     def clear(self) -> None:
-        ctypes.memset(self.addr, 0, self.n)
+        self.bytes[:] = self.zeros
 
     def all(self) -> bool:
         """Every parameter was reached."""
-        return b"\0" not in ctypes.string_at(self.addr, self.n)
+        return b"\0" not in self.bytes.tobytes()
 
     def reached(self, i: int) -> bool:
         return self.mem[i] != 0

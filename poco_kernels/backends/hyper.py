@@ -24,6 +24,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..kernels.interface import PLAIN_NUMBERS
+
 
 class HyperRow:
     """The float64 row of one kernel record (``cls``: ``StepHyper``, ``RefreshHyper`` or
@@ -41,6 +43,12 @@ class HyperRow:
         """Write the record ``values`` (a ``cls``) into the row where it changed; the row."""
         if not isinstance(values, self.cls):
             raise TypeError(f"expected a {self.cls.__name__}, got {type(values).__name__}")
+        if set(map(type, values)) <= PLAIN_NUMBERS:          # (no tensor: the usual case)
+            floats = tuple(map(float, values))
+            if floats != self.floats:
+                self._write_floats(floats)
+                self.floats = floats
+            return self.row
         floats = tuple(None if isinstance(v, Tensor) else float(v) for v in values)
         if floats != self.floats:
             self._write_floats(floats)

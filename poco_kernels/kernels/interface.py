@@ -30,6 +30,7 @@ No triton and no extension import here: both kernel wrappers and the host engine
 """
 from __future__ import annotations
 
+from itertools import compress
 from typing import NamedTuple
 
 import torch
@@ -77,9 +78,10 @@ class StepHyper(NamedTuple):
 
     @classmethod
     def ivon(cls, *, lr, beta1, beta2, wd, ess, alpha, hess_corr, floor, clip) -> "StepHyper":
-        return cls(sign_at_out=1.0, inv_n_in=1.0, inv_n_at_out=0.0, lr=lr, beta1=beta1, beta2=beta2,
-                   wd=wd, ess=ess, alpha=alpha, hess_corr=hess_corr, floor=floor, clip=clip,
-                   momentum=0.0, dampening=0.0, eps=0.0, mom_first=0.0)
+        # (positional, in field order: sign_at_out, inv_n_in, inv_n_at_out, lr, beta1, beta2,
+        # wd, ess, alpha, hess_corr, floor, clip, momentum, dampening, eps, mom_first)
+        return cls._make((1.0, 1.0, 0.0, lr, beta1, beta2, wd, ess, alpha, hess_corr, floor,
+                          clip, 0.0, 0.0, 0.0, 0.0))
 
     @classmethod
     def sgd(cls, *, lr, wd, alpha, momentum, dampening, mom_first) -> "StepHyper":
@@ -96,8 +98,12 @@ class StepHyper(NamedTuple):
     def counted(self, *, sign_at_out: float, inv_n_in: float, inv_n_at_out: float) -> "StepHyper":
         """This record with the host engine's three fields set (and every value a float or
         a one-element tensor, :func:`hyper_value`)."""
-        return type(self)(float(sign_at_out), float(inv_n_in), float(inv_n_at_out),
-                          *(_value(v) for v in self[3:]))
+        return self._make((float(sign_at_out), float(inv_n_in), float(inv_n_at_out),
+                           *hyper_values(self[3:])))
+
+
+#: bit i of the switches' word (:meth:`StepFlags.bits`, :meth:`RefreshFlags.bits`)
+_BITS = tuple(1 << i for i in range(32))
 
 
 class StepFlags(NamedTuple):
@@ -135,12 +141,12 @@ class StepFlags(NamedTuple):
 
     def routed(self, *, corr, ge_in, ge_at_out, shared_noise, next_sample) -> "StepFlags":
         """This record with the host engine's five switches set."""
-        return self._replace(corr=bool(corr), ge_in=bool(ge_in), ge_at_out=bool(ge_at_out),
-                             shared_noise=bool(shared_noise), next_sample=bool(next_sample))
+        return self._make((self[0], bool(corr), bool(ge_in), bool(ge_at_out),
+                           bool(shared_noise), bool(next_sample), *self[6:]))
 
     def bits(self) -> int:
         """The switches (all fields but ``family``) as bits 0, 1, ... in field order."""
-        return sum(1 << i for i, v in enumerate(self[1:]) if v)
+        return sum(compress(_BITS, self[1:]))
 
     def constexprs(self) -> dict:
         """Triton's ``constexpr`` arguments: the upper-case field names."""
@@ -177,7 +183,7 @@ class RefreshHyper(NamedTuple):
 
     def counted(self, *, inv_n: float) -> "RefreshHyper":
         """This record with the host engine's ``inv_n`` set (values as :func:`hyper_value`)."""
-        return type(self)(float(inv_n), *(_value(v) for v in self[1:]))
+        return self._make((float(inv_n), *hyper_values(self[1:])))
 
 
 class SampleHyper(NamedTuple):
@@ -199,7 +205,7 @@ class RefreshFlags(NamedTuple):
     noisy: bool          # the refresh sample has noise
 
     def bits(self) -> int:
-        return sum(1 << i for i, v in enumerate(self[1:]) if v)
+        return sum(compress(_BITS, self[1:]))
 
     def constexprs(self) -> dict:
         return {k.upper(): v for k, v in self._asdict().items()}
@@ -214,6 +220,18 @@ def hyper_value(v):
 
 
 _value = hyper_value
+
+
+#: the types of plain numbers (``isinstance(v, Tensor)`` costs more than a type lookup)
+PLAIN_NUMBERS = frozenset((float, int, bool))
+
+
+def hyper_values(values) -> tuple:
+    """:func:`hyper_value` of each of ``values`` (C-speed passes where each is a plain
+    number, the usual case)."""
+    if set(map(type, values)) <= PLAIN_NUMBERS:
+        return tuple(map(float, values))
+    return tuple(map(hyper_value, values))
 
 
 def hyper_row(hp, cls, device=None) -> torch.Tensor:

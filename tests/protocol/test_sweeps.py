@@ -89,12 +89,14 @@ def test_scan_gives_what_the_separate_sweeps_give(seed):
     for a in (addrs, moved, addrs[:-1], None, array.array("Q", addrs),
               array.array("Q", moved)):
         for v in (views, None):
-            for c in (clean, stale, None):
+            for c in (clean, stale, None, False):
                 got = _C.scan(ps, a, v, c, None, 0)
                 assert got == _sweeps.py_scan(ps, a, v, c, None, 0)
                 assert got[0] is (a is None or list(a) == addrs)
                 assert got[1:3] == _sweeps.py_grads(ps, v)
-                assert got[3] == (False if v is None else True if c is clean else clean)
+                # (clean False: the versions are not wanted, whatever they are)
+                assert got[3] == (False if v is None or c is False
+                                  else True if c is clean else clean)
                 assert got[4] is False
     with pytest.raises(ValueError):
         _C.scan(ps, None, views[:-1], None, None, 0)
