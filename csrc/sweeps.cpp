@@ -252,9 +252,11 @@ PyObject* set_grads(PyObject* /*self*/, PyObject* args) {
       }
       if (v != o && plain(v)) {
         const at::Tensor& grad = THPVariable_Unpack(v);
-        if (grad.layout() == at::kStrided && grad.options().type_equal(var.options()) &&
-            grad.device() == var.device() && grad.sym_sizes().equals(var.sym_sizes()) &&
-            grad_dtype_allows(var, grad)) {
+        // (torch's `options().type_equal`, which computes both dispatch keys: for two
+        // strided tensors of one device and dtype those are equal)
+        if (grad.layout() == at::kStrided && var.layout() == at::kStrided &&
+            grad.scalar_type() == var.scalar_type() && grad.device() == var.device() &&
+            grad.sym_sizes().equals(var.sym_sizes()) && grad_dtype_allows(var, grad)) {
           var.mutable_grad() = grad;
           continue;
         }

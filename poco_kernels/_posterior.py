@@ -225,6 +225,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
                 raise RuntimeError("step(closure) with gradients already accumulated by "
                                    "sample()/accumulate(): call step() without a closure, or "
                                    "use one protocol per step")
+            self._update_memo = None          # (the other protocol's: no reference kept)
             if grad_scale is None and found_inf is None:
                 plan = self._planned(corr)
                 if plan is not None:
@@ -257,7 +258,9 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
                     self.accumulate(clear_grads=False)
                 finally:
                     self._active = None
-        self._update(corr, grad_scale, found_inf)
+        memo = (self._memo_update(corr) if closure is None and grad_scale is None
+                and found_inf is None else None)
+        self._update(corr, grad_scale, found_inf, memo)
         return loss
 
     def _closure_loss(self, corr, closure):

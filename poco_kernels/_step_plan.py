@@ -151,13 +151,71 @@ def _parse(key, rec, eng) -> Optional[StepPlan]:
 
 
 
+class UpdateMemo:
+    """The update of ``step()`` without a closure as last derived: what it was derived
+    from (the groups' stamp, the correction's buckets, the groups waiting, the pending
+    sums and counts, the engine's state), the rows' values after, its launches as derived
+    and prepared, the counters' advance prepared."""
+
+    __slots__ = ("key", "values", "calls", "update", "finish")
+
+    def __init__(self, key, values, calls, update, finish):
+        self.key, self.values, self.calls = key, values, calls
+        self.update, self.finish = update, finish
+
+
 class StepPlanMixin:
     """``step(closure)`` by plan where one fits, else recorded (for the next plan)."""
 
     #: a :class:`StepPlan`, or the last recording ``(key, Recording, end state)``
     _step_plan: Any = None
+    #: the last update of ``step()`` without a closure (:meth:`_memo_update`)
+    _update_memo: Optional[UpdateMemo] = None
     #: plans are made and replayed (False: every iteration by the slow path)
     step_plans: bool = True
+
+    def _memo_update(self, corr):
+        """``step()`` without a closure (the protocol of ``sample``/``sampled()``, which
+        the integrations use): the update's launches derived once and replayed while what
+        they were derived from is unchanged (the key of :class:`UpdateMemo`, compared by
+        identity, and the rows' values), as a plan's update is.  Returns the ``replay`` of
+        :meth:`_update`, or None for the backend's own step (no memo kept: AMP arguments
+        are not passed here, a recording, sharded buckets, ``sample_ahead``, a group value
+        that can change in place, a rule that is not planned)."""
+        eng = self._runner
+        pend = self._pending
+        if (not self.step_plans or self._recording is not None or not self.rule.step_plans
+                or not hasattr(eng, "memo_ready") or not eng.memo_ready()
+                or any(pend.no_grad.values())):
+            self._update_memo = None
+            return None
+        stamp = group_stamp(self)
+        if stamp is None:
+            self._update_memo = None
+            return None
+        sums = tuple(sorted(pend.sums.items()))
+        key = (stamp, tuple(sorted(corr)), tuple(sorted(self._awaiting)), sums,
+               tuple(sorted(pend.count.items())), eng.plan_state())
+        memo = self._update_memo
+        if memo is not None and _same(key, memo.key) and _same(eng.row_values(), memo.values):
+            return lambda: eng.replay_step(memo.update, memo.finish)
+
+        def derive():
+            eng.check_layout()                # (the backend's step checks it first)
+            derived = eng.derive_step(corr)
+            if derived is None:               # (a momentum buffer made: the backend's step)
+                self._update_memo = None
+                return NotImplemented
+            derived = tuple(derived)
+            if memo is not None and _same(key[1:], memo.key[1:]) and _same(derived, memo.calls):
+                update, finish = memo.update, memo.finish   # (a schedule: the rows moved)
+            else:
+                update, finish = eng.prepare(derived), eng.prepare(eng.finish_calls())
+            self._update_memo = (UpdateMemo(key, eng.row_values(), derived, update, finish)
+                                 if _same(tuple(sorted(pend.sums.items())), sums)
+                                 else None)   # (a sum copied into a pool buffer: _acc)
+            return eng.replay_step(update, finish)
+        return derive
 
     def _plan_key(self, corr) -> Optional[tuple]:
         """(the groups' stamp, the correction's buckets, the groups waiting for a refresh),

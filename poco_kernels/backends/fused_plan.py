@@ -135,6 +135,20 @@ class PlanMixin:
             out += launches
         return out
 
+    def finish_calls(self) -> list:
+        """The counters' advance after a step (``_finish``'s launches, no AMP)."""
+        return [("finish", (c, None, COUNTER_STEPS)) for c in self.ctl.values()]
+
+    def memo_ready(self) -> bool:
+        """A step's update may be replayed from its derived launches (the optimizer's
+        :meth:`~poco_kernels._step_plan.StepPlanMixin._memo_update`): eagerly, over
+        unsharded buckets (no all-reduce of the bad flag first), the step writing the mean
+        (not the next sample: ``sample_ahead``), no momentum buffer waiting for its first
+        step."""
+        return (self.plan_usable() and bool(self.view.buckets) and not self.mom_start
+                and not self.ahead_family()
+                and all(b.segments is None for b in self.view.buckets))
+
     def plan_usable(self) -> bool:
         """Plans are recorded and replayed eagerly only: not while torch.compile traces or a
         CUDA graph is captured (a capture holds the slow path's launches, as before)."""

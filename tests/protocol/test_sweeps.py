@@ -299,3 +299,25 @@ def test_set_grads_follows_grad_dtype_and_modes_and_survives_a_list_emptied(fn):
     ps, gs = list(held), [torch.randn(3), torch.randn(3)]
     set_grads(held, gs)
     assert ps[0].grad is gs[0]
+
+
+@needs_cpp
+@pytest.mark.parametrize("fn", ["cpp", "python"])
+def test_set_grads_accepts_and_refuses_what_torchs_setter_does(fn):
+    """The sweep's own checks (dtype, layout, device, sizes) let through exactly what
+    ``p.grad = g`` accepts: another dtype, shape or device is torch's error, a sparse
+    gradient of a dense parameter is accepted as torch accepts it."""
+    from poco_kernels import _C
+    set_grads = _C.set_grads if fn == "cpp" else _sweeps.py_set_grads
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    for bad in (torch.zeros(4, 3, dtype=torch.float64), torch.zeros(3, 4),
+                torch.zeros(4, 3, device="meta")):
+        with pytest.raises(RuntimeError):
+            set_grads([p], [bad])
+        assert p.grad is None
+    sparse = torch.zeros(4, 3).to_sparse()
+    set_grads([p], [sparse])
+    assert p.grad is sparse
+    dense = torch.zeros(4, 3)
+    set_grads([p], [dense])
+    assert p.grad is dense
