@@ -21,8 +21,10 @@ fused backend of this device, for IVON and IVON-PoCoMo (the correction active):
 * per iteration, the sum of ``host_us`` over the calls of one iteration, the hooks'
   share of its backward passes included.
 
-The backward passes' own host work (autograd's, the model's) is not counted.  Medians
-over ``--iters`` iterations, after ``--warm``.
+The backward passes' own host work (autograd's, the model's) is not counted.  Each loop
+(the explicit calls, ``step(closure)``, ``sampled()`` blocks) runs in its own phase,
+``--warm`` iterations then ``--iters`` timed, as a training loop keeps to one protocol
+(a step of another protocol drops a step plan or an update memo); medians.
 Writes ``host_calls.json`` and ``host_calls.md`` to ``--out``::
 
     python -m benchmarks.studies.host_calls --out /tmp/hc [--device cpu] [--scale tiny]
@@ -91,11 +93,9 @@ def _protocol(opt, ps, split, poco: bool, refresh: bool):
         split.call("refresh", opt.refresh)
 
 
-def _closures(opt, ps, split, poco: bool, refresh: bool):
-    """One iteration by ``step(closure)`` and one by ``sampled()`` blocks (each timed
-    less the closure's own time)."""
-    closure_s = [0.0]
-
+def _closure(opt, ps, closure_s):
+    """The closure: ``zero_grad()``, forward, backward; its own time added to
+    ``closure_s[0]``."""
     def closure():
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -103,18 +103,34 @@ def _closures(opt, ps, split, poco: bool, refresh: bool):
         loss.backward()
         closure_s[0] += time.perf_counter() - t0
         return loss
+    return closure
 
-    def stepped():
-        closure_s[0] = 0.0
-        opt.step(closure)
-        return closure_s[0]
 
+def _closure_step(opt, ps, split, poco: bool, refresh: bool):
+    """One iteration by ``step(closure)`` (timed less the closure's own time), and the
+    refresh by closures once every ``refresh_every``."""
+    closure_s = [0.0]
+    closure = _closure(opt, ps, closure_s)
     sync(split.dev)
     k0 = split.kernel_s
     t0 = time.perf_counter()
-    inside = stepped()
-    wall = time.perf_counter() - t0 - inside
+    opt.step(closure)
+    wall = time.perf_counter() - t0 - closure_s[0]
     split.rows.setdefault("step(closure)", []).append((wall * 1e6, (split.kernel_s - k0) * 1e6))
+    if refresh:
+        closure_s[0] = 0.0
+        k0 = split.kernel_s
+        t0 = time.perf_counter()
+        opt.refresh([closure])
+        wall = time.perf_counter() - t0 - closure_s[0]
+        split.rows.setdefault("refresh(closures)", []).append(
+            (wall * 1e6, (split.kernel_s - k0) * 1e6))
+
+
+def _sampled_step(opt, ps, split, poco: bool, refresh: bool):
+    """One iteration by ``sampled()`` blocks and ``step()`` (timed less the blocks'
+    backward passes); the refresh, untimed, once every ``refresh_every``."""
+    sync(split.dev)
     k0 = split.kernel_s
     t0 = time.perf_counter()
     inside = 0.0
@@ -128,13 +144,12 @@ def _closures(opt, ps, split, poco: bool, refresh: bool):
     wall = time.perf_counter() - t0 - inside
     split.rows.setdefault("sampled()+step", []).append((wall * 1e6, (split.kernel_s - k0) * 1e6))
     if refresh:
-        closure_s[0] = 0.0
-        k0 = split.kernel_s
-        t0 = time.perf_counter()
-        opt.refresh([closure])
-        wall = time.perf_counter() - t0 - closure_s[0]
-        split.rows.setdefault("refresh(closures)", []).append(
-            (wall * 1e6, (split.kernel_s - k0) * 1e6))
+        opt.refresh([_closure(opt, ps, [0.0])])
+
+
+#: the loops timed, each in its own phase (a step plan or an update memo serves a loop
+#: that keeps to one protocol; a step of another protocol drops it)
+PHASES = (_protocol, _closure_step, _sampled_step)
 
 
 def hook_us(ps, dev, rounds: int = 15, n: int = 20) -> float:
@@ -170,12 +185,15 @@ def measure(dev, kind: str, scale: str, iters: int, warm: int, refresh_every: in
     split = _Split(dev)
     internals.time_kernels(opt, split)
     poco = kind.startswith("ivon_pocomo")
-    for i in range(warm + iters):
-        if i == warm:
-            split.rows = {}
-        r = poco and i % refresh_every == refresh_every - 1
-        _protocol(opt, ps, split, poco, r)
-        _closures(opt, ps, split, poco, r)
+    rows = {}
+    for phase in PHASES:                      # (each to its steady state: warm, then timed)
+        split.rows = {}
+        for i in range(warm + iters):
+            if i == warm:
+                split.rows = rows
+            r = poco and i % refresh_every == refresh_every - 1
+            phase(opt, ps, split, poco, r)
+    split.rows = rows
     sync(dev)
     calls = {}
     for name, xs in split.rows.items():
