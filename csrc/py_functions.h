@@ -42,6 +42,16 @@ struct Tensors {
   }
 };
 
+// `.grad`, as `grad()` gives it, without the warning's checks (see sweeps.cpp)
+inline const at::Tensor& grad_of(const at::Tensor& x) { return x.unsafeGetTensorImpl()->grad(); }
+
+// grad_sweeps.cpp: readable_grads(params), set_grads(params, grads), grads_now(params);
+// torch.nn.Parameter, set by the module's initialisation
+PyObject* readable_grads(PyObject* self, PyObject* arg);
+PyObject* set_grads(PyObject* self, PyObject* args);
+PyObject* grads_now(PyObject* self, PyObject* arg);
+extern PyObject* parameter_type;
+
 // presence.cpp: watch(params, flags, owner) -> None
 PyObject* watch(PyObject* self, PyObject* args);
 

@@ -179,9 +179,10 @@ class StepPlanMixin:
         the integrations use): the update's launches derived once and replayed while what
         they were derived from is unchanged (the key of :class:`UpdateMemo`, compared by
         identity, and the rows' values), as a plan's update is.  Returns the ``replay`` of
-        :meth:`_update`, or None for the backend's own step (no memo kept: AMP arguments
-        are not passed here, a recording, sharded buckets, ``sample_ahead``, a group value
-        that can change in place, a rule that is not planned)."""
+        :meth:`_update`, or None for the backend's own step (and no memo kept: a
+        recording, sharded buckets, ``sample_ahead``, a group value that can change in
+        place, a rule that is not planned).  A step with AMP arguments is not passed here
+        (``step`` calls it only without them) and leaves the memo as it was."""
         eng = self._runner
         pend = self._pending
         if (not self.step_plans or self._recording is not None or not self.rule.step_plans
@@ -208,7 +209,9 @@ class StepPlanMixin:
                 return NotImplemented
             derived = tuple(derived)
             if memo is not None and _same(key[1:], memo.key[1:]) and _same(derived, memo.calls):
-                update, finish = memo.update, memo.finish   # (a schedule: the rows moved)
+                # (a schedule: the rows' values moved, not the launches; the launches take
+                # each row as its tensor, so the prepared calls read the new values)
+                update, finish = memo.update, memo.finish
             else:
                 update, finish = eng.prepare(derived), eng.prepare(eng.finish_calls())
             self._update_memo = (UpdateMemo(key, eng.row_values(), derived, update, finish)

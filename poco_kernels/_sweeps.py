@@ -101,6 +101,15 @@ def py_scan(params: Sequence[Tensor], addresses: Optional[List[int]],
     return flat, defined, matching, clean is not None and now == list(clean) or now, False
 
 
+def _scan_with_versions(scan):
+    """``scan`` of an extension that takes no ``clean=False``: asked for the versions,
+    which are dropped."""
+    def run(params, addresses, views, clean, flags, owner):
+        out = scan(params, addresses, views, None if clean is False else clean, flags, owner)
+        return out if clean is not False else (*out[:3], False, out[4])
+    return run
+
+
 def _load():
     from .kernels import cpp_status
     if cpp_status() is None:
@@ -110,6 +119,10 @@ def _load():
         except ImportError:                   # (an extension built before them)
             pass
         else:
+            try:
+                scan([], None, [], False, None, 0)
+            except TypeError:                 # (built before clean=False: no versions wanted)
+                scan = _scan_with_versions(scan)
             return ("cpp", same_addresses, versions, grads, readable_grads, set_grads, trainable,
                     scan, grads_now)
     return ("python", py_same_addresses, py_versions, py_grads, py_readable_grads, py_set_grads,

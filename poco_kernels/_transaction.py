@@ -55,9 +55,10 @@ def step_hooks(step: Callable) -> Callable:
 def outside_dynamo(fn: Callable) -> Callable:
     """``fn`` as ``torch._disable_dynamo`` makes it (Dynamo never traces it: a graph break
     where a compiled function calls it, and the frames it runs are not compiled), straight
-    to ``fn`` while no Dynamo callback is set (eager code, nothing compiling, the default
-    stance): there torch's wrapper would set the callback it finds, None, around the call
-    (two ``set_eval_frame`` calls, about 0.5 us per public call).  The wrapper's own frame
+    to ``fn`` while no Dynamo callback is set (eager code, nothing compiling or exporting,
+    the default stance): there torch's wrapper would set the callback it finds, None,
+    around the call (two ``set_eval_frame`` calls, about 0.5 us per public call; while
+    exporting, it also annotates the graph).  The wrapper's own frame
     is one Dynamo skips (as it skips torch's); a torch without that switch gets torch's
     wrapper alone."""
     disabled = torch._disable_dynamo(fn)
@@ -69,9 +70,11 @@ def outside_dynamo(fn: Callable) -> Callable:
         return disabled
     modules = sys.modules
 
+    exporting = torch.compiler.is_exporting
+
     @functools.wraps(fn)
     def inner(*args, **kwargs):
-        if get_eval_frame_callback() is None:
+        if get_eval_frame_callback() is None and not exporting():
             frames = modules.get("torch._dynamo.eval_frame")    # (a stance needs it loaded)
             if frames is None or frames._stance.stance == "default":
                 return fn(*args, **kwargs)

@@ -117,25 +117,40 @@ def prepare(name: str, args: tuple):
     return globals()[name], tuple(args)
 
 
+#: the argument types the extension's one-shot call takes as torch.ops would (anything
+#: else, a tensor subclass with its own ``__torch_function__``, goes through torch.ops)
+_PLAIN_ARGS = frozenset((torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)))
+
+
 def _call(name: str, args: tuple) -> None:
     """The operator ``name`` called once with ``args``: bound and called by the extension
     (the same dispatcher call as through ``torch.ops``, without the parsing of its many
-    arguments against the schema in Python: about 2 us less for the step's 23), or through
-    ``torch.ops`` while torch.compile traces (its fake kernel) or where the extension
+    arguments against the schema in Python: about 2 us less for the step's 23; while a
+    torch function mode is active, ``torch.ops``' own call, which the mode sees as
+    before), or through ``torch.ops`` while torch.compile traces (its fake kernel), for
+    an argument of another type (a tensor subclass), where binding fails (``torch.ops``
+    then raises its own error, which names the argument) or where the extension
     predates ``bind``."""
-    op = getattr(_ops, name).default
+    op = getattr(_ops, name)
     bind = getattr(poco_kernels._C, "bind", None)
-    if bind is None or torch.compiler.is_compiling():
+    if bind is None or torch.compiler.is_compiling() or not set(map(type, args)) <= _PLAIN_ARGS:
         op(*args)
         return
-    poco_kernels._C.call(bind(name, args, op))
+    try:
+        bound = bind(name, args, op)
+    except (RuntimeError, TypeError, ValueError):
+        op(*args)
+        return
+    poco_kernels._C.call(bound)
 
 
 def _bound(name: str, args: tuple):
     """``(function, arguments)`` calling the operator ``name`` with ``args``: bound once by
     the extension (``_C.bind``: no conversion of the arguments at each call), or through
-    ``torch.ops`` (an extension built before it)."""
-    op = getattr(_ops, name).default
+    ``torch.ops`` (an extension built before it).  Under a torch function mode the call is
+    ``torch.ops``' own, the operator packet's, as every other call of this module: a mode
+    sees the same object whichever way the engine made the call."""
+    op = getattr(_ops, name)
     bind = getattr(poco_kernels._C, "bind", None)
     if bind is None:
         return op, args

@@ -154,5 +154,59 @@ def test_a_cpp_operator_called_once_is_the_torch_ops_call():
     out = torch.zeros(n)
     with Seen():
         cpp_ops.sample(out, mean, mean, h, None, **args)
-    assert str(torch.ops.poco_kernels_cpp.sample.default) in seen
+    assert str(torch.ops.poco_kernels_cpp.sample) in seen     # (the packet, as torch.ops')
     assert torch.equal(out, outs[0])
+
+    class Sub(torch.Tensor):                  # (an argument whose type has its own say)
+        calls = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.calls.append(str(func))
+            return super().__torch_function__(func, types, args, kwargs)
+    out = torch.zeros(n)
+    cpp_ops.sample(out, mean, mean, h.as_subclass(Sub), None, **args)
+    assert Sub.calls == [str(torch.ops.poco_kernels_cpp.sample)]
+    assert torch.equal(out, outs[0])
+    with pytest.raises(RuntimeError, match="argument 'seed'"):   # (torch.ops' own error)
+        cpp_ops.sample(out, mean, mean, h, None, **dict(args, seed=2 ** 64))
+
+
+def test_an_extension_whose_scan_takes_no_clean_false_is_wrapped():
+    """An extension built before ``scan(..., clean=False)`` (a TypeError for False):
+    ``_sweeps`` asks it for the versions and drops them, as the Python twin does."""
+    from poco_kernels import _sweeps
+
+    def old_scan(params, addresses, views, clean, flags, owner):
+        if clean is False:
+            raise TypeError("scan: a sequence of versions expected")
+        return _sweeps.py_scan(params, addresses, views, clean, flags, owner)
+    ps = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
+    views = [torch.zeros(3) for _ in ps]
+    for p, v in zip(ps[:3], views):
+        p.grad = v
+    wrapped = _sweeps._scan_with_versions(old_scan)
+    for clean in (False, None, _sweeps.py_versions(views)):
+        assert wrapped(ps, None, views, clean, None, 0) == \
+            _sweeps.py_scan(ps, None, views, clean, None, 0)
+
+
+def test_outside_dynamo_takes_torchs_wrapper_while_exporting(monkeypatch):
+    """While torch exports (no Dynamo callback, but the export's graph annotated by
+    torch's wrapper), the call goes through the wrapper."""
+    wrapped = []
+    real = torch._disable_dynamo
+
+    def spy(fn):
+        inner = real(fn)
+
+        def call(*a, **k):
+            wrapped.append(1)
+            return inner(*a, **k)
+        return call
+    monkeypatch.setattr(torch, "_disable_dynamo", spy)
+    probe = outside_dynamo(lambda x: x + 1)
+    assert probe(1) == 2 and wrapped == []
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    probe = outside_dynamo(lambda x: x + 1)
+    assert probe(1) == 2 and wrapped == [1]

@@ -190,8 +190,19 @@ def test_a_torch_function_mode_sees_a_replayed_iterations_kernels(backend):
     with Seen():
         opt.step(prob.closure(opt, m, 4))
     assert opt._step_plan is plan
-    assert {"poco_kernels_cpp.sample.default", "poco_kernels_cpp.step.default",
-            "poco_kernels_cpp.check.default", "poco_kernels_cpp.finish.default"} <= set(seen)
+    ops = ("sample", "step", "check", "finish")     # (the packets, as the slow path's calls)
+    assert {str(getattr(torch.ops.poco_kernels_cpp, n)) for n in ops} <= set(seen)
+    seen_slow = []
+    opt.step_plans = False
+
+    class SeenSlow(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen_slow.append(str(func))
+            return func(*args, **(kwargs or {}))
+    with SeenSlow():
+        opt.step(prob.closure(opt, m, 5))
+    ours = {s for s in seen if s.startswith("poco_kernels_cpp")}
+    assert ours == {s for s in seen_slow if s.startswith("poco_kernels_cpp")}
 
 
 #: calls and values a closure (or the loop before it) may throw at a planned iteration
