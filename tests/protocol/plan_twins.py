@@ -34,3 +34,29 @@ def same_run(a, b):
     assert oa._active == ob._active and oa._pending.count == ob._pending.count
     assert oa._pending.draws == ob._pending.draws
     assert set(oa._pending.sums) == set(ob._pending.sums)
+
+
+#: the events a training loop meets between iterations, which both the step-plan and the
+#: update-memo tests throw at their twins (:func:`between_iterations`)
+LOOP_EVENTS = ("lr", "freeze", "unfreeze", "data", "set_to_none", "load_state_dict",
+               "add_group")
+
+
+def between_iterations(ev, opt, ps) -> bool:
+    """Apply the loop event ``ev`` (one of :data:`LOOP_EVENTS`) to ``opt`` and its model's
+    parameters ``ps``; False for any other event (the caller's own)."""
+    if ev == "lr":
+        opt.param_groups[0]["lr"] = 0.03
+    elif ev in ("freeze", "unfreeze"):
+        ps[0].requires_grad_(ev == "unfreeze")
+    elif ev == "data":
+        ps[1].data = ps[1].detach().clone() * 0.5
+    elif ev == "set_to_none":
+        opt.zero_grad(set_to_none=True)
+    elif ev == "load_state_dict":
+        opt.load_state_dict(opt.state_dict())
+    elif ev == "add_group":
+        opt.add_param_group({"params": [ps[3]]})
+    else:
+        return False
+    return True

@@ -8,7 +8,7 @@ import torch
 import poco_kernels as pk
 from poco_kernels._step_plan import StepPlan
 from helpers import FUSED_BACKENDS, Problem, mlp
-from plan_twins import make_twins, same_run
+from plan_twins import between_iterations, make_twins, same_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,18 +38,8 @@ def _events(t, m, opt, prob):
     ps = list(m.parameters())
     idx = t % 5
     ev = EVENTS.get(t)
-    if ev == "lr":
-        opt.param_groups[0]["lr"] = 0.03
-    elif ev in ("freeze", "unfreeze"):
-        ps[0].requires_grad_(ev == "unfreeze")
-    elif ev == "data":
-        ps[1].data = ps[1].detach().clone() * 0.5
-    elif ev == "set_to_none":
-        opt.zero_grad(set_to_none=True)
-    elif ev == "load_state_dict":
-        opt.load_state_dict(opt.state_dict())
-    elif ev == "add_group":
-        opt.add_param_group({"params": [ps[3]]})
+    if between_iterations(ev, opt, ps):
+        pass
     elif ev == "two_samples":                # the other protocol: the rows get 1/2
         for _ in range(2):
             with opt.sampled("inner"):
@@ -181,26 +171,26 @@ def test_a_torch_function_mode_sees_a_replayed_iterations_kernels(backend):
         opt.step(prob.closure(opt, m, t))
     plan = opt._step_plan
     assert isinstance(plan, StepPlan)
-    seen = []
-
     class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
+            self.calls.append(str(func))
             return func(*args, **(kwargs or {}))
-    with Seen():
+    mode = Seen()
+    with mode:
         opt.step(prob.closure(opt, m, 4))
+    seen = mode.calls
     assert opt._step_plan is plan
     ops = ("sample", "step", "check", "finish")     # (the packets, as the slow path's calls)
     assert {str(getattr(torch.ops.poco_kernels_cpp, n)) for n in ops} <= set(seen)
-    seen_slow = []
     opt.step_plans = False
-
-    class SeenSlow(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            seen_slow.append(str(func))
-            return func(*args, **(kwargs or {}))
-    with SeenSlow():
+    mode = Seen()
+    with mode:
         opt.step(prob.closure(opt, m, 5))
+    seen_slow = mode.calls
     ours = {s for s in seen if s.startswith("poco_kernels_cpp")}
     assert ours == {s for s in seen_slow if s.startswith("poco_kernels_cpp")}
 

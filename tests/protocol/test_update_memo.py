@@ -9,7 +9,7 @@ import poco_kernels as pk
 from poco_kernels import reference as R
 from poco_kernels.kernels.interface import StepHyper
 from helpers import FUSED_BACKENDS, Problem
-from plan_twins import make_twins, same_run
+from plan_twins import between_iterations, make_twins, same_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,16 +31,8 @@ def _iteration(t, m, opt, prob):
     idx = t % 5
     ev = EVENTS.get(t)
     g = opt.param_groups[0]
-    if ev == "lr":
-        g["lr"] = 0.03
-    elif ev in ("freeze", "unfreeze"):
-        ps[0].requires_grad_(ev == "unfreeze")
-    elif ev == "data":
-        ps[1].data = ps[1].detach().clone() * 0.5
-    elif ev == "set_to_none":
-        opt.zero_grad(set_to_none=True)
-    elif ev == "load_state_dict":
-        opt.load_state_dict(opt.state_dict())
+    if between_iterations(ev, opt, ps):
+        pass
     elif ev == "tensor_lr":                  # (a value that can change in place: no memo)
         g["lr"] = torch.tensor(0.02)
     elif ev == "float_lr":
@@ -52,8 +44,6 @@ def _iteration(t, m, opt, prob):
         g["outer_noise"] = "independent"
     elif ev == "check_finite":
         opt.check_finite = False
-    elif ev == "add_group":
-        opt.add_param_group({"params": [ps[3]]})
     outer_first = ev == "outer_first" and opt.correction_active()
     if outer_first:                         # (the two sums in each other's buffers)
         with opt.sampled("outer"):
