@@ -146,7 +146,7 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
             self._check_group(g, gi, new=True)
         #: key of the noise stream: the argument, or drawn from torch's global generator
         #: (so ``torch.manual_seed`` governs it, as it governs a model's initialisation)
-        self.seed = seed if seed is not None else draw_seed()
+        self._seed = seed if seed is not None else draw_seed()     # (the property seed)
         self._noise_version = _noise.STREAM_VERSION      # (the property noise_version)
         #: as requested ("auto", None): a copy resolves them again (__getstate__)
         self._requested = (backend, check_finite)
@@ -193,6 +193,24 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
         return self.rule.noisy
 
     # ------------------------------------------------------------------ noise
+    def _seed_get(self) -> int:
+        return self._seed
+
+    def _seed_set(self, seed: int) -> None:
+        check(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63,
+              f"seed must be an int in [0, 2**63), got {seed!r}")
+        seed = int(seed)
+        if seed == self._seed:
+            return
+        if self._active is not None:
+            raise RuntimeError("seed changed while a sample is in the parameters: call "
+                               "restore() first")
+        if any(self._pending.count.values()):   # their noise must be drawn again as sampled
+            raise RuntimeError("seed changed with gradients pending from sample()/"
+                               "accumulate(): call step() or refresh() first")
+        self._seed = seed
+        self._eps_cache.clear()
+
     @property
     def noise_version(self) -> int:
         """The noise stream definition this optimizer draws (:mod:`poco_kernels.noise`):
@@ -364,3 +382,14 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
     def flat_state(self, name: str) -> List[Tensor]:
         """The flat buffer ``name`` of every bucket (read-only use, for tests and tools)."""
         return [b.buffers[name] for b in self._buckets]
+
+
+# ``seed`` is a declared constructor option (its class attribute read when the class was
+# made) and, on an optimizer, the property that validates and guards a change:
+BucketedOptimizer.seed = property(  # type: ignore[assignment]
+    BucketedOptimizer._seed_get, BucketedOptimizer._seed_set, doc="""\
+    The key of the noise stream (the ``seed`` argument, or drawn from torch's global
+    generator when built).  Settable (an int in ``[0, 2**63)``), outside a sample and with no
+    gradients pending (their noise is drawn again by the step or refresh, under the seed they
+    were sampled with); a sample the step left in the parameters (``sample_ahead``) is drawn
+    again under the new seed before the next step uses it.""")

@@ -324,7 +324,7 @@ class StateDictMixin:
                 for k in [k for k in g if k != "params" and k not in sg]:
                     del g[k]
                 g.update(sg)
-            self._step, self._refreshes, self.seed = step, refreshes, seed
+            self._step, self._refreshes, self._seed = step, refreshes, seed
             self._noise_version = nv
             self._awaiting = set(awaiting)
             self._pending = pend

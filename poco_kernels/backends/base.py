@@ -58,11 +58,11 @@ class Backend(ABC):
 
     def _ahead_key(self):
         """What the inner sample of each bucket depends on besides the state and counters
-        (a changed ``ess``, ``weight_decay`` or noise version means the sample left by the
-        step is stale)."""
+        (a changed ``ess``, ``weight_decay``, noise version or seed means the sample left
+        by the step is stale)."""
         specs = {b.index: self.view.spec(b, 0, 0) for b in self.view.buckets}
-        version = self.view.noise_version
-        return {i: (float(s.ess), float(s.wd), version) for i, s in specs.items()}
+        version, seed = self.view.noise_version, self.view.seed
+        return {i: (float(s.ess), float(s.wd), version, seed) for i, s in specs.items()}
 
     def takes_ahead(self, kind: int, draw: int) -> bool:
         """The sample asked for is the one the step left in the parameters."""

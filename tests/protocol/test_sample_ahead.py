@@ -192,11 +192,19 @@ def test_layout_changes_between_steps(backend, event):
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+#: the settings a run may change between steps that its noise depends on: (the value the
+#: optimizers below are built with, another, values refused)
+NOISE_SETTINGS = {"noise_version": (2, 1, (0, 3, True, 2.0, "1")),
+                  "seed": (5, 77, (-1, 2 ** 63, True, 5.0, "5", None))}
+
+
 @pytest.mark.parametrize("backend", CPU)
-def test_a_new_noise_version_redraws_the_sample_left_ahead(backend):
-    """Setting ``noise_version`` mid-run (as after loading an old checkpoint): the sample the
-    step left in the parameters was drawn under the old version, so it is drawn again, and
-    the run equals the one without sample_ahead bit for bit."""
+@pytest.mark.parametrize("setting", NOISE_SETTINGS)
+def test_a_new_noise_setting_redraws_the_sample_left_ahead(backend, setting):
+    """Setting ``noise_version`` (as after loading an old checkpoint) or ``seed`` mid-run:
+    the sample the step left in the parameters was drawn under the old value, so it is
+    drawn again, and the run equals the one without sample_ahead bit for bit."""
+    _, new_value, _ = NOISE_SETTINGS[setting]
     runs = []
     for ahead in (False, True):
         prob = Problem()
@@ -205,7 +213,7 @@ def test_a_new_noise_version_redraws_the_sample_left_ahead(backend):
                       sample_ahead=ahead)
         for t in range(6):
             if t == 3:
-                opt.noise_version = 1
+                setattr(opt, setting, new_value)
             opt.step(prob.closure(opt, m, t % 3))
         opt.restore()
         runs.append(([p.detach().clone() for p in params_of(m)], _state(opt)))
@@ -215,26 +223,31 @@ def test_a_new_noise_version_redraws_the_sample_left_ahead(backend):
         assert all(torch.equal(a, b) for a, b in zip(s0[k], s1[k])), k
 
 
-def test_noise_version_is_validated_and_refused_inside_a_sample():
+@pytest.mark.parametrize("setting", NOISE_SETTINGS)
+def test_a_noise_setting_is_validated_and_refused_inside_a_sample(setting):
+    built, new_value, bad_values = NOISE_SETTINGS[setting]
     m = mlp()
     opt = pk.IVON(m.parameters(), lr=0.05, ess=200.0, seed=5, backend="torch")
-    for bad in (0, 3, True, 2.0, "1"):
-        with pytest.raises(ValueError, match="noise_version must be one of"):
-            opt.noise_version = bad
-        assert opt.noise_version == 2
+    for bad in bad_values:
+        with pytest.raises(ValueError, match=f"{setting} must be"):
+            setattr(opt, setting, bad)
+        assert getattr(opt, setting) == built
     with opt.sampled("inner"):
         with pytest.raises(RuntimeError, match="restore"):
-            opt.noise_version = 1
-        assert opt.noise_version == 2
+            setattr(opt, setting, new_value)
+        assert getattr(opt, setting) == built
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pending", ["inner", "refresh"])
-def test_noise_version_is_refused_with_gradients_pending_and_changes_nothing(backend, pending):
+@pytest.mark.parametrize("setting", NOISE_SETTINGS)
+def test_a_noise_setting_is_refused_with_gradients_pending_and_changes_nothing(backend, pending,
+                                                                              setting):
     """Between a sample's gradient and the step (or refresh) that uses it, the fused kernels
-    draw the sample's noise again: a new version there would pair the gradient with other
-    noise.  The change is refused, and the run equals that of a twin that never saw it;
-    setting the version it already has is a no-op."""
+    draw the sample's noise again: a new version or seed there would pair the gradient
+    with other noise.  The change is refused, and the run equals that of a twin that never
+    saw it; setting the value it already has is a no-op."""
+    built, new_value, _ = NOISE_SETTINGS[setting]
     runs = []
     for poke in (False, True):
         prob = Problem()
@@ -249,18 +262,18 @@ def test_noise_version_is_refused_with_gradients_pending_and_changes_nothing(bac
                     prob.loss(m, t % 3).backward()
             if poke and t == 2:
                 with pytest.raises(RuntimeError, match="gradients pending"):
-                    opt.noise_version = 1
-                assert opt.noise_version == 2
-                opt.noise_version = 2                   # unchanged: accepted
+                    setattr(opt, setting, new_value)
+                assert getattr(opt, setting) == built
+                setattr(opt, setting, built)            # unchanged: accepted
             if kinds == ["refresh"]:
                 opt.refresh()
             else:
                 opt.step()
         opt.restore()
         runs.append(([p.detach().clone() for p in params_of(m)], _state(opt),
-                      opt.state_dict()["poco"]["noise"]))
-    (p0, s0, v0), (p1, s1, v1) = runs
-    assert v0 == v1 == 2
+                      opt.state_dict()["poco"]["noise"], opt.state_dict()["poco"]["seed"]))
+    (p0, s0, v0, e0), (p1, s1, v1, e1) = runs
+    assert v0 == v1 == 2 and e0 == e1 == 5
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
     for k in s0:
         assert all(torch.equal(a, b) for a, b in zip(s0[k], s1[k])), k
