@@ -200,16 +200,21 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
         check(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63,
               f"seed must be an int in [0, 2**63), got {seed!r}")
         seed = int(seed)
-        if seed == self._seed:
-            return
+        if seed != self._seed:
+            self._noise_changes("seed")
+            self._seed = seed
+            self._eps_cache.clear()
+
+    def _noise_changes(self, name: str) -> None:
+        """A setting the noise depends on (``seed``, ``noise_version``) may change: not while
+        a sample is in the parameters, nor with gradients pending (the step or refresh draws
+        their noise again, under the value they were sampled with)."""
         if self._active is not None:
-            raise RuntimeError("seed changed while a sample is in the parameters: call "
+            raise RuntimeError(f"{name} changed while a sample is in the parameters: call "
                                "restore() first")
-        if any(self._pending.count.values()):   # their noise must be drawn again as sampled
-            raise RuntimeError("seed changed with gradients pending from sample()/"
+        if any(self._pending.count.values()):
+            raise RuntimeError(f"{name} changed with gradients pending from sample()/"
                                "accumulate(): call step() or refresh() first")
-        self._seed = seed
-        self._eps_cache.clear()
 
     @property
     def noise_version(self) -> int:
@@ -225,16 +230,10 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
     def noise_version(self, version: int) -> None:
         check(type(version) is int and version in _noise.STREAM_VERSIONS,
               f"noise_version must be one of {_noise.STREAM_VERSIONS}, got {version!r}")
-        if version == self._noise_version:
-            return
-        if self._active is not None:
-            raise RuntimeError("noise_version changed while a sample is in the parameters: "
-                               "call restore() first")
-        if any(self._pending.count.values()):   # their noise must be drawn again as sampled
-            raise RuntimeError("noise_version changed with gradients pending from "
-                               "sample()/accumulate(): call step() or refresh() first")
-        self._noise_version = version
-        self._eps_cache.clear()
+        if version != self._noise_version:
+            self._noise_changes("noise_version")
+            self._noise_version = version
+            self._eps_cache.clear()
 
     def _eps(self, b: Bucket, kind: int, draw: int, counter: int) -> Tensor:
         """The standard normal of (bucket, kind, draw, counter) (on a GPU drawn by the

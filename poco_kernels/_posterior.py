@@ -49,9 +49,10 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
     # ------------------------------------------------------------------ low-level API
     # torch.compile: the protocol's bookkeeping (``self._active``, the counters) runs
     # outside Dynamo (``outside_dynamo``, torch's ``_disable_dynamo`` where Dynamo is on:
-    # a graph break around sample, restore, step and refresh).  Dynamo does not write back attributes assigned on a
-    # torch.optim.Optimizer while it traces (it wraps the optimizer without tracking its
-    # mutations), so a traced sample() would leave no active sample behind it.
+    # a graph break around sample, restore, step and refresh).  Dynamo does not write
+    # back attributes assigned on a torch.optim.Optimizer while it traces (it wraps the
+    # optimizer without tracking its mutations), so a traced sample() would leave no
+    # active sample behind it.
     @outside_dynamo
     def sample(self, kind: str = "inner") -> None:
         """Write a posterior sample into the parameters.

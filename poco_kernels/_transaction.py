@@ -58,9 +58,8 @@ def outside_dynamo(fn: Callable) -> Callable:
     to ``fn`` while no Dynamo callback is set (eager code, nothing compiling or exporting,
     the default stance): there torch's wrapper would set the callback it finds, None,
     around the call (two ``set_eval_frame`` calls, about 0.5 us per public call; while
-    exporting, it also annotates the graph).  The wrapper's own frame
-    is one Dynamo skips (as it skips torch's); a torch without that switch gets torch's
-    wrapper alone."""
+    exporting, it also annotates the graph).  The wrapper's own frame is one Dynamo skips
+    (as it skips torch's); a torch without that switch gets torch's wrapper alone."""
     disabled = torch._disable_dynamo(fn)
     try:
         from torch._C._dynamo.eval_frame import (_FrameAction, _FrameExecStrategy,
@@ -69,7 +68,6 @@ def outside_dynamo(fn: Callable) -> Callable:
     except ImportError:                       # (private switches: absent, no shortcut)
         return disabled
     modules = sys.modules
-
     exporting = torch.compiler.is_exporting
 
     @functools.wraps(fn)
