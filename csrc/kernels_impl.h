@@ -191,8 +191,8 @@ void fold_ge_impl(const FoldArgs& a, int64_t t0, int64_t t1) {
 // unconditionally (a select on a flag would keep it from vectorising).
 struct StepTile {
   alignas(64) float eps[kTile];
-  // state_dtype=bfloat16: the tile's low-precision buffers widened (and the new
-  // momentum, rounded back after the pass)
+  // the tile's bfloat16 buffers (LowBits) widened (and the new momentum, rounded back
+  // after the pass)
   alignas(64) float s1[kTile];
   alignas(64) float g_out[kTile];
   alignas(64) float h_out[kTile];
@@ -229,22 +229,20 @@ struct StepPrefetch {
     pf_w((const PT*)a.param + i);
     pf_r(a.g_in + i);
     if (a.corr) pf_r(a.g_at_out + i);
-    if (a.low) {       // bfloat16 buffers (state_dtype)
-      pf_w((const uint16_t*)a.s1 + i);
-      if (a.corr) {
-        pf_r((const uint16_t*)a.g_out + i);
-        pf_r((const uint16_t*)a.h_out + i);
-        pf_r((const uint16_t*)a.sigma_out + i);
-        if (a.hess_corr_on) pf_r((const uint16_t*)a.m_out + i);
+    // each state buffer as it is stored: float32 or bfloat16 (LowBits)
+    auto pf_state = [&](const float* p, uint32_t bit, bool write) {
+      if (a.low & bit) {
+        if (write) pf_w((const uint16_t*)p + i); else pf_r((const uint16_t*)p + i);
+      } else {
+        if (write) pf_w(p + i); else pf_r(p + i);
       }
-    } else {
-      pf_w(a.s1 + i);
-      if (a.corr) {
-        pf_r(a.g_out + i);
-        pf_r(a.h_out + i);
-        pf_r(a.sigma_out + i);
-        if (a.hess_corr_on) pf_r(a.m_out + i);
-      }
+    };
+    pf_state(a.s1, kLowS1, true);
+    if (a.corr) {
+      pf_state(a.g_out, kLowGOut, false);
+      pf_state(a.h_out, kLowHOut, false);
+      pf_state(a.sigma_out, kLowSigmaOut, false);
+      if (a.hess_corr_on) pf_state(a.m_out, kLowMOut, false);
     }
   }
 };
@@ -288,26 +286,23 @@ void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
     step_prelude<PT>(a, key, i0, len, st);
     if (NEXT)      // the next step's inner sample: draw 0 of the inner stream, counter + 1
       noise_tile(st.eps_next, len, a.base + (uint64_t)i0, key, a.counter + 1u, a.stream_in, 1.0f);
-    if (LOW) {
-      load_bf16(st.s1, (const uint16_t*)a.s1 + i0, len);
-      if (CORR) {
-        load_bf16(st.g_out, (const uint16_t*)a.g_out + i0, len);
-        load_bf16(st.h_out, (const uint16_t*)a.h_out + i0, len);
-        load_bf16(st.sigma_out, (const uint16_t*)a.sigma_out + i0, len);
-        if (HC) load_bf16(st.m_out, (const uint16_t*)a.m_out + i0, len);
-      }
-    }
+    // a bfloat16 buffer (LowBits) is widened into the tile and read from there
+    auto widened = [&](float* tile, const float* buf, uint32_t bit, bool used) -> float* {
+      if (!LOW || !(a.low & bit)) return const_cast<float*>(buf) + i0;
+      if (used) load_bf16(tile, (const uint16_t*)buf + i0, len);
+      return tile;
+    };
     const float* __restrict eps_next = st.eps_next;
     float* __restrict mean = a.mean + i0;
     PT* __restrict param = (PT*)a.param + i0;
-    float* __restrict gm = LOW ? st.s1 : a.s1 + i0;
+    float* __restrict gm = widened(st.s1, a.s1, kLowS1, true);
     float* __restrict hh = a.s2 + i0;
     const float* __restrict g_in_p = a.g_in + i0;
     const float* __restrict g_at_out_p = a.g_at_out + i0;
-    const float* __restrict g_out = LOW ? st.g_out : a.g_out + i0;
-    const float* __restrict h_out = LOW ? st.h_out : a.h_out + i0;
-    const float* __restrict m_out = LOW ? st.m_out : a.m_out + i0;
-    const float* __restrict sigma_out = LOW ? st.sigma_out : a.sigma_out + i0;
+    const float* __restrict g_out = widened(st.g_out, a.g_out, kLowGOut, CORR);
+    const float* __restrict h_out = widened(st.h_out, a.h_out, kLowHOut, CORR);
+    const float* __restrict m_out = widened(st.m_out, a.m_out, kLowMOut, CORR && HC);
+    const float* __restrict sigma_out = widened(st.sigma_out, a.sigma_out, kLowSigmaOut, CORR);
     const float* __restrict ge_in_t = st.ge_in;
     const float* __restrict ge_at_out_t = st.ge_at_out;
 #pragma omp simd
@@ -346,7 +341,7 @@ void step_ivon(const StepArgs& a, int64_t t0, int64_t t1) {
         param[j] = from_f32<PT>(m_new);
       }
     }
-    if (LOW)
+    if (LOW && (a.low & kLowS1))
       store_sr((uint16_t*)a.s1 + i0, st.s1, len, a.base + (uint64_t)i0, a.seed, a.counter, a.stream_in >> 16,
                kTagMomentum);
   }
@@ -450,11 +445,14 @@ void step_pt(const StepArgs& a, int64_t t0, int64_t t1) {
 // IVON family: the mega-batch gradient and its Price Hessian folded into the outer
 // estimates with outer momentum (the first refresh takes them as they are), snapshot of
 // the outer posterior.  Reference: ivon_sigma, price_hessian, outer_fold.
+// the LowBits of g_out, h_out, m_out, sigma_out (in that order)
+constexpr uint32_t kOutBits[4] = {kLowGOut, kLowHOut, kLowMOut, kLowSigmaOut};
+
 template <bool GE, bool LOW>
 void refresh_ivon(const RefreshArgs& a, int64_t t0, int64_t t1) {
   const PhiloxKey key(a.noise.seed, a.noise.version);
   alignas(64) float eps[kTile];
-  // state_dtype=bfloat16: the outer buffers of the tile in float32, rounded back after
+  // the bfloat16 outer buffers of the tile in float32, rounded back after the pass
   alignas(64) float low[4][LOW ? kTile : 1];
   const float ess = a.ess, wd = a.wd, scale = a.scale;
   const float rho1 = a.rho1, one_m_rho1 = a.one_m_rho1, rho2 = a.rho2, one_m_rho2 = a.one_m_rho2;
@@ -467,32 +465,31 @@ void refresh_ivon(const RefreshArgs& a, int64_t t0, int64_t t1) {
         pf_r(a.mean + i);
         pf_r(a.h + i);
         pf_r(a.acc_g + i);
-        if (LOW) {
-          pf_w((const uint16_t*)a.g_out + i);
-          pf_w((const uint16_t*)a.h_out + i);
-          pf_w((const uint16_t*)a.m_out + i);
-          pf_w((const uint16_t*)a.sigma_out + i);
-        } else {
-          pf_w(a.g_out + i);
-          pf_w(a.h_out + i);
-          pf_w(a.m_out + i);
-          pf_w(a.sigma_out + i);
+        const float* const outs[4] = {a.g_out, a.h_out, a.m_out, a.sigma_out};
+        for (int k = 0; k < 4; ++k) {
+          if (LOW && (a.low & kOutBits[k])) pf_w((const uint16_t*)outs[k] + i);
+          else pf_w(outs[k] + i);
         }
       };
       noise_tile(eps, len, a.noise.base + (uint64_t)i0, key, a.noise.counter, a.noise.stream, 1.0f, prefetch);
     }
-    if (LOW) {
-      load_bf16(low[0], (const uint16_t*)a.g_out + i0, len);
-      load_bf16(low[1], (const uint16_t*)a.h_out + i0, len);
+    // a bfloat16 buffer (LowBits) is computed in the tile (the estimates widened into it
+    // first: the outer momentum reads them) and rounded back after the pass
+    float* const outs[4] = {a.g_out, a.h_out, a.m_out, a.sigma_out};
+    float* tiles[4];
+    for (int k = 0; k < 4; ++k) {
+      const bool lo = LOW && (a.low & kOutBits[k]);
+      if (lo && k < 2) load_bf16(low[k], (const uint16_t*)outs[k] + i0, len);
+      tiles[k] = lo ? low[k] : outs[k] + i0;
     }
     const float* __restrict mean = a.mean + i0;
     const float* __restrict hh = a.h + i0;
     const float* __restrict acc_g = a.acc_g + i0;
     const float* __restrict acc_ge = a.acc_ge + i0;
-    float* __restrict g_out = LOW ? low[0] : a.g_out + i0;
-    float* __restrict h_out = LOW ? low[1] : a.h_out + i0;
-    float* __restrict m_out = LOW ? low[2] : a.m_out + i0;
-    float* __restrict sigma_out = LOW ? low[3] : a.sigma_out + i0;
+    float* __restrict g_out = tiles[0];
+    float* __restrict h_out = tiles[1];
+    float* __restrict m_out = tiles[2];
+    float* __restrict sigma_out = tiles[3];
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) {
       const float gM = acc_g[j] * scale;
@@ -508,11 +505,11 @@ void refresh_ivon(const RefreshArgs& a, int64_t t0, int64_t t1) {
     }
     if (LOW) {
       const uint32_t bucket = a.noise.stream >> 16;
-      float* const outs[4] = {a.g_out, a.h_out, a.m_out, a.sigma_out};
       const uint32_t tags[4] = {kTagGOut, kTagHOut, kTagMOut, kTagSigmaOut};
       for (int k = 0; k < 4; ++k)
-        store_sr((uint16_t*)outs[k] + i0, low[k], len, a.noise.base + (uint64_t)i0, a.noise.seed, a.noise.counter, bucket,
-                 tags[k]);
+        if (a.low & kOutBits[k])
+          store_sr((uint16_t*)outs[k] + i0, low[k], len, a.noise.base + (uint64_t)i0,
+                   a.noise.seed, a.noise.counter, bucket, tags[k]);
     }
   }
 }

@@ -120,21 +120,17 @@ float* state_ptr(const c10::optional<at::Tensor>& t, int64_t n, const char* name
   return state_ptr(*t, n, name);
 }
 
-// A state buffer that state_dtype may keep in bfloat16: its pointer (as float*: the
-// kernels read it as uint16 when `low`).  `low` is -1 until the first such buffer fixes
-// it; the others must agree.
+// A state buffer that state_dtype (or outer_dtype) may keep in bfloat16: its pointer (as
+// float*: the kernels read it as uint16 when its bit is set in `low`).
 float* low_state_ptr(const c10::optional<at::Tensor>& t, int64_t n, const char* name,
-                     bool needed, int& low) {
+                     bool needed, uint32_t& low, uint32_t bit) {
   if (!needed) return nullptr;
   TORCH_CHECK(t.has_value(), "poco_kernels_cpp: '", name, "' is required on this code path");
   check_cpu_contiguous(*t, n, name);
   const auto st = t->scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16, "poco_kernels_cpp: '", name,
               "' must be float32 or bfloat16 (optimizer state), got ", st);
-  const int is_low = st == at::kBFloat16 ? 1 : 0;
-  TORCH_CHECK(low < 0 || low == is_low, "poco_kernels_cpp: '", name, "' is ", st,
-              ": the low-precision state buffers (state_dtype) must share one dtype");
-  low = is_low;
+  if (st == at::kBFloat16) low |= bit;
   return static_cast<float*>(t->data_ptr());
 }
 int pdtype_of(const at::Tensor& t, int64_t n, const char* name) {
@@ -270,12 +266,15 @@ void sample_op(const at::Tensor& param, const at::Tensor& centre, const at::Tens
   a.pdtype = pdtype_of(param, n, "param");
   a.param = param.data_ptr();
   TORCH_CHECK(!sync || a.pdtype == kF32, "poco_kernels_cpp: sync needs float32 parameters");
-  int low = -1;
-  a.centre = sync ? nullptr : low_state_ptr(centre, n, "centre", true, low);
+  uint32_t low = 0;
+  a.centre = sync ? nullptr : low_state_ptr(centre, n, "centre", true, low, 1u);
   a.mean = state_ptr(mean, n, "mean");
   a.h = state_ptr(h, n, "h", sigma_mode == kSigmaIvon);
-  a.sigma = low_state_ptr(sigma, n, "sigma", sigma_mode == kSigmaBuffer, low);
-  a.low = low == 1;
+  a.sigma = low_state_ptr(sigma, n, "sigma", sigma_mode == kSigmaBuffer, low, 2u);
+  TORCH_CHECK(low == 0 || low == (sigma_mode == kSigmaBuffer ? 3u : 1u), "poco_kernels_cpp::"
+              "sample: centre and sigma must share one dtype (the outer sample's m_out and "
+              "sigma_out)");
+  a.low = low != 0;
   TORCH_CHECK(!a.low || sigma_mode == kSigmaBuffer, "poco_kernels_cpp::sample: a bfloat16 "
               "centre needs a bfloat16 sigma buffer (the outer sample)");
   const int64_t* c = ctl_ptr(ctl);
@@ -410,14 +409,12 @@ void step_op(const at::Tensor& mean, const at::Tensor& param,
   a.ge_in = state_ptr(ge_in, n, "ge_in", ivon && a.ge_in_sum);
   a.g_at_out = state_ptr(g_at_out, n, "g_at_out", a.corr);
   a.ge_at_out = state_ptr(ge_at_out, n, "ge_at_out", ivon && a.corr && a.ge_at_out_sum);
-  if (ivon) {          // momentum and outer buffers: float32, or all bfloat16 (state_dtype)
-    int low = -1;
-    a.s1 = low_state_ptr(s1, n, "s1", true, low);
-    a.g_out = low_state_ptr(g_out, n, "g_out", a.corr, low);
-    a.h_out = low_state_ptr(h_out, n, "h_out", a.corr, low);
-    a.m_out = low_state_ptr(m_out, n, "m_out", a.corr && a.hess_corr_on, low);
-    a.sigma_out = low_state_ptr(sigma_out, n, "sigma_out", a.corr, low);
-    a.low = low == 1;
+  if (ivon) {          // momentum and outer buffers: each float32 or bfloat16 (LowBits)
+    a.s1 = low_state_ptr(s1, n, "s1", true, a.low, kLowS1);
+    a.g_out = low_state_ptr(g_out, n, "g_out", a.corr, a.low, kLowGOut);
+    a.h_out = low_state_ptr(h_out, n, "h_out", a.corr, a.low, kLowHOut);
+    a.m_out = low_state_ptr(m_out, n, "m_out", a.corr && a.hess_corr_on, a.low, kLowMOut);
+    a.sigma_out = low_state_ptr(sigma_out, n, "sigma_out", a.corr, a.low, kLowSigmaOut);
   } else {
     a.s1 = state_ptr(s1, n, "s1", !sgd || a.momentum_on);
     a.g_out = state_ptr(g_out, n, "g_out", a.corr);
@@ -507,13 +504,11 @@ void refresh_op(const at::Tensor& mean, const c10::optional<at::Tensor>& h,
   a.h = state_ptr(h, n, "h", ivon);
   a.acc_g = state_ptr(acc_g, n, "acc_g");
   a.acc_ge = state_ptr(acc_ge, n, "acc_ge", ivon && f.ge);
-  if (ivon) {          // float32, or all bfloat16 (state_dtype)
-    int low = -1;
-    a.g_out = low_state_ptr(g_out, n, "g_out", true, low);
-    a.h_out = low_state_ptr(h_out, n, "h_out", true, low);
-    a.m_out = low_state_ptr(m_out, n, "m_out", true, low);
-    a.sigma_out = low_state_ptr(sigma_out, n, "sigma_out", true, low);
-    a.low = low == 1;
+  if (ivon) {          // each float32 or bfloat16 (LowBits)
+    a.g_out = low_state_ptr(g_out, n, "g_out", true, a.low, kLowGOut);
+    a.h_out = low_state_ptr(h_out, n, "h_out", true, a.low, kLowHOut);
+    a.m_out = low_state_ptr(m_out, n, "m_out", true, a.low, kLowMOut);
+    a.sigma_out = low_state_ptr(sigma_out, n, "sigma_out", true, a.low, kLowSigmaOut);
   } else {
     a.g_out = state_ptr(g_out, n, "g_out");
     a.m_out = state_ptr(m_out, n, "m_out");

@@ -74,6 +74,13 @@ struct Noise {
   uint64_t base;
 };
 
+// Which of the IVON family's state buffers are bfloat16 (StepArgs::low, RefreshArgs::low;
+// 0: all float32): state_dtype makes the momentum and the four outer buffers bfloat16,
+// outer_dtype the outer estimates g_out and h_out.
+enum LowBits : uint32_t {
+  kLowS1 = 1u, kLowGOut = 2u, kLowHOut = 4u, kLowMOut = 8u, kLowSigmaOut = 16u
+};
+
 struct SampleArgs {
   void* param;                // written: theta in the parameter dtype
   int pdtype;
@@ -126,7 +133,7 @@ struct StepArgs {
   int family;
   bool corr, ge_in_sum, ge_at_out_sum, shared_noise, hess_corr_on;
   bool next_sample;           // IVON: write the next inner sample (counter + 1), not the mean
-  bool low;                   // IVON: s1, g_out, h_out, m_out, sigma_out are bfloat16
+  uint32_t low;               // IVON: LowBits of the bfloat16 buffers (s1 and the outer ones)
   bool momentum_on, nesterov, mom_first;
   // float32 constants (computed in double on the host)
   float alpha;                // alpha once a refresh has been taken, else 0
@@ -154,7 +161,7 @@ struct RefreshArgs {
   float scale;                // 1/count * 1/grad_scale
   int family;
   bool ge, noisy, first;
-  bool low;                   // IVON: g_out, h_out, m_out, sigma_out are bfloat16
+  uint32_t low;               // IVON: LowBits of the bfloat16 outer buffers
   float ess, wd, rho1, one_m_rho1, rho2, one_m_rho2, sigma_const;
 };
 

@@ -126,13 +126,22 @@ class ParamGroupsMixin:
         raise NotImplementedError
 
     def _initial_buffers(self, b: Bucket, group: Dict[str, Any]) -> Dict[str, Tensor]:
-        """The rule's initial buffers, its ``low_state_buffers`` in ``state_dtype``."""
+        """The rule's initial buffers, its ``low_state_buffers`` in ``state_dtype`` and
+        its ``outer_estimate_buffers`` in ``outer_dtype``."""
         bufs = self.rule.init_buffers(b, group)
-        if self.state_dtype is not None:
-            for name in self.rule.low_state_buffers:
-                if name in bufs:
-                    bufs[name] = bufs[name].to(self.state_dtype)
+        for name, dtype in self._stored_dtypes().items():
+            if name in bufs:
+                bufs[name] = bufs[name].to(dtype)
         return bufs
+
+    def _stored_dtypes(self) -> Dict[str, torch.dtype]:
+        """The buffers stored in another dtype than the state's, and that dtype."""
+        out = {}
+        if self.state_dtype is not None:
+            out.update(dict.fromkeys(self.rule.low_state_buffers, self.state_dtype))
+        if self.outer_dtype is not None:
+            out.update(dict.fromkeys(self.rule.outer_estimate_buffers, self.outer_dtype))
+        return out
 
     def _check_group(self, group: Dict[str, Any], gi: int, new: bool = False) -> None:
         """Validate group ``gi``'s hyperparameters (``new``: also refuse a key that looks

@@ -28,7 +28,7 @@ from ._arguments import DeclaredArguments, argument, option
 from ._groups import ParamGroupsMixin, _maybe_nonzero, draw_seed
 from ._state_dict import StateDictMixin
 from ._transaction import outside_dynamo
-from ._validation import check, hyperparameters, strict_keywords
+from ._validation import check, hyperparameters, stored_dtypes, strict_keywords
 from ._view import OptimizerView
 from .rules import Rule
 
@@ -111,7 +111,8 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
     def _initialise(self, params, defaults: Dict[str, Any], *, seed: Optional[int] = None,
                     backend: str = "auto", check_finite: Optional[bool] = None,
                     grad_views: Optional[bool] = None, sample_ahead: bool = False,
-                    state_dtype: Optional[torch.dtype] = None):
+                    state_dtype: Optional[torch.dtype] = None,
+                    outer_dtype: Optional[torch.dtype] = None):
         """The constructor every generated ``__init__`` calls: ``defaults`` are the
         per-group hyperparameters, the keywords the options."""
         check(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)
@@ -132,15 +133,9 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
               f"sample_ahead must be a bool, got {sample_ahead!r}")
         #: the step leaves the next step's inner sample in the parameters (IVON family)
         self.sample_ahead = sample_ahead
-        if state_dtype == torch.float32:
-            state_dtype = None
-        check(state_dtype is None or state_dtype == torch.bfloat16,
-              f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype!r}")
-        check(state_dtype is None or self.rule.low_state_buffers,
-              f"{type(self).__name__} has no state that state_dtype={state_dtype} applies to "
-              "(it is for the IVON family's momentum and outer buffers)")
-        #: dtype of the rule's ``low_state_buffers`` (None: the state dtype)
-        self.state_dtype = state_dtype
+        #: dtype of the rule's ``low_state_buffers`` and of its ``outer_estimate_buffers``
+        #: (None: float32 state; the outer estimates follow ``state_dtype``)
+        self.state_dtype, self.outer_dtype = stored_dtypes(self, state_dtype, outer_dtype)
         super().__init__(params, self._group_type(defaults))
         for gi, g in enumerate(self._groups):
             self._check_group(g, gi, new=True)

@@ -27,7 +27,8 @@ class StateDictMixin:
     # ------------------------------------------------------------------ copy and pickle
     #: the attributes that __setstate__ rebuilds (the other public ones are copied)
     _REBUILT = frozenset({"defaults", "state", "param_groups", "seed", "backend", "check_finite",
-                          "grad_views", "sample_ahead", "state_dtype", "noise_version"})
+                          "grad_views", "sample_ahead", "state_dtype", "outer_dtype",
+                          "noise_version"})
 
     def __getstate__(self) -> Dict[str, Any]:
         """``copy.deepcopy`` and pickle: the parameter groups (with the parameters), the
@@ -57,7 +58,7 @@ class StateDictMixin:
         return {"poco_copy": 1, "param_groups": self.param_groups, "defaults": self.defaults,
                 "seed": self.seed, "backend": backend, "check_finite": check_finite,
                 "grad_views": grad_views, "sample_ahead": self.sample_ahead,
-                "state_dtype": self.state_dtype,
+                "state_dtype": self.state_dtype, "outer_dtype": self.outer_dtype,
                 "ahead": not self._runner.params_hold_mean, "state_dict": sd, "skipped": self._read_counters()[2],
                 "attributes": {k: v for k, v in self.__dict__.items()
                                if not k.startswith("_") and k not in self._REBUILT}}
@@ -75,7 +76,8 @@ class StateDictMixin:
                          backend=state["backend"], check_finite=state["check_finite"],
                          grad_views=state.get("grad_views", True),
                          sample_ahead=state.get("sample_ahead", False),
-                         state_dtype=state.get("state_dtype"))
+                         state_dtype=state.get("state_dtype"),
+                         outer_dtype=state.get("outer_dtype"))
         self._plan_load(state["state_dict"])()
         with torch.no_grad():                   # the parameters as they were (the truth)
             for p, v in zip((p for g in self.param_groups for p in g["params"]), values):

@@ -152,3 +152,25 @@ def hyperparameters(group, keep_tensors: bool = False):
             if isinstance(v, torch.Tensor):
                 out[k] = float(v.detach().reshape(()))
     return out
+
+
+def stored_dtypes(opt, state_dtype, outer_dtype):
+    """``(state_dtype, outer_dtype)`` of ``opt`` as it keeps them (float32 is None), or a
+    clear error: only bfloat16 is another dtype, and only for buffers its rule has."""
+    name = type(opt).__name__
+    if state_dtype == torch.float32:
+        state_dtype = None
+    check(state_dtype is None or state_dtype == torch.bfloat16,
+          f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype!r}")
+    check(state_dtype is None or opt.rule.low_state_buffers,
+          f"{name} has no state that state_dtype={state_dtype} applies to (it is for the "
+          "IVON family's momentum and outer buffers)")
+    if outer_dtype == torch.float32 and state_dtype is None:
+        outer_dtype = None
+    check(outer_dtype is None or outer_dtype == torch.bfloat16,
+          "outer_dtype must be None or torch.bfloat16 (torch.float32 only with float32 "
+          f"state: the outer estimates follow state_dtype), got {outer_dtype!r}")
+    check(outer_dtype is None or opt.rule.outer_estimate_buffers,
+          f"{name} has no outer estimates that outer_dtype={outer_dtype} applies to (it is "
+          "for IVON-PoCo(Mo)'s g_out and h_out)")
+    return state_dtype, outer_dtype

@@ -164,6 +164,12 @@ class IVONPoCo(IVON):
         draw the refresh samples as mirrored pairs (needs an even ``refresh_samples``).""")
     hess_floor: Optional[float] = hyperparameter(default=None, doc="""\
         ``None`` (no floor) or ``c >= 0``, above.""")
+    outer_dtype: Optional[torch.dtype] = option(default=None, doc="""\
+        ``None`` (as ``state_dtype``) or ``torch.bfloat16``: the outer estimates
+        ``g_out`` and ``h_out`` are kept in bfloat16 with stochastic rounding while the
+        rest of the state keeps ``state_dtype``; with float32 state that is 28 bytes of
+        state per parameter instead of 32.  See docs/design.md,
+        'Low-precision state'.""")
 
     @classmethod
     def _continuation_keywords(cls) -> Tuple[str, ...]:

@@ -58,6 +58,7 @@ class OptimizerInfo:
     momentum_key: Optional[str]     #: the hyperparameter CyclicLR / OneCycleLR cycle
     sample_ahead: bool = False  #: takes ``sample_ahead``
     state_dtype: bool = False   #: takes ``state_dtype`` (bfloat16 state)
+    outer_dtype: bool = False   #: takes ``outer_dtype`` (bfloat16 outer estimates)
 
     @property
     def cls(self):
@@ -73,7 +74,7 @@ OPTIMIZERS: Dict[str, OptimizerInfo] = {i.name: i for i in [
     OptimizerInfo("IVON", fused=True, has_refresh=False, noisy=True, grad_closure=True,
                   momentum_key="beta1", sample_ahead=True, state_dtype=True),
     OptimizerInfo("IVONPoCo", fused=True, has_refresh=True, noisy=True, grad_closure=True,
-                  momentum_key="beta1", sample_ahead=True, state_dtype=True),
+                  momentum_key="beta1", sample_ahead=True, state_dtype=True, outer_dtype=True),
     OptimizerInfo("SVRG", fused=True, has_refresh=True, noisy=False, grad_closure=True,
                   momentum_key="momentum"),
     OptimizerInfo("SVRGAdamW", fused=True, has_refresh=True, noisy=False, grad_closure=True,

@@ -13,14 +13,16 @@ from __future__ import annotations
 S = 4
 
 
-def b_step_poco(P, L=S):
+def b_step_poco(P, L=S, E=None):
     """step kernel, FAMILY_IVON, CORR, HESS_CORR (hess_corr_scale 0.01 != 0), shared noise,
     one draw (GE_IN = GE_AT_OUT = False: eps regenerated, not read), no AMP:
-    reads  mean, g_in sum, g_at_out sum, h (s2) (4 x S) and g_out, momentum (s1), sigma_out,
-           h_out, m_out (5 x L; the parameters are NOT read),
+    reads  mean, g_in sum, g_at_out sum, h (s2) (4 x S), momentum (s1), sigma_out, m_out
+           (3 x L) and g_out, h_out (2 x E; the parameters are NOT read),
     writes momentum (L), h, mean (2 x S) and the parameters (P).
-    L: bytes of the low-precision state (S; 2 with state_dtype=bfloat16)."""
-    return 4 * S + 5 * L + L + 2 * S + P
+    L: bytes of the low-precision state (S; 2 with state_dtype=bfloat16); E: of the outer
+    estimates (L; 2 with outer_dtype=bfloat16)."""
+    E = L if E is None else E
+    return 4 * S + 3 * L + 2 * E + L + 2 * S + P
 
 
 def b_step_ivon(P, L=S):
@@ -161,7 +163,8 @@ def b_iteration(name, provider, P=S, views_default=False, direct=True):
     (float32 parameters hold the mean: sync) + step; IVON-PoCoMo: inner sample + outer
     sample + step with the correction.  ``sample_ahead`` in ``provider``: no inner
     sample (the step wrote it; its parameter write is the step's); ``bf16_state``:
-    state_dtype=bfloat16 (momentum and outer buffers 2 bytes).  Nothing to zero without
+    state_dtype=bfloat16 (momentum and outer buffers 2 bytes); ``bf16_outer``:
+    outer_dtype=bfloat16 (g_out and h_out 2 bytes).  Nothing to zero without
     views; the in-place add the views cost autograd is the closure's, not counted here."""
     if name == "AdamW":
         return b_adamw(P)
@@ -178,7 +181,8 @@ def b_iteration(name, provider, P=S, views_default=False, direct=True):
         total += b_sample_inner(P, P == S)
     if name == "IVON":
         return total + b_step_ivon(P, L)
-    return total + b_sample_outer(P, L) + b_step_poco(P, L)
+    E = 2 if "bf16_outer" in provider else L
+    return total + b_sample_outer(P, L) + b_step_poco(P, L, E)
 
 
 BYTE_MODELS = (b_step_poco, b_step_ivon, b_sample_inner, b_sample_outer, b_accumulate,

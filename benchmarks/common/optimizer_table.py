@@ -6,7 +6,8 @@ GPU).
 Rows: fused and foreach AdamW (``closure(); step()``), ivon-opt's IVON (a closure inside
 ``sampled_params(train=True)``, then ``step()``), and this package's IVON and IVON-PoCoMo
 (``step(closure)``; IVON-PoCoMo with the correction active), each of ours also with
-``sample_ahead=True``, with bfloat16 state, and with the ``grad_views`` setting that is
+``sample_ahead=True``, with bfloat16 state (IVON-PoCoMo also with bfloat16 outer
+estimates alone, ``outer_dtype``), and with the ``grad_views`` setting that is
 not the device's default (``is_default``: views the backward adds into on Triton;
 autograd's own ``.grad`` tensors, copied in, on C++).  The closure is what
 training does to the gradients: zero them (the optimizer's ``zero_grad()``), the
@@ -47,8 +48,8 @@ from benchmarks.common.report import log
 #: the rows, in the table's order
 KINDS = ("adamw_fused", "adamw_foreach", "ivon_opt", "ivon", "ivon_sample_ahead",
          "ivon_bf16_state", "ivon_grad_views", "ivon_no_grad_views", "ivon_pocomo",
-         "ivon_pocomo_sample_ahead", "ivon_pocomo_bf16_state", "ivon_pocomo_grad_views",
-         "ivon_pocomo_no_grad_views")
+         "ivon_pocomo_sample_ahead", "ivon_pocomo_bf16_state", "ivon_pocomo_bf16_outer",
+         "ivon_pocomo_grad_views", "ivon_pocomo_no_grad_views")
 
 
 def views_default(dev) -> bool:
@@ -206,6 +207,8 @@ def _make(kind, dev, shapes, cs, g, ivon_mod, clock, options=None):
         kw["grad_views"] = not kind.endswith("no_grad_views")
     kw.update(options or {})
     poco = kind.startswith("ivon_pocomo")
+    if kind.endswith("bf16_outer"):
+        kw["outer_dtype"] = torch.bfloat16
     opt = pk.IVONPoCoMo(ps, alpha=0.7, **kw) if poco else pk.IVON(ps, **kw)
     if poco:
         opt.refresh([zero_backward])

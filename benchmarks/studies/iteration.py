@@ -7,8 +7,9 @@ closure ``zero_grad(); loss = sum(p * c); loss.backward()`` (a linear loss: its 
 writes one gradient tensor per parameter, as any model's does).  Rows, for fused and
 foreach AdamW (``closure(); step()``), IVON and IVON-PoCoMo (``step(closure)``; IVON-PoCoMo
 with the correction active, its refresh timed apart), each also with ``sample_ahead=True``
-and with ``sample_ahead=True, state_dtype=torch.bfloat16``; and IVON and IVON-PoCoMo
-drawing noise stream version 1 (one Philox call per normal, the stream before version 2):
+and with ``sample_ahead=True, state_dtype=torch.bfloat16``; IVON-PoCoMo with
+``outer_dtype=torch.bfloat16``; and IVON and IVON-PoCoMo drawing noise stream version 1
+(one Philox call per normal, the stream before version 2):
 
 * ``iter_cycle``: the whole iteration, closure calls included;
 * ``iter_closure``: the closure calls inside those iterations (timed each time, summed);
@@ -110,6 +111,9 @@ def candidates(backend):
         ("IVONPoCoMo", f"poco_kernels.{backend}(sample_ahead,bf16_state)",
          lambda ps: pk.IVONPoCoMo(ps, lr=1e-3, ess=1.0, backend=backend, sample_ahead=True,
                                   state_dtype=torch.bfloat16), "ours"),
+        ("IVONPoCoMo", f"poco_kernels.{backend}(bf16_outer)",
+         lambda ps: pk.IVONPoCoMo(ps, lr=1e-3, ess=1.0, backend=backend,
+                                  outer_dtype=torch.bfloat16), "ours"),
     ]
 
 

@@ -97,6 +97,7 @@ class RunConfig:
     refresh_samples: int = 1
     refresh_antithetic: bool = False
     state_dtype: str = "float32"             # IVON family: "bfloat16" (momentum, outer buffers)
+    outer_dtype: Optional[str] = None        # IVON-PoCoMo: "bfloat16" (g_out, h_out); None: state's
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 10
@@ -185,6 +186,11 @@ def validate_config(cfg: RunConfig) -> None:
     need(cfg.recipe != "continual" or cfg.init_from or cfg.resume,
          "the continual recipe starts from a pretrained model: pass --init-from CKPT")
     need(cfg.stop_after is None or cfg.stop_after >= 1, "stop_after must be >= 1")
+    need(cfg.outer_dtype is None or cfg.optimizer == "ivon-pocomo",
+         f"--outer-dtype is IVON-PoCoMo's (its outer estimates), not {cfg.optimizer}'s")
+    need(not (cfg.outer_dtype == "float32" and cfg.state_dtype == "bfloat16"),
+         "--outer-dtype float32 with --state-dtype bfloat16: the outer estimates follow the "
+         "state dtype (--outer-dtype bfloat16 with float32 state keeps them alone in bfloat16)")
     parse_alpha(cfg.alpha)
 
 
@@ -257,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dtype", default=None, choices=("float32", "bfloat16"),
                    help="IVON family: bfloat16 momentum and outer buffers (stochastic "
                    "rounding)")
+    p.add_argument("--outer-dtype", default=None, choices=("float32", "bfloat16"),
+                   help="IVON-PoCoMo: the outer estimates g_out and h_out in bfloat16 "
+                   "(stochastic rounding), the rest in the state dtype (default: as it)")
     p.add_argument("--out-dir", default=None, help="default pretrain_out/<optimizer>")
     p.add_argument("--resume", action="store_true", help="continue from <out-dir>/ckpt.pt")
     p.add_argument("--init-from", default=None, help="continual pretraining: a checkpoint "

@@ -146,7 +146,9 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module, dev: torch.device, fs
     return pk.IVONPoCo(groups, **ivon, alpha=parse_alpha(cfg.alpha)[0], rho1=cfg.rho1,
                        rho2=cfg.rho2, hess_corr_scale=cfg.hess_corr_scale,
                        outer_noise=cfg.outer_noise, refresh_samples=cfg.refresh_samples,
-                       refresh_antithetic=cfg.refresh_antithetic, **common)
+                       refresh_antithetic=cfg.refresh_antithetic,
+                       outer_dtype=cfg.outer_dtype and getattr(torch, cfg.outer_dtype),
+                       **common)
 
 
 def init_optimizer_from(opt, cfg: RunConfig, ckpt: Dict[str, Any],

@@ -21,8 +21,7 @@ passed as :func:`to_spec` data: ``--specs FILE``) and fails on any spill there t
 
 Run ``python -m poco_kernels.kernels.aot`` for the table (made by
 :mod:`~poco_kernels.kernels.aot_report`; ``--json`` for machine-readable rows, ``--cc 80
---cc 90`` to choose targets); ``tests/kernels/test_triton_aot.py`` fails on any compile error or
-spill.
+--cc 90`` to choose targets); the test fails on any compile error or spill.
 
 Under ``TRITON_INTERPRET=1`` (the test suite) ``triton.jit`` makes interpreter wrappers
 that ``triton.compile`` cannot take, so :func:`~poco_kernels.kernels.aot_report.report`
@@ -133,8 +132,7 @@ _STEP_OFF = dict(FAMILY=0, CORR=False, GE_IN=False, GE_AT_OUT=False, SHARED_NOIS
                  NESTEROV=False, HAS_FOUND_INF=True, HAS_SCALE=True)
 
 
-#: the pointers that state_dtype=bfloat16 makes bfloat16 (the outer sample's centre and
-#: sigma are m_out and sigma_out)
+#: the pointers state_dtype=bfloat16 makes bfloat16 (the outer sample's centre, sigma)
 _LOW_STATE = {"s1_ptr": "*bf16", "g_out_ptr": "*bf16", "h_out_ptr": "*bf16",
               "m_out_ptr": "*bf16", "sigma_out_ptr": "*bf16"}
 
@@ -176,9 +174,11 @@ def variants() -> List[Variant]:
     add("step[ivon,full,bf16]", tk.step_kernel, "bf16", **ivon_full)
     # sample_ahead: the next sample's noise and sigma on top of the heaviest path
     add("step[ivon,full,next,fp32]", tk.step_kernel, "fp32", **dict(ivon_full, NEXT_SAMPLE=True))
-    # state_dtype=bfloat16: momentum and outer buffers bfloat16, stochastic rounding
+    # state_dtype=bfloat16: momentum, outer buffers bfloat16 (outer_dtype: g_out, h_out)
     add("step[ivon,full,next,lowstate,fp32]", tk.step_kernel, "fp32", types=_LOW_STATE,
         **dict(ivon_full, NEXT_SAMPLE=True))
+    add("step[ivon,full,next,lowouter,fp32]", tk.step_kernel, "fp32", types=dict(
+        g_out_ptr="*bf16", h_out_ptr="*bf16"), **dict(ivon_full, NEXT_SAMPLE=True))
     # the noise of checkpoints written before version 2 (one Philox call per element)
     add("step[ivon,full,next,fp32,noise1]", tk.step_kernel, "fp32",
         **dict(ivon_full, NEXT_SAMPLE=True, NOISE=1))

@@ -59,6 +59,7 @@ BYTES = {
     "step[ivon,full,bf16]": 4 * S + 5 * S + S + 2 * S + 2,
     "step[ivon,full,next,fp32]": 4 * S + 5 * S + S + 2 * S + 4,
     "step[ivon,full,next,lowstate,fp32]": 4 * S + 5 * 2 + 2 + 2 * S + 4,
+    "step[ivon,full,next,lowouter,fp32]": 4 * S + 3 * S + 2 * 2 + S + 2 * S + 4,
     "step[ivon,full,fp32,unpadded]": 4 * S + 5 * S + S + 2 * S + 4,
     "step[ivon,nocorr,bf16]": 3 * S + S + S + 2 * S + 2,
     "step[ivon,ge_in+ge_at_out,fp32]": 6 * S + 5 * S + S + 2 * S + 4,

@@ -34,6 +34,8 @@ class Rule:
     lazy_buffers: Tuple[str, ...] = ()
     #: the buffers that ``state_dtype`` stores in low precision (stochastic rounding)
     low_state_buffers: Tuple[str, ...] = ()
+    #: the buffers that ``outer_dtype`` stores in its dtype (the outer estimates)
+    outer_estimate_buffers: Tuple[str, ...] = ()
     #: appended to the error raised when an update would produce non-finite state
     divergence_hint: str = "Lower the learning rate."
 

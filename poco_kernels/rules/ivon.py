@@ -152,6 +152,7 @@ class IVONPoCoRule(IVONRule):
 
     has_correction = True
     low_state_buffers = ("momentum", "g_out", "h_out", "m_out", "sigma_out")
+    outer_estimate_buffers = ("g_out", "h_out")
     divergence_hint = ("See docs/logreg-study.md, 'Stability of IVON-PoCo', for the settings "
                        "that keep IVON-PoCo stable (antithetic refresh pair, hess_floor, "
                        "beta2, hess_corr_scale).")

@@ -160,9 +160,9 @@ def test_a_redeclared_default_and_an_own_init():
 
 
 def test_the_database_agrees_with_the_declarations():
-    """The tests' database says which classes take ``sample_ahead`` and ``state_dtype``:
-    the declarations decide, the database must follow."""
+    """The tests' database says which classes take ``sample_ahead``, ``state_dtype`` and
+    ``outer_dtype``: the declarations decide, the database must follow."""
     for info in infos():
         args = info.cls._arguments
-        assert info.sample_ahead == ("sample_ahead" in args), info.name
-        assert info.state_dtype == ("state_dtype" in args), info.name
+        for flag in ("sample_ahead", "state_dtype", "outer_dtype"):
+            assert getattr(info, flag) == (flag in args), (info.name, flag)

@@ -434,18 +434,28 @@ def _assert_low_state(got, exact, bits, what):
     assert not torch.equal(got, exact.to(torch.bfloat16)), what
 
 
+#: the buffers each way of keeping state in bfloat16 stores so: ``state_dtype`` and
+#: ``outer_dtype`` (the outer estimates alone, the rest float32)
+LOW_BUFFERS = {"state": ("momentum", "g_out", "h_out", "m_out", "sigma_out"),
+               "outer": ("g_out", "h_out")}
+
+
 @pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["ivon", "poco-shared"])
-def test_step_kernel_low_precision_state(pdtype, case, ops):
+@pytest.mark.parametrize("case,low", [("ivon", "state"), ("poco-shared", "state"),
+                                      ("poco-shared", "outer")])
+def test_step_kernel_low_precision_state(pdtype, case, low, ops):
     """state_dtype=bfloat16: momentum and outer buffers read as bfloat16, the new momentum
     stored with the reference's stochastic rounding (bits of the step counter, the
-    bucket in the inner stream, tag 0); mean and h as with float32 state."""
+    bucket in the inner stream, tag 0); mean and h as with float32 state.  outer_dtype:
+    g_out and h_out read as bfloat16, the rest float32."""
     n = 2125
     a = _step_args(IVON_CASES[case], _ivon_group(), n, pdtype, seed=n * 11 + len(case))
     a["mean_n"] = n
-    a["st"]["momentum"] = a["st"]["momentum"].to(torch.bfloat16)
+    lows = LOW_BUFFERS[low]
+    if "momentum" in lows:
+        a["st"]["momentum"] = a["st"]["momentum"].to(torch.bfloat16)
     if a["outer"] is not None:
-        for k in ("g_out", "h_out", "m_out", "sigma_out"):
+        for k in (k for k in lows if k != "momentum"):
             a["outer"][k] = a["outer"][k].to(torch.bfloat16)
     wide = dict(a, st={k: (v.float() if k == "momentum" else v.clone())
                        for k, v in a["st"].items()},
@@ -453,23 +463,30 @@ def test_step_kernel_low_precision_state(pdtype, case, ops):
                     k: (v.float() if v is not None else None) for k, v in a["outer"].items()})
     exp = _ivon_expected(wide)
     _run_ivon_step(ops, a)
-    for k in ("mean", "h"):
+    for k in ("mean", "h") + (() if "momentum" in lows else ("momentum",)):
+        assert a["st"][k].dtype == torch.float32, k
         assert_close(a["st"][k], exp[k], STATE[torch.float32], f"{case}: {k}")
-    bits = noise.rounding_bits(SEED, a["steps"], 2, noise.ROUND_TAGS["momentum"], n)
-    _assert_low_state(a["st"]["momentum"], exp["momentum"], bits, f"{case}: momentum")
+    if "momentum" in lows:
+        bits = noise.rounding_bits(SEED, a["steps"], 2, noise.ROUND_TAGS["momentum"], n)
+        _assert_low_state(a["st"]["momentum"], exp["momentum"], bits, f"{case}: momentum")
     assert_close(a["st"]["param"], exp["mean"].to(pdtype), PARAM[pdtype], f"{case}: param")
 
 
-def test_refresh_and_outer_sample_kernels_low_precision_state(ops):
-    """The refresh writes g_out, h_out, m_out, sigma_out with stochastic rounding (tags
-    1-4, the refresh counter); the outer sample reads a bfloat16 centre and sigma."""
+@pytest.mark.parametrize("low", ["state", "outer"])
+def test_refresh_and_outer_sample_kernels_low_precision_state(low, ops):
+    """The refresh writes its bfloat16 buffers (g_out, h_out, m_out, sigma_out with
+    state_dtype; g_out, h_out with outer_dtype) with stochastic rounding (tags 1-4, the
+    refresh counter), the others as float32; the outer sample reads the centre and sigma
+    as they are stored."""
     n, refreshes = 2125, 3
     r = _gen(n, 4242)
     grp = dict(ess=80.0, weight_decay=1e-3, rho1=0.6, rho2=0.1)
     mean, h = r(), r(0.3).abs() + 0.05
-    outs = {"g_out": r().to(torch.bfloat16), "h_out": r().to(torch.bfloat16),
-            "m_out": torch.zeros(n, dtype=torch.bfloat16),
-            "sigma_out": torch.zeros(n, dtype=torch.bfloat16)}
+    dt = {k: torch.bfloat16 if k in LOW_BUFFERS[low] else torch.float32
+          for k in ("g_out", "h_out", "m_out", "sigma_out")}
+    outs = {"g_out": r().to(dt["g_out"]), "h_out": r().to(dt["h_out"]),
+            "m_out": torch.zeros(n, dtype=dt["m_out"]),
+            "sigma_out": torch.zeros(n, dtype=dt["sigma_out"])}
     acc_g = r()
     stream = noise.stream_id(4, 2, 0)
     before = {k: v.float() for k, v in outs.items()}
@@ -483,6 +500,9 @@ def test_refresh_and_outer_sample_kernels_low_precision_state(ops):
                               g_out=before["g_out"], h_out=before["h_out"], group=grp,
                               first=False)
     for name, t in outs.items():
+        if t.dtype == torch.float32:
+            assert_close(t, exp[name], STATE[torch.float32], name)
+            continue
         bits = noise.rounding_bits(SEED, refreshes, 4, noise.ROUND_TAGS[name], n)
         _assert_low_state(t, exp[name], bits, name)
     param, counter, s_o = torch.empty(n), 7, noise.stream_id(4, 0, 0)

@@ -76,8 +76,8 @@ def _recorded_launches(monkeypatch):
     """Every kernel launch (kernel, arguments by name) of short runs of the optimizers on
     the Triton backend (interpreted here): IVON-PoCoMo with a refresh and AMP arguments,
     float32 and bfloat16 parameters, the default 63-bit seed and a small explicit one;
-    float16 parameters; a resumed pre-v2 run (noise version 1); IVON with two draws and
-    sample_ahead; SVRG-AdamW."""
+    float16 parameters with bfloat16 outer estimates; a resumed pre-v2 run (noise version
+    1) with bfloat16 state; IVON with two draws and sample_ahead; SVRG-AdamW."""
     import torch
     import poco_kernels as pk
     from helpers import Problem, mlp, run
@@ -112,9 +112,11 @@ def _recorded_launches(monkeypatch):
         run(opt, m, prob, 3, refresh_every=2, warmup=1)
         opt.step(prob.closure(opt, m, prob.batches(1)[0]), grad_scale=torch.tensor(2.0),
                  found_inf=torch.tensor(0.0))
-    for dtype, version in ((torch.float16, 2), (torch.float32, 1)):
+    for dtype, version, low in ((torch.float16, 2, dict(outer_dtype=torch.bfloat16)),
+                                (torch.float32, 1, dict(state_dtype=torch.bfloat16))):
         m = mlp(dtype=dtype)
-        opt = pk.IVONPoCo(m.parameters(), lr=0.05, ess=200.0, alpha=0.5, backend="triton")
+        opt = pk.IVONPoCo(m.parameters(), lr=0.05, ess=200.0, alpha=0.5, backend="triton",
+                          **low)
         opt.noise_version = version
         run(opt, m, prob, 3, refresh_every=2, warmup=1)
     for version in (2, 1):
@@ -330,6 +332,7 @@ RATIO_LIMITS = {
     "step[ivon,full,bf16]": 0.74,
     "step[ivon,full,next,fp32]": 0.96,
     "step[ivon,full,next,lowstate,fp32]": 1.27,
+    "step[ivon,full,next,lowouter,fp32]": 1.04,
     "step[ivon,full,next,fp32,noise1]": 1.65,
     "step[ivon,full,fp32,unpadded]": 0.7,
     "step[ivon,nocorr,bf16]": 0.7,

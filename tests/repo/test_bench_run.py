@@ -75,7 +75,8 @@ def test_run_writes_the_schema_and_tables(tmp_path, bench_modules):
     rows = table["rows"]     # parameters and gradients float32: 8 B; AdamW's state 8 B
     assert rows["adamw_fused"]["resident_B_per_param"] == 16.0
     assert rows["ivon"]["resident_B_per_param"] >= 20.0
-    assert rows["ivon_pocomo_bf16_state"]["resident_B_per_param"] < rows["ivon_pocomo"][
+    assert rows["ivon_pocomo_bf16_state"]["resident_B_per_param"] < rows[
+        "ivon_pocomo_bf16_outer"]["resident_B_per_param"] < rows["ivon_pocomo"][
         "resident_B_per_param"]
 
 

@@ -36,8 +36,8 @@ def _closure(opt, model, idx, grad_closure):
 @pytest.mark.parametrize("info", list(db.OPTIMIZERS.values()), ids=lambda i: i.name)
 def test_the_properties_are_the_classes(info):
     """``noisy``, ``has_refresh`` (a refresh is an error without an outer loop),
-    ``momentum_key``, ``sample_ahead`` and ``state_dtype`` (taken or refused), ``fused``
-    (the C++ backend refuses a class without kernels)."""
+    ``momentum_key``, ``sample_ahead``, ``state_dtype`` and ``outer_dtype`` (taken or
+    refused), ``fused`` (the C++ backend refuses a class without kernels)."""
     kw = db.config("conventions", info.name).kwargs
     model = mlp()
     opt = info.cls(model.parameters(), **kw)
@@ -51,7 +51,8 @@ def test_the_properties_are_the_classes(info):
             opt.refresh([_closure(opt, model, 1, info.grad_closure)])
     if info.momentum_key is not None:
         assert info.momentum_key in opt.param_groups[0]
-    for flag, value in (("sample_ahead", True), ("state_dtype", torch.bfloat16)):
+    for flag, value in (("sample_ahead", True), ("state_dtype", torch.bfloat16),
+                        ("outer_dtype", torch.bfloat16)):
         if getattr(info, flag):
             info.cls(mlp().parameters(), **kw, **{flag: value})
         else:

@@ -1,7 +1,8 @@
 """``state_dtype=torch.bfloat16`` (IVON family): the momentum and the outer buffers in
-bfloat16 with stochastic rounding (docs/design.md, 'Low-precision state').  The kernels
-against the reference are in tests/kernels/test_kernels.py; here the optimizer: backends agree,
-the rounding is unbiased, checkpoints resume bit for bit and convert, and a refused step
+bfloat16 with stochastic rounding; ``outer_dtype=torch.bfloat16`` (IVON-PoCo(Mo)): the
+outer estimates alone (docs/design.md, 'Low-precision state').  The kernels against the
+reference are in tests/kernels/test_kernels.py; here the optimizer: backends agree, the
+rounding is unbiased, checkpoints resume bit for bit and convert, and a refused step
 changes nothing."""
 import copy
 
@@ -18,13 +19,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 BF16 = torch.bfloat16
 LOW = ("momentum", "g_out", "h_out", "m_out", "sigma_out")
+#: the two ways of keeping state in bfloat16: the options, and the buffers they make
+#: bfloat16 (the others stay float32)
+MODES = {"state": (dict(state_dtype=BF16), LOW),
+         "outer": (dict(state_dtype=None, outer_dtype=BF16), ("g_out", "h_out"))}
 #: CI time: Triton (the interpreter) in the backend agreement only
 CPU = ["torch"] + [b for b in FUSED_BACKENDS if b == "cpp"]
 
 
-def _make(backend, state_dtype=BF16, cls=pk.IVONPoCoMo, **kw):
+def _make(backend, state_dtype=BF16, cls=pk.IVONPoCoMo, mode=None, **kw):
     m = mlp()
-    kw = dict(dict(lr=0.05, ess=200.0, seed=5, backend=backend, state_dtype=state_dtype), **kw)
+    kw = dict(dict(lr=0.05, ess=200.0, seed=5, backend=backend, state_dtype=state_dtype),
+              **(MODES[mode][0] if mode else {}), **kw)
     return m, cls(m.parameters(), **kw)
 
 
@@ -62,18 +68,20 @@ def test_stochastic_rounding_is_unbiased_and_brackets():
         assert abs(nearest - v) > 0.05 * ulp, v
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backend", ["torch"] + FUSED_BACKENDS)
-def test_backends_agree_and_stay_near_float32_state(backend):
+def test_backends_agree_and_stay_near_float32_state(backend, mode):
     """Every backend follows the torch backend's trajectory with bfloat16 state (the same
     rounding bits), and the run stays near the float32-state run."""
-    m_ref, o_ref = _train(*_make("torch"), 7)
-    m, o = _train(*_make(backend), 7)
+    m_ref, o_ref = _train(*_make("torch", mode=mode), 7)
+    m, o = _train(*_make(backend, mode=mode), 7)
     for a, b in zip(params_of(m), params_of(m_ref)):
         assert_close(a, b, TRAJECTORY[torch.float32], "parameters")
     for k in LOW:
+        want = BF16 if k in MODES[mode][1] else torch.float32
         for a, b in zip(o.flat_state(k), o_ref.flat_state(k)):
-            assert a.dtype == BF16 and b.dtype == BF16, k
-            assert_close(a, b, TRAJECTORY[BF16], k)
+            assert a.dtype == want and b.dtype == want, k
+            assert_close(a, b, TRAJECTORY[want], k)
     m32, _ = _train(*_make(backend, None), 7)
     diff = max((a - b).abs().max().item() for a, b in zip(params_of(m), params_of(m32)))
     assert 0 < diff < 2e-2, diff
@@ -81,24 +89,27 @@ def test_backends_agree_and_stay_near_float32_state(backend):
 
 def test_the_bytes_it_holds():
     """opt.state: mean and h float32, the rest bfloat16: IVON 10 bytes per parameter,
-    IVON-PoCoMo 18 (float32: 12 and 28)."""
-    for cls, want in ((pk.IVON, 10), (pk.IVONPoCoMo, 18)):
-        for sd, w in ((BF16, want), (None, {10: 12, 18: 28}[want])):
-            m, opt = _make("torch", sd, cls=cls)
+    IVON-PoCoMo 18 (float32: 12 and 28; float32 with bfloat16 outer estimates: 24)."""
+    outer = {"outer_dtype": BF16}
+    for cls, kw, bf16, f32 in ((pk.IVON, {}, 10, 12), (pk.IVONPoCoMo, {}, 18, 28),
+                               (pk.IVONPoCoMo, outer, 18, 24)):
+        for sd, w in ((BF16, bf16), (None, f32)):
+            m, opt = _make("torch", sd, cls=cls, **kw)
             n = sum(p.numel() for p in m.parameters())
             held = sum(t.numel() * t.element_size() for b in opt._buckets
                        for t in b.buffers.values())
             assert held == w * n, (cls.__name__, sd, held / n)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backend", CPU)
-def test_checkpoints_resume_bit_for_bit(backend):
+def test_checkpoints_resume_bit_for_bit(backend, mode):
     """A state dict (and a deepcopy) taken mid-run continues exactly as the run."""
-    m, o = _train(*_make(backend), 9)
-    m2, o2 = _train(*_make(backend), 5)
+    m, o = _train(*_make(backend, mode=mode), 9)
+    m2, o2 = _train(*_make(backend, mode=mode), 5)
     sd = copy.deepcopy(o2.state_dict())
     twin = copy.deepcopy((m2, o2))
-    m3, o3 = _make(backend)
+    m3, o3 = _make(backend, mode=mode)
     m3.load_state_dict(m2.state_dict())
     o3.load_state_dict(sd)
     for mm, oo in ((m2, o2), twin, (m3, o3)):
@@ -107,7 +118,8 @@ def test_checkpoints_resume_bit_for_bit(backend):
         s, s_ref = _flat(oo), _flat(o)
         for k in s_ref:
             assert all(torch.equal(a, b) for a, b in zip(s[k], s_ref[k])), k
-        assert oo.state_dtype == BF16
+        assert (oo.state_dtype, oo.outer_dtype) == (o.state_dtype, o.outer_dtype)
+        assert all(oo.flat_state(k)[0].dtype == BF16 for k in MODES[mode][1])
 
 
 def test_state_dicts_convert_between_state_dtypes():
@@ -129,12 +141,36 @@ def test_state_dicts_convert_between_state_dtypes():
     assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
+def test_state_dicts_convert_to_and_from_bfloat16_outer_estimates():
+    """Checkpoints of float32 state and of bfloat16 state load into an optimizer with
+    bfloat16 outer estimates: each buffer takes its own dtype (rounded to nearest, or
+    widened exactly), and the loaded optimizer's own checkpoint goes back the same way."""
+    backend = "cpp" if "cpp" in CPU else "torch"
+    for src_mode in (None, "state"):
+        m_src, o_src = _train(*_make(backend, None, mode=src_mode), 5)
+        m, o = _make(backend, mode="outer")
+        m.load_state_dict(m_src.state_dict())
+        o.load_state_dict(o_src.state_dict())
+        for k in LOW:
+            want = BF16 if k in MODES["outer"][1] else torch.float32
+            for a, b in zip(o.flat_state(k), o_src.flat_state(k)):
+                assert a.dtype == want and torch.equal(a, b.to(want)), (src_mode, k)
+        m_back, o_back = _make(backend, None, mode=src_mode)
+        o_back.load_state_dict(o.state_dict())
+        for k in LOW:
+            for a, b in zip(o_back.flat_state(k), o.flat_state(k)):
+                assert torch.equal(a, b.to(a.dtype)), (src_mode, k)
+        _train(m, o, 7, start=5)
+        assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backend", CPU)
-def test_a_refused_step_changes_nothing(backend):
+def test_a_refused_step_changes_nothing(backend, mode):
     """A non-finite gradient raises; state (bfloat16 buffers included) and the steps that
     follow equal those of a twin that never saw it."""
     prob = Problem()
-    m, o = _train(*_make(backend), 5)
+    m, o = _train(*_make(backend, mode=mode), 5)
     twin = copy.deepcopy((m, o))
 
     def bad():
@@ -162,6 +198,25 @@ def test_state_dtype_is_validated_and_carried():
     assert _make("torch", torch.float32)[1].state_dtype is None
     poco = pk.IVONPoCoMo.from_ivon(ivon)
     assert poco.state_dtype == BF16 and poco.state[m[0].weight]["g_out"].dtype == BF16
+    assert poco.outer_dtype is None
+
+
+def test_outer_dtype_is_validated_and_carried():
+    for bad in (torch.float16, "bfloat16"):
+        with pytest.raises(ValueError, match="outer_dtype must be"):
+            _make("torch", None, outer_dtype=bad)
+    with pytest.raises(ValueError, match="outer_dtype must be"):      # (bf16 state)
+        _make("torch", BF16, outer_dtype=torch.float32)
+    with pytest.raises(TypeError, match="outer_dtype"):
+        pk.IVON(mlp().parameters(), lr=0.1, outer_dtype=BF16)
+    assert _make("torch", None, outer_dtype=torch.float32)[1].outer_dtype is None
+    m, ivon = _make("torch", None, cls=pk.IVON)
+    poco = pk.IVONPoCoMo.from_ivon(ivon, outer_dtype=BF16)
+    assert poco.outer_dtype == BF16 and poco.state_dtype is None
+    dt = {k: poco.state[m[0].weight][k].dtype for k in LOW}
+    assert dt == {k: BF16 if k in MODES["outer"][1] else torch.float32 for k in LOW}
+    twin = copy.deepcopy(poco)
+    assert twin.outer_dtype == BF16 and twin.flat_state("g_out")[0].dtype == BF16
 
 
 def test_a_shard_rounds_as_its_place_in_the_unsharded_bucket():
