@@ -442,12 +442,12 @@ void step_pt(const StepArgs& a, int64_t t0, int64_t t1) {
 }
 
 // ------------------------------------------------------------------ refresh
+// The LowBits of g_out, h_out, m_out, sigma_out (in that order).
+constexpr uint32_t kOutBits[4] = {kLowGOut, kLowHOut, kLowMOut, kLowSigmaOut};
+
 // IVON family: the mega-batch gradient and its Price Hessian folded into the outer
 // estimates with outer momentum (the first refresh takes them as they are), snapshot of
 // the outer posterior.  Reference: ivon_sigma, price_hessian, outer_fold.
-// the LowBits of g_out, h_out, m_out, sigma_out (in that order)
-constexpr uint32_t kOutBits[4] = {kLowGOut, kLowHOut, kLowMOut, kLowSigmaOut};
-
 template <bool GE, bool LOW>
 void refresh_ivon(const RefreshArgs& a, int64_t t0, int64_t t1) {
   const PhiloxKey key(a.noise.seed, a.noise.version);
