@@ -271,12 +271,10 @@ void sample_op(const at::Tensor& param, const at::Tensor& centre, const at::Tens
   a.mean = state_ptr(mean, n, "mean");
   a.h = state_ptr(h, n, "h", sigma_mode == kSigmaIvon);
   a.sigma = low_state_ptr(sigma, n, "sigma", sigma_mode == kSigmaBuffer, low, 2u);
-  TORCH_CHECK(low == 0 || low == (sigma_mode == kSigmaBuffer ? 3u : 1u), "poco_kernels_cpp::"
-              "sample: centre and sigma must share one dtype (the outer sample's m_out and "
-              "sigma_out)");
+  TORCH_CHECK(low == 0 || (low == 3u && sigma_mode == kSigmaBuffer), "poco_kernels_cpp::"
+              "sample: a bfloat16 centre needs a bfloat16 sigma buffer, and the reverse (the "
+              "outer sample's m_out and sigma_out share one dtype)");
   a.low = low != 0;
-  TORCH_CHECK(!a.low || sigma_mode == kSigmaBuffer, "poco_kernels_cpp::sample: a bfloat16 "
-              "centre needs a bfloat16 sigma buffer (the outer sample)");
   const int64_t* c = ctl_ptr(ctl);
   a.n = n;
   a.noise = Noise{(uint64_t)seed, u32(counter_of(c, counter_slot), "counter"),

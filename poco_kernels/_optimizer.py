@@ -28,7 +28,7 @@ from ._arguments import DeclaredArguments, argument, option
 from ._groups import ParamGroupsMixin, _maybe_nonzero, draw_seed
 from ._state_dict import StateDictMixin
 from ._transaction import outside_dynamo
-from ._validation import check, hyperparameters, stored_dtypes, strict_keywords
+from ._validation import check, checked_low_dtypes, hyperparameters, strict_keywords
 from ._view import OptimizerView
 from .rules import Rule
 
@@ -135,7 +135,7 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
         self.sample_ahead = sample_ahead
         #: dtype of the rule's ``low_state_buffers`` and of its ``outer_estimate_buffers``
         #: (None: float32 state; the outer estimates follow ``state_dtype``)
-        self.state_dtype, self.outer_dtype = stored_dtypes(self, state_dtype, outer_dtype)
+        self.state_dtype, self.outer_dtype = checked_low_dtypes(self, state_dtype, outer_dtype)
         super().__init__(params, self._group_type(defaults))
         for gi, g in enumerate(self._groups):
             self._check_group(g, gi, new=True)

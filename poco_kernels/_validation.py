@@ -154,7 +154,7 @@ def hyperparameters(group, keep_tensors: bool = False):
     return out
 
 
-def stored_dtypes(opt, state_dtype, outer_dtype):
+def checked_low_dtypes(opt, state_dtype, outer_dtype):
     """``(state_dtype, outer_dtype)`` of ``opt`` as it keeps them (float32 is None), or a
     clear error: only bfloat16 is another dtype, and only for buffers its rule has."""
     name = type(opt).__name__
