@@ -28,6 +28,51 @@ BRANCH_FREE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
                            or os.environ.get("POCO_BRANCH_FREE", "0") == "1")
 
 
+#: Philox under Triton's CPU interpreter: :func:`_philox_host`, the ten rounds in numpy
+#: (the same words bit for bit: ``tests/kernels/test_noise.py``) instead of
+#: ``tl.philox``'s ~100 tensor operations at the interpreter's fixed cost each.  Compiled
+#: for a GPU: ``tl.philox``.
+HOST_PHILOX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def _philox_host(seed, c0, c1, c2, c3):
+    """``tl.philox(seed, c0, c1, c2, c3)`` on the interpreter's tensors (numpy arrays in
+    their handles; ``c0`` has the block's shape): four uint32 tensors of that shape.
+    Philox4x32-10 as :mod:`poco_kernels._philox` states it, on numpy's uint32 and uint64
+    (numpy, not torch: the interpreter's arithmetic allocates no torch memory)."""
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle
+    from .. import _philox as P
+
+    key = int(np.asarray(seed.handle.data).reshape(-1)[0]) & 0xFFFFFFFFFFFFFFFF
+    k0, k1 = key & 0xFFFFFFFF, key >> 32
+    x0, x1, x2, x3 = (np.broadcast_to(np.asarray(c.handle.data, dtype=np.uint32),
+                                      c0.handle.data.shape) for c in (c0, c1, c2, c3))
+    ra, rb, shift = np.uint64(P.PHILOX_ROUND_A), np.uint64(P.PHILOX_ROUND_B), np.uint64(32)
+    for _ in range(P.PHILOX_ROUNDS):
+        pb, pa = x2.astype(np.uint64) * rb, x0.astype(np.uint64) * ra
+        x0 = (pb >> shift).astype(np.uint32) ^ x1 ^ np.uint32(k0)
+        x2 = (pa >> shift).astype(np.uint32) ^ x3 ^ np.uint32(k1)
+        x1, x3 = pb.astype(np.uint32), pa.astype(np.uint32)
+        k0, k1 = (k0 + P.PHILOX_KEY_A) & 0xFFFFFFFF, (k1 + P.PHILOX_KEY_B) & 0xFFFFFFFF
+    return tuple(tl.tensor(TensorHandle(np.ascontiguousarray(w), tl.uint32), c0.type)
+                 for w in (x0, x1, x2, x3))
+
+
+#: (a Triton kernel may name a plain function only as a constexpr)
+_PHILOX_HOST = tl.constexpr(_philox_host)
+
+
+@triton.jit
+def _philox(seed, c0, c1, c2, c3):
+    """``tl.philox`` of the uint32 counter blocks ``c0 .. c3`` (:data:`HOST_PHILOX`)."""
+    if HOST_PHILOX:
+        w0, w1, w2, w3 = _PHILOX_HOST(seed, c0, c1, c2, c3)
+    else:
+        w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
+    return w0, w1, w2, w3
+
+
 @triton.jit
 def _log_pos(x):
     """log(x) for positive normal float32 ``x``: ``log_pos`` of csrc/poco_math.h, op for op
@@ -99,7 +144,7 @@ def _randn_v1(seed, idx, counter, stream):
     stream)``, one Philox call per element, the cosine branch (``normal_of`` of
     csrc/poco_math.h: ``tl.randn``'s formula with the branch-free transform)."""
     c0, c1, c2, c3 = _counter_words(idx, counter, stream)
-    o0, o1, _, _ = tl.philox(seed, c0, c1, c2, c3)
+    o0, o1, _, _ = _philox(seed, c0, c1, c2, c3)
     n1, _ = _normal_pair(o0, o1)
     return n1
 
@@ -114,7 +159,7 @@ def _randn_v2(seed, pid, offset, counter, stream, BLOCK: tl.constexpr):
     # (the sum first: the interpreter hands an int offset in [2^31, 2^32) over as a uint32)
     q = ((pid * BLOCK + offset) >> 2) + tl.arange(0, BLOCK // 4)
     c0, c1, c2, c3 = _counter_words(q, counter, stream)
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
+    w0, w1, w2, w3 = _philox(seed, c0, c1, c2, c3)
     n0, n1 = _normal_pair(w0, w1)
     n2, n3 = _normal_pair(w2, w3)
     # [q, b, a] = n_(2b + a): element 4q + 2b + a
@@ -132,7 +177,7 @@ def _randn_v2_at(seed, gidx, counter, stream):
     c0 = (q & 0xFFFFFFFF).to(tl.uint32)
     c1 = (q >> 32).to(tl.uint32)
     zero = c0 * 0
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero + counter.to(tl.uint32),
+    w0, w1, w2, w3 = _philox(seed, c0, c1, zero + counter.to(tl.uint32),
                                zero + stream.to(tl.uint32))
     hi = lane >= 2
     a, b = _normal_pair(tl.where(hi, w2, w0), tl.where(hi, w3, w1))

@@ -453,6 +453,24 @@ def triton_kernels():
             tl.store(out_ptr + 4 * offs + 2, n3)
             tl.store(out_ptr + 4 * offs + 3, n4)
 
+        global triton_noise         # (the interpreter runs a kernel on its module's globals)
+        from poco_kernels.kernels import triton_noise
+
+        @triton.jit
+        def host_philox_kernel(c0_ptr, c1_ptr, c2_ptr, c3_ptr, words_ptr, seed, n,
+                               BLOCK: tl.constexpr):
+            # the kernels' Philox, which the interpreter runs in numpy (HOST_PHILOX)
+            offs = tl.arange(0, BLOCK)
+            mask = offs < n
+            c = [tl.load(ptr + offs, mask=mask).to(tl.uint32, bitcast=True)
+                 for ptr in (c0_ptr, c1_ptr, c2_ptr, c3_ptr)]
+            o0, o1, o2, o3 = triton_noise._philox(seed, c[0], c[1], c[2], c[3])
+            tl.store(words_ptr + 0 * n + offs, o0.to(tl.int32, bitcast=True), mask=mask)
+            tl.store(words_ptr + 1 * n + offs, o1.to(tl.int32, bitcast=True), mask=mask)
+            tl.store(words_ptr + 2 * n + offs, o2.to(tl.int32, bitcast=True), mask=mask)
+            tl.store(words_ptr + 3 * n + offs, o3.to(tl.int32, bitcast=True), mask=mask)
+
+        tl_philox_kernel.host = host_philox_kernel
         yield tl_randn_kernel, tl_philox_kernel, tl_randn4x_kernel
 
 
@@ -497,6 +515,8 @@ def test_triton_tl_randn_int64_offsets_match(triton_kernels):
     ],
 )
 def test_triton_tl_philox_matches(triton_kernels, seed, step, stream, offset):
+    """tl.philox, the kernels' Philox as the interpreter runs it (numpy) and ours (torch)
+    give the same words; the uniforms are exact, the normals within an ulp."""
     _, tl_philox_kernel, _ = triton_kernels
     n = 1001
     idx = torch.arange(n, dtype=torch.int64) + offset
@@ -508,10 +528,17 @@ def test_triton_tl_philox_matches(triton_kernels, seed, step, stream, offset):
         *(_as_int32(c) for c in counters), words_out, uniform_out, normal_out, seed, n, BLOCK=1024
     )
 
+    # the interpreter's numpy Philox (the kernels' `_philox` under TRITON_INTERPRET)
+    assert triton_noise.HOST_PHILOX
+    host_out = torch.empty(4 * n, dtype=torch.int32)
+    tl_philox_kernel.host[(1,)](*(_as_int32(c) for c in counters), host_out, seed, n, BLOCK=1024)
+
     ours = philox4x32(seed, *counters)
     for j in range(4):
         tri = words_out[j * n : (j + 1) * n].to(torch.int64) & MASK32
         assert torch.equal(ours[j], tri), f"philox output word {j} differs"
+        host = host_out[j * n : (j + 1) * n].to(torch.int64) & MASK32
+        assert torch.equal(host, tri), f"the interpreter's numpy philox: word {j} differs"
     # The integer -> uniform float mapping is exact (bitwise) ...
     assert torch.equal(noise._uint_to_uniform_float(ours[0]), uniform_out[:n])
     assert torch.equal(noise._uint_to_uniform_float(ours[1]), uniform_out[n:])
