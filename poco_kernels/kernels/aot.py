@@ -2,10 +2,10 @@
 
 Every kernel of :mod:`poco_kernels.kernels.triton_kernels` is compiled, in the code paths
 that matter (:func:`variants`), with ``triton.compile`` for a ``GPUTarget("cuda", cc, 32)``;
-the PTX is then assembled by Triton's bundled ``ptxas -v`` (same flags as Triton's own
-cubin stage) and the resource usage parsed (:func:`resource_report`): registers per thread,
-spill stores/loads and stack frame.  A kernel that spills, or that does not compile at
-all for a target, shows here instead of on the first GPU run.
+the resource usage is parsed from the ``ptxas -v`` log of Triton's own cubin stage
+(:func:`parse_ptxas_log`; a cached compilation: :func:`resource_report`, the same
+flags): registers per thread, spill stores/loads and stack frame.  A kernel that spills,
+or that does not compile at all for a target, shows here instead of on the first GPU run.
 
 What a launch from :mod:`~poco_kernels.kernels.triton_ops` gets is mirrored exactly
 (:func:`launch_signature` derives it from a launch's arguments by Triton's own rule, and

@@ -5,6 +5,8 @@ in parallel, its registers, spills, stack, instruction mix and PTX audit, as row
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -15,27 +17,47 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from .aot import (DEFAULT_CCS, _arch, _variant, audit_ptx, compile_variant, from_spec,
-                  instruction_mix, interpreting, resource_report, sass, variants)
+                  instruction_mix, interpreting, parse_ptxas_log, resource_report, sass,
+                  variants)
 
 __all__ = ["report", "format_table", "json_subprocess", "main"]
 
-def _row(name: str, cc: int, spec: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def _compile_logged(variant, cc: int):
+    """:func:`compile_variant` and the resource usage its own ``ptxas -v`` reported (Triton
+    prints the log when ``knobs.nvidia.dump_ptxas_log`` is set); where the compilation came
+    from Triton's cache (no log), a second ``ptxas -v`` of its PTX
+    (:func:`resource_report`, the same flags: the same numbers)."""
+    from triton import knobs
+    knobs.nvidia.dump_ptxas_log = True
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        compiled = compile_variant(variant, cc)
+    try:
+        return compiled, parse_ptxas_log(out.getvalue())
+    except ValueError:
+        res = resource_report(compiled.asm["ptx"], cc)
+        res.pop("log")
+        return compiled, res
+
+
+def _row(name: str, cc: int, spec: Optional[Dict[str, Any]] = None,
+         mix: bool = True) -> Dict[str, Any]:
     """Compile one variant (of :func:`variants` by name, or given as ``spec``) for one
-    target and measure it (one pool task)."""
+    target and measure it (one pool task); ``mix``: and its SASS instruction mix (a
+    disassembly, about half a second)."""
     row: Dict[str, Any] = {"variant": name, "cc": cc, "arch": None, "registers": None,
                            "spill_stores": None, "spill_loads": None, "stack": None,
                            "mix": None, "forbidden": None, "seconds": None, "error": None}
     t0 = time.perf_counter()
     try:
         row["arch"] = _arch(cc)
-        compiled = compile_variant(from_spec(spec) if spec else _variant(name), cc)
-        res = resource_report(compiled.asm["ptx"], cc)
-        res.pop("log")
+        compiled, res = _compile_logged(from_spec(spec) if spec else _variant(name), cc)
         row.update(res)
         row["forbidden"] = audit_ptx(compiled.asm["ptx"])
-        text = sass(compiled.asm["cubin"])
-        row["mix"] = instruction_mix(text)
-        row["fast_mix"] = instruction_mix(text, fast_path=True)
+        if mix:
+            text = sass(compiled.asm["cubin"])
+            row["mix"] = instruction_mix(text)
+            row["fast_mix"] = instruction_mix(text, fast_path=True)
     except Exception as exc:  # reported per row: one broken variant does not hide the rest
         row["error"] = f"{type(exc).__name__}: {exc}"
     row["seconds"] = round(time.perf_counter() - t0, 2)
@@ -43,11 +65,12 @@ def _row(name: str, cc: int, spec: Optional[Dict[str, Any]] = None) -> Dict[str,
 
 
 def _report_here(ccs: Sequence[int], workers: Optional[int],
-                 specs: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
+                 specs: Optional[List[Dict[str, Any]]] = None,
+                 mix: bool = True) -> List[Dict[str, Any]]:
     if specs is None:
-        tasks = [(v.name, cc, None) for cc in ccs for v in variants()]
+        tasks = [(v.name, cc, None, mix) for cc in ccs for v in variants()]
     else:
-        tasks = [(sp["name"], cc, sp) for cc in ccs for sp in specs]
+        tasks = [(sp["name"], cc, sp, mix) for cc in ccs for sp in specs]
     workers = workers or min(len(tasks), os.cpu_count() or 1)
     if workers <= 1:
         return [_row(*t) for t in tasks]
@@ -74,10 +97,13 @@ def json_subprocess(module: str, args: Sequence[str],
 
 def _report_subprocess(ccs: Sequence[int], workers: Optional[int],
                        timeout: Optional[float],
-                       specs: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
+                       specs: Optional[List[Dict[str, Any]]] = None,
+                       mix: bool = True) -> List[Dict[str, Any]]:
     args = [a for cc in ccs for a in ("--cc", str(cc))]
     if workers:
         args += ["--workers", str(workers)]
+    if not mix:
+        args.append("--no-mix")
     with tempfile.TemporaryDirectory(prefix="poco_aot_specs_") as d:
         if specs is not None:
             path = os.path.join(d, "specs.json")
@@ -89,16 +115,18 @@ def _report_subprocess(ccs: Sequence[int], workers: Optional[int],
 
 def report(ccs: Iterable[int] = DEFAULT_CCS, workers: Optional[int] = None,
            timeout: Optional[float] = None,
-           specs: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
+           specs: Optional[List[Dict[str, Any]]] = None,
+           mix: bool = True) -> List[Dict[str, Any]]:
     """One row per (variant, cc): ``variant, cc, arch, registers, spill_stores, spill_loads,
     stack, mix`` (SASS instructions by class, :func:`poco_kernels.kernels.budget.
-    instruction_mix`), ``seconds, error`` (``error`` is None when it compiled).  Compiles in parallel
-    processes; in a subprocess without ``TRITON_INTERPRET`` when this one interprets.
-    ``specs``: compile these variants (:func:`to_spec` data) instead of :func:`variants`."""
+    instruction_mix`; None with ``mix=False``), ``seconds, error`` (``error`` is None when
+    it compiled).  Compiles in parallel processes; in a subprocess without
+    ``TRITON_INTERPRET`` when this one interprets.  ``specs``: compile these variants
+    (:func:`to_spec` data) instead of :func:`variants`."""
     ccs = tuple(int(c) for c in ccs)
     if interpreting():
-        return _report_subprocess(ccs, workers, timeout, specs)
-    return _report_here(ccs, workers, specs)
+        return _report_subprocess(ccs, workers, timeout, specs, mix)
+    return _report_here(ccs, workers, specs, mix)
 
 
 def format_table(rows: Sequence[Dict[str, Any]]) -> str:
@@ -129,6 +157,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--workers", type=int, default=None, help="parallel compile processes")
     ap.add_argument("--specs", default=None,
                     help="a JSON file of variants (to_spec data) to compile instead")
+    ap.add_argument("--no-mix", action="store_true",
+                    help="leave out the SASS instruction mix (no disassembly)")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON line")
     args = ap.parse_args(argv)
     ccs = tuple(args.cc or DEFAULT_CCS)
@@ -137,7 +167,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.specs:
         with open(args.specs) as f:
             specs = json.load(f)
-    rows = report(ccs, args.workers, specs=specs)
+    rows = report(ccs, args.workers, specs=specs, mix=not args.no_mix)
     if args.json:
         print(json.dumps(rows))
     else:
