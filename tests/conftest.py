@@ -4,9 +4,18 @@ import sys
 # Triton runs through its CPU interpreter in the tests: this must be set before anything
 # (torch included) imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# A pytest-xdist worker (pyproject.toml runs one per core) computes on one thread: two
+# workers with two OpenMP threads each on two cores took twice as long as one process.
+# Tests of several threads set their count themselves.
+_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if _XDIST_WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
+
+if _XDIST_WORKER:
+    torch.set_num_threads(1)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -111,9 +111,8 @@ class OptimConfig:
     #: (None: no outer loop)
     refresh_every: Optional[int] = None
     warmup: int = 0
-    #: the parameter dtypes of its trajectory runs, and those the Triton interpreter runs
+    #: the parameter dtypes of its trajectory runs
     dtypes: Tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
-    triton_dtypes: Optional[Tuple[torch.dtype, ...]] = None
     tolerances: Dict[torch.dtype, dict] = dataclasses.field(default_factory=lambda: TRAJECTORY)
     #: the costlier variants of a suite run it (every copy mode, the Triton round trips)
     representative: bool = False
@@ -139,11 +138,6 @@ class OptimConfig:
         here = _here()
         return tuple(b for b in (self.backends or self.info.backends) if b in here)
 
-    def dtypes_on(self, backend: str) -> Tuple[torch.dtype, ...]:
-        if backend == "triton" and self.triton_dtypes is not None:
-            return self.triton_dtypes
-        return self.dtypes
-
     def tol(self, dtype: torch.dtype) -> dict:
         return self.tolerances[dtype]
 
@@ -162,7 +156,6 @@ def _c(id, optimizer, uses, **kw):
                        **own)
 
 
-_TRITON_FLOAT32_ONLY = dict(triton_dtypes=(torch.float32,))
 _CPU = ("torch", "cpp")
 _CPU_TRITON = ("torch", "cpp", "triton")
 
@@ -170,9 +163,8 @@ _CONFIGS = [
     # ------------------------------------------------------------------ IVON
     _c("IVON-clip", "IVON", "trajectory", lr=0.05, ess=300.0, hess_init=0.5, beta2=0.999,
        clip_radius=0.5),
-    # (the slowest configurations under the Triton interpreter: float32 only there)
     _c("IVON-mc2-nodebias", "IVON", "trajectory", lr=0.05, ess=300.0, mc_samples=2,
-       debias=False, rescale_lr=False, **_TRITON_FLOAT32_ONLY),
+       debias=False, rescale_lr=False),
     _c("IVON-mc2", "IVON", "resume", lr=0.05, ess=300.0, mc_samples=2),
     _c("IVON-mc2-ess100", "IVON", "copy", lr=0.05, ess=100.0, mc_samples=2, backends=_CPU),
     _c("IVON-pow2", "IVON", "conventions", lr=0.125, ess=100.0, backends=_CPU),
@@ -187,7 +179,7 @@ _CONFIGS = [
        alpha=0.6, rho1=0.5, rho2=0.2, outer_noise="independent", refresh_every=8, warmup=3),
     _c("IVONPoCo-antithetic-floor-mc2", "IVONPoCo", "trajectory", lr=0.05, ess=200.0,
        beta2=0.999, alpha=0.7, refresh_samples=2, refresh_antithetic=True, hess_floor=0.5,
-       mc_samples=2, hess_corr_scale=1.0, refresh_every=8, warmup=2, **_TRITON_FLOAT32_ONLY),
+       mc_samples=2, hess_corr_scale=1.0, refresh_every=8, warmup=2),
     _c("IVONPoCo-rho2", "IVONPoCo", "resume", lr=0.05, ess=300.0, beta2=0.999, alpha=0.5,
        rho1=0.3, rho2=0.1),
     _c("IVONPoCo-antithetic-rho1", "IVONPoCo", "copy", lr=0.05, ess=100.0, alpha=0.8, rho1=0.5,

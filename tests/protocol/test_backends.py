@@ -39,12 +39,8 @@ def _trajectory(name, backend, dtype, steps=STEPS):
 
 
 def _trajectory_cases():
-    """Every trajectory configuration x fused backend x dtype; the dtypes a configuration
-    leaves out on the Triton interpreter (``triton_dtypes``, CI time) are skipped."""
-    skip = pytest.mark.skip(reason="CI time (the Triton interpreter): bf16 on Triton runs "
-                            "the other configurations; this one runs bf16 on C++")
-    return [pytest.param(c.id, dtype, fused, id=f"{c.id}-{str(dtype)[6:]}-{fused}",
-                         marks=() if dtype in c.dtypes_on(fused) else skip)
+    """Every trajectory configuration x fused backend x dtype."""
+    return [pytest.param(c.id, dtype, fused, id=f"{c.id}-{str(dtype)[6:]}-{fused}")
             for c in CONFIGS.values() for fused in FUSED_BACKENDS if fused in c.runs_on()
             for dtype in c.dtypes]
 

@@ -27,13 +27,8 @@ def _roundtrip(sd):
 
 
 def _resume_cases():
-    """Every resume configuration x backend x cut; the Triton interpreter (slow) takes cut
-    13 only."""
-    skip = pytest.mark.skip(reason="CI time (the Triton interpreter): cut 13, mid inner "
-                            "loop after two refreshes, covers the fused resume on Triton; "
-                            "cut 7 runs on C++")
-    return [pytest.param(c.optimizer, cut, b, id=f"{c.id}-{b}-{cut}",
-                         marks=skip if b == "triton" and cut == 7 else ())
+    """Every resume configuration x backend x cut."""
+    return [pytest.param(c.optimizer, cut, b, id=f"{c.id}-{b}-{cut}")
             for c in OPTIMIZERS.values() for b in c.runs_on()
             for cut in (7, 13)]                 # 13: mid inner loop, after 2 refreshes
 
