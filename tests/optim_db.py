@@ -104,8 +104,7 @@ class OptimConfig:
     optimizer: str              #: the :data:`OPTIMIZERS` key
     kwargs: Mapping[str, Any]   #: read-only
     uses: frozenset             #: the suites that run it (see the module's docstring)
-    #: the backends that run it where the suite does not run every one (the Triton
-    #: interpreter is slow: a representative few); None: every backend of its class
+    #: the backends that run it where not every backend of its class does; None: every one
     backends: Optional[Tuple[str, ...]] = None
     #: a suite's refresh schedule: every ``refresh_every`` steps from step ``warmup``
     #: (None: no outer loop)
@@ -157,7 +156,6 @@ def _c(id, optimizer, uses, **kw):
 
 
 _CPU = ("torch", "cpp")
-_CPU_TRITON = ("torch", "cpp", "triton")
 
 _CONFIGS = [
     # ------------------------------------------------------------------ IVON
@@ -166,8 +164,8 @@ _CONFIGS = [
     _c("IVON-mc2-nodebias", "IVON", "trajectory", lr=0.05, ess=300.0, mc_samples=2,
        debias=False, rescale_lr=False),
     _c("IVON-mc2", "IVON", "resume", lr=0.05, ess=300.0, mc_samples=2),
-    _c("IVON-mc2-ess100", "IVON", "copy", lr=0.05, ess=100.0, mc_samples=2, backends=_CPU),
-    _c("IVON-pow2", "IVON", "conventions", lr=0.125, ess=100.0, backends=_CPU),
+    _c("IVON-mc2-ess100", "IVON", "copy", lr=0.05, ess=100.0, mc_samples=2),
+    _c("IVON-pow2", "IVON", "conventions", lr=0.125, ess=100.0),
     _c("IVON-beta2", "IVON", "transactional", lr=0.05, ess=300.0, beta2=0.999),
     # historical: IVON-mc2 with clip_radius
     _c("IVON-mc2-clip", "IVON", "legacy", lr=0.05, ess=300.0, mc_samples=2, clip_radius=0.5,
@@ -183,9 +181,9 @@ _CONFIGS = [
     _c("IVONPoCo-rho2", "IVONPoCo", "resume", lr=0.05, ess=300.0, beta2=0.999, alpha=0.5,
        rho1=0.3, rho2=0.1),
     _c("IVONPoCo-antithetic-rho1", "IVONPoCo", "copy", lr=0.05, ess=100.0, alpha=0.8, rho1=0.5,
-       refresh_samples=2, refresh_antithetic=True, backends=_CPU_TRITON, representative=True),
+       refresh_samples=2, refresh_antithetic=True, representative=True),
     _c("IVONPoCo-pow2", "IVONPoCo", "conventions", lr=0.125, ess=100.0, alpha=0.5, rho1=0.3,
-       rho2=0.1, backends=_CPU_TRITON, representative=True),
+       rho2=0.1, representative=True),
     _c("IVONPoCo-rho1", "IVONPoCo", "transactional", lr=0.05, ess=300.0, beta2=0.999,
        alpha=0.5, rho1=0.3),
     # historical: IVONPoCoMo with alpha 0.6; an antithetic pair of refresh samples
@@ -203,10 +201,9 @@ _CONFIGS = [
        refresh_every=8, warmup=2),
     _c("SVRG-momentum-alpha", "SVRG", "resume transactional", lr=0.05, momentum=0.9,
        alpha=0.7),
-    _c("SVRG-momentum", "SVRG", "copy", lr=0.1, momentum=0.9, backends=_CPU_TRITON,
-       representative=True),
+    _c("SVRG-momentum", "SVRG", "copy", lr=0.1, momentum=0.9, representative=True),
     _c("SVRG-pow2", "SVRG", "conventions", lr=0.0625, alpha=0.5, momentum=0.9,
-       weight_decay=1e-3, backends=_CPU_TRITON, representative=True),
+       weight_decay=1e-3, representative=True),
     # historical: SVRG-momentum-alpha with weight decay
     _c("SVRG-momentum-alpha-wd", "SVRG", "legacy", lr=0.05, momentum=0.9, alpha=0.7,
        weight_decay=1e-3, legacy=("SVRG", "SVRG", 14, _CPU), historical=True),
@@ -215,16 +212,16 @@ _CONFIGS = [
        refresh_every=8, warmup=2),
     _c("SVRGAdamW-alpha", "SVRGAdamW", "resume transactional legacy", lr=1e-2, alpha=0.5,
        legacy=("SVRGAdamW", "SVRGAdamW", 15, _CPU)),
-    _c("SVRGAdamW-lr0.01", "SVRGAdamW", "copy", lr=1e-2, weight_decay=1e-2, backends=_CPU),
-    _c("SVRGAdamW-pow2", "SVRGAdamW", "conventions", lr=0.015625, alpha=0.5, backends=_CPU),
+    _c("SVRGAdamW-lr0.01", "SVRGAdamW", "copy", lr=1e-2, weight_decay=1e-2),
+    _c("SVRGAdamW-pow2", "SVRGAdamW", "conventions", lr=0.015625, alpha=0.5),
     # ------------------------------------------------------------------ VSGD-PoCo
     _c("VSGDPoCo-momentum", "VSGDPoCo", "trajectory", lr=0.1, sigma=0.01, momentum=0.5,
        refresh_every=8, warmup=2),
     _c("VSGDPoCo-lr0.05", "VSGDPoCo", "resume legacy", lr=0.05, sigma=0.01, momentum=0.5,
        legacy=("VSGDPoCo", "VSGDPoCo", 16, _CPU)),
-    _c("VSGDPoCo-plain", "VSGDPoCo", "copy", lr=0.1, sigma=0.01, backends=_CPU),
+    _c("VSGDPoCo-plain", "VSGDPoCo", "copy", lr=0.1, sigma=0.01),
     _c("VSGDPoCo-pow2", "VSGDPoCo", "conventions", lr=0.0625, sigma=0.01, alpha=0.5,
-       momentum=0.5, backends=_CPU),
+       momentum=0.5),
     _c("VSGDPoCo-alpha", "VSGDPoCo", "transactional", lr=0.05, sigma=0.01, momentum=0.5,
        alpha=0.8),
     # ------------------------------------------------------------------ VON-PoCo

@@ -13,8 +13,8 @@ parameters are refused (ValueError, torch warns), and a step in which no trainab
 parameter received a gradient is an error (torch: a no-op).
 
 The Triton backend runs through its CPU interpreter (slow): it takes the round trips
-(state dict, deepcopy, pickle, hooks) and missing gradients, for the representative
-configurations (IVON-PoCo and SVRG).  Whole-trajectory resumes at many cut points are
+(state dict, deepcopy, pickle, hooks) and missing gradients, for every fused optimizer
+(the other checks are the engine's, which the backends share).  Whole-trajectory resumes at many cut points are
 tests/state/test_state_dict.py's; invalid input leaving the optimizer unchanged is
 tests/state/test_transactional.py's; the package's own habits (frozen parameters
 unfrozen, IVON -> IVON-PoCo(Mo), ...) are tests/conventions/test_habits.py's.
@@ -65,8 +65,7 @@ def _own_cases(backends):
 
 #: every optimizer on the torch backend and the C++ kernels
 CASES = _own_cases(CPU_BACKENDS)
-#: ... and the Triton kernels where the configuration runs them (the representative ones:
-#: the interpreter is slow)
+#: ... and the Triton kernels (the round trips and missing gradients)
 CASES_RT = CASES + _own_cases(["triton"])
 OMIT = object()
 

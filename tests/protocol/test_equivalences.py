@@ -72,7 +72,7 @@ def test_ivon_poco_is_ivon(mode, backend):
     o1 = pk.IVON(m1.parameters(), seed=7, backend=backend, **kw)
     o2 = pk.IVONPoCo(m2.parameters(), seed=7, alpha=0.0 if mode == "alpha0" else 0.7,
                      rho1=0.5, rho2=0.2, backend=backend, **kw)
-    steps = 16 if backend == "triton" else 30        # (CI time: the Triton interpreter)
+    steps = 30
     run(o1, m1, prob, steps)
     run(o2, m2, prob, steps, refresh_every=5 if mode == "alpha0" else None, warmup=5)
     if mode == "alpha0":

@@ -13,9 +13,6 @@ from helpers import FUSED_BACKENDS, Problem, mlp, params_of
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BACKENDS = ["torch"] + FUSED_BACKENDS
-#: CI time (the Triton interpreter): Triton runs the bit-identity test; the engine code
-#: the others exercise is shared with C++ (tests/kernels/test_kernels.py checks both kernels)
-CPU = ["torch"] + [b for b in FUSED_BACKENDS if b == "cpp"]
 STATE = ("mean", "momentum", "h", "g_out", "h_out", "m_out", "sigma_out")
 
 
@@ -62,7 +59,7 @@ def test_the_same_steps_as_without_it(backend, cls, kw):
     assert all(torch.equal(a, b) for a, b in zip(params_of(m1), params_of(m0)))
 
 
-@pytest.mark.parametrize("backend", ["torch"] + [b for b in FUSED_BACKENDS if b == "cpp"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype,protocol", [(torch.bfloat16, "closure"),
                                             (torch.float32, "sampled")])
 def test_the_same_steps_in_bf16_and_with_the_sampled_protocol(backend, dtype, protocol):
@@ -89,7 +86,7 @@ def test_the_fused_step_writes_it_and_the_next_step_samples_nothing(monkeypatch)
         assert len(calls) == launches, cls.__name__
 
 
-@pytest.mark.parametrize("backend", CPU)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_changed_ess_draws_the_sample_again(backend):
     """The sample left by the step was drawn with the step's ess: a new ess before the next
     step makes the next sample a sample pass (the same steps as without sample_ahead)."""
@@ -104,7 +101,7 @@ def test_a_changed_ess_draws_the_sample_again(backend):
         assert all(torch.equal(a, b) for a, b in zip(outs[0][k], outs[1][k])), k
 
 
-@pytest.mark.parametrize("backend", CPU)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_refused_step_leaves_the_sample_a_twin_holds(backend):
     """A step refused for a non-finite gradient: parameters (the next sample), state and
     the following steps as those of a twin that never saw the call."""
@@ -127,7 +124,7 @@ def test_a_refused_step_leaves_the_sample_a_twin_holds(backend):
     assert all(torch.equal(a, b) for a, b in zip(params_of(m), params_of(twin_m)))
 
 
-@pytest.mark.parametrize("backend", CPU)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_copies_state_dicts_and_from_ivon(backend):
     """A deepcopy holds the same sample and continues the same; a state dict has the mean
     (a fresh optimizer loading it continues the same steps); from_ivon puts the mean
@@ -162,7 +159,7 @@ def test_sample_ahead_is_validated():
         pk.IVON(mlp().parameters(), lr=0.1, ess=10.0, sample_ahead=1)
 
 
-@pytest.mark.parametrize("backend", ["torch"] + [b for b in FUSED_BACKENDS if b == "cpp"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("event", ["freeze", "load", "add_group_then_copy", "relink"])
 def test_layout_changes_between_steps(backend, event):
     """Freezing a layer, loading a state dict, adding a group (then copying), re-pointing
@@ -198,7 +195,7 @@ NOISE_SETTINGS = {"noise_version": (2, 1, (0, 3, True, 2.0, "1")),
                   "seed": (5, 77, (-1, 2 ** 63, True, 5.0, "5", None))}
 
 
-@pytest.mark.parametrize("backend", CPU)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("setting", NOISE_SETTINGS)
 def test_a_new_noise_setting_redraws_the_sample_left_ahead(backend, setting):
     """Setting ``noise_version`` (as after loading an old checkpoint) or ``seed`` mid-run:

@@ -20,18 +20,13 @@ BACKENDS = available_backends()
 CONFIGS = {c.optimizer: c for c in configs("copy")}
 EVERY = 3
 MODES = ["deepcopy", "deepcopy-pair", "pickle-pair"]
-#: the torch backend and the C++ kernels: every mode for the representative configurations
-#: (IVON-PoCo, SVRG), the pair deepcopy for the others (CI time); the Triton interpreter
-#: (slow): one mode each for the representatives
-TRITON_MODE = {"IVONPoCo": "deepcopy-pair", "SVRG": "pickle-pair"}
-
-
 def _copy_cases():
+    """Every backend; every mode for the representative configurations (IVON-PoCo, SVRG),
+    the pair deepcopy for the others (CI time)."""
     out = []
     for c in CONFIGS.values():
         for b in c.runs_on():
-            modes = ([TRITON_MODE[c.optimizer]] if b == "triton" else
-                     MODES if c.representative else ["deepcopy-pair"])
+            modes = MODES if c.representative else ["deepcopy-pair"]
             out += [pytest.param(c.optimizer, b, m, id=f"{c.id}-{b}-{m}") for m in modes]
     return out
 
@@ -156,13 +151,12 @@ def test_a_copy_continues_bit_identically(name, backend, mode, one_thread):
     assert_same(opt, o2)
 
 
-#: pending gradients: the representatives and the configuration without an outer loop,
-#: on the torch backend and the C++ kernels; both kinds of pending sums where the
-#: optimizer is noisy and refreshes
+#: pending gradients: the representatives and the configuration without an outer loop;
+#: both kinds of pending sums where the optimizer is noisy and refreshes
 PENDING = [pytest.param(c.optimizer, b, k, id=f"{c.id}-{b}-{k}")
            for c in configs("copy", grad_closure=True)
            if c.representative or not c.info.has_refresh
-           for b in c.runs_on() if b != "triton"
+           for b in c.runs_on()
            for k in (("inner", "refresh") if c.info.has_refresh and c.info.noisy
                      else ("inner",))]
 

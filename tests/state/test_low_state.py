@@ -23,8 +23,7 @@ LOW = ("momentum", "g_out", "h_out", "m_out", "sigma_out")
 #: bfloat16 (the others stay float32)
 MODES = {"state": (dict(state_dtype=BF16), LOW),
          "outer": (dict(state_dtype=None, outer_dtype=BF16), ("g_out", "h_out"))}
-#: CI time: Triton (the interpreter) in the backend agreement only
-CPU = ["torch"] + [b for b in FUSED_BACKENDS if b == "cpp"]
+BACKENDS = ["torch"] + FUSED_BACKENDS
 
 
 def _make(backend, state_dtype=BF16, cls=pk.IVONPoCoMo, mode=None, **kw):
@@ -69,7 +68,7 @@ def test_stochastic_rounding_is_unbiased_and_brackets():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("backend", ["torch"] + FUSED_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_backends_agree_and_stay_near_float32_state(backend, mode):
     """Every backend follows the torch backend's trajectory with bfloat16 state (the same
     rounding bits), and the run stays near the float32-state run."""
@@ -102,7 +101,7 @@ def test_the_bytes_it_holds():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("backend", CPU)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_checkpoints_resume_bit_for_bit(backend, mode):
     """A state dict (and a deepcopy) taken mid-run continues exactly as the run."""
     m, o = _train(*_make(backend, mode=mode), 9)
@@ -125,7 +124,7 @@ def test_checkpoints_resume_bit_for_bit(backend, mode):
 def test_state_dicts_convert_between_state_dtypes():
     """A float32-state checkpoint loads into a bfloat16-state optimizer (rounded to
     nearest) and back (widened exactly); both go on training."""
-    m32, o32 = _train(*_make("cpp" if "cpp" in CPU else "torch", None), 5)
+    m32, o32 = _train(*_make("cpp" if "cpp" in BACKENDS else "torch", None), 5)
     m, o = _make(o32.backend)
     m.load_state_dict(m32.state_dict())
     o.load_state_dict(o32.state_dict())
@@ -145,7 +144,7 @@ def test_state_dicts_convert_to_and_from_bfloat16_outer_estimates():
     """Checkpoints of float32 state and of bfloat16 state load into an optimizer with
     bfloat16 outer estimates: each buffer takes its own dtype (rounded to nearest, or
     widened exactly), and the loaded optimizer's own checkpoint goes back the same way."""
-    backend = "cpp" if "cpp" in CPU else "torch"
+    backend = "cpp" if "cpp" in BACKENDS else "torch"
     for src_mode in (None, "state"):
         m_src, o_src = _train(*_make(backend, None, mode=src_mode), 5)
         m, o = _make(backend, mode="outer")
@@ -165,12 +164,13 @@ def test_state_dicts_convert_to_and_from_bfloat16_outer_estimates():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("backend", CPU)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_refused_step_changes_nothing(backend, mode):
-    """A non-finite gradient raises; state (bfloat16 buffers included) and the steps that
-    follow equal those of a twin that never saw it."""
+    """A non-finite gradient raises (``check_finite``, which Triton leaves off by default);
+    state (bfloat16 buffers included) and the steps that follow equal those of a twin that
+    never saw it."""
     prob = Problem()
-    m, o = _train(*_make(backend, mode=mode), 5)
+    m, o = _train(*_make(backend, mode=mode, check_finite=True), 5)
     twin = copy.deepcopy((m, o))
 
     def bad():
