@@ -1,8 +1,6 @@
 """IVON here against ivon-opt 0.1.3, step for step, fed the same standard-normal draws
 (on every backend: the fused kernels regenerate the stream that ivon-opt is fed here,
 to float rounding of the normal transform)."""
-import math
-
 import pytest
 import torch
 

@@ -25,8 +25,6 @@ def _objective(w, X, y):
 
 
 def _lbfgs(X, y):
-    Xn, yn = X.numpy(), y.numpy()
-
     def f(w):
         wt = torch.tensor(w, requires_grad=True)
         loss = _objective(wt, X, y)

@@ -183,7 +183,7 @@ def _spd_problem():
 @pytest.mark.parametrize("update", ["paper", "blr"])
 def test_precision_stays_spd_where_the_unguarded_update_is_indefinite(update):
     prob = _spd_problem()
-    n, d, ess, min_eig, beta, lr = prob.n, prob.d, 4.0, 1e-2, 1.0, 0.1
+    n, ess, min_eig, beta, lr = prob.n, 4.0, 1e-2, 1.0, 0.1
     opt = VONPoCo([prob.w], ess=ess, lr=lr, beta=beta, alpha=1.0, noise_scale=0.0,
                   prior_precision=1e-2, min_eig=min_eig, precision_update=update)
     full = torch.arange(n)
