@@ -4,8 +4,8 @@ import sys
 # Triton runs through its CPU interpreter in the tests: this must be set before anything
 # (torch included) imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# A pytest-xdist worker (pyproject.toml runs one per core) computes on one thread: two
-# workers with two OpenMP threads each on two cores took twice as long as one process.
+# A pytest-xdist worker (pytest_cmdline_main below: one per core) computes on one thread:
+# two workers with two OpenMP threads each on two cores took longer than one process.
 # Tests of several threads set their count themselves.
 _XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 if _XDIST_WORKER:
@@ -18,6 +18,20 @@ if _XDIST_WORKER:
     torch.set_num_threads(1)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The tests run on a pytest-xdist worker per core (at most 4), a file's tests in one
+    worker (its module fixtures built once), unless ``-n`` says otherwise (``-n 0``: in
+    this process).  Here, not in pyproject's addopts: ``pytest benchmarks`` (the
+    microbenchmarks, which xdist would disable) stays in one process."""
+    if (config.pluginmanager.hasplugin("xdist") and not _XDIST_WORKER
+            and not hasattr(config, "workerinput") and config.option.numprocesses is None):
+        config.option.numprocesses = "auto"
+        config.option.maxprocesses = config.option.maxprocesses or 4
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
 
 
 @pytest.fixture
