@@ -28,9 +28,9 @@ def _compile_logged(variant, cc: int):
     from Triton's cache (no log), a second ``ptxas -v`` of its PTX
     (:func:`resource_report`, the same flags: the same numbers)."""
     from triton import knobs
-    knobs.nvidia.dump_ptxas_log = True
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(out):
+        knobs.nvidia.dump_ptxas_log = True
         compiled = compile_variant(variant, cc)
     try:
         return compiled, parse_ptxas_log(out.getvalue())
