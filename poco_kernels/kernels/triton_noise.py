@@ -178,7 +178,7 @@ def _randn_v2_at(seed, gidx, counter, stream):
     c1 = (q >> 32).to(tl.uint32)
     zero = c0 * 0
     w0, w1, w2, w3 = _philox(seed, c0, c1, zero + counter.to(tl.uint32),
-                               zero + stream.to(tl.uint32))
+                             zero + stream.to(tl.uint32))
     hi = lane >= 2
     a, b = _normal_pair(tl.where(hi, w2, w0), tl.where(hi, w3, w1))
     return tl.where((lane & 1) == 0, a, b)

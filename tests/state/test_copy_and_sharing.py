@@ -20,6 +20,8 @@ BACKENDS = available_backends()
 CONFIGS = {c.optimizer: c for c in configs("copy")}
 EVERY = 3
 MODES = ["deepcopy", "deepcopy-pair", "pickle-pair"]
+
+
 def _copy_cases():
     """Every backend; every mode for the representative configurations (IVON-PoCo, SVRG),
     the pair deepcopy for the others (CI time)."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import poco_kernels as pk
-from helpers import FUSED_BACKENDS, Problem, mlp, params_of
+from helpers import Problem, available_backends, mlp, params_of
 from poco_kernels import noise
 from poco_kernels import reference as R
 from tolerances import TRAJECTORY, assert_close
@@ -23,7 +23,7 @@ LOW = ("momentum", "g_out", "h_out", "m_out", "sigma_out")
 #: bfloat16 (the others stay float32)
 MODES = {"state": (dict(state_dtype=BF16), LOW),
          "outer": (dict(state_dtype=None, outer_dtype=BF16), ("g_out", "h_out"))}
-BACKENDS = ["torch"] + FUSED_BACKENDS
+BACKENDS = available_backends()
 
 
 def _make(backend, state_dtype=BF16, cls=pk.IVONPoCoMo, mode=None, **kw):
