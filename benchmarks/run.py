@@ -16,7 +16,8 @@ sections, each written to ``--out`` as soon as it is done:
    the device's copy bandwidth, measured in the same run (the ceiling).
 2. **The optimizer table** (``common/optimizer_table.py``, also ``bench_gpu.py --quick``'s):
    one training iteration of fused and foreach AdamW, ivon-opt's IVON, and our IVON and
-   IVON-PoCoMo (default, ``sample_ahead``, bfloat16 state, ``grad_views=False``) at
+   IVON-PoCoMo (default, the copy protocol ``sample_ahead=False``, ``sample_ahead``,
+   bfloat16 state, ``grad_views=False``) at
    GPT-2 124M's 148 parameter shapes: optimizer milliseconds with the closure
    subtracted, ratio to fused AdamW, host microseconds per iteration (the same shapes at
    41k parameters), bytes per parameter by the model and at the measured copy bandwidth,

@@ -55,6 +55,10 @@ extern PyObject* parameter_type;
 // presence.cpp: watch(params, flags, owner) -> None
 PyObject* watch(PyObject* self, PyObject* args);
 
+// park.cpp: park(flat, mean, spare, params), unpark(flat, spare, params) -> (before, after)
+PyObject* park(PyObject* self, PyObject* args);
+PyObject* unpark(PyObject* self, PyObject* args);
+
 // bound.cpp: bind(name, args) -> capsule; call(capsule) -> None
 PyObject* bind(PyObject* self, PyObject* args);
 PyObject* call(PyObject* self, PyObject* capsule);

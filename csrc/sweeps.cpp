@@ -273,6 +273,12 @@ PyMethodDef kMethods[] = {
     {"same_addresses", same_addresses, METH_VARARGS,
      "same_addresses(tensors, addresses) -> bool: every tensors[i].data_ptr() == addresses[i]"},
     {"versions", versions, METH_O, "versions(tensors) -> list: each tensor's _version"},
+    {"park", park, METH_VARARGS,
+     "park(flat, mean, spare, params) -> (before, after): flat's storage reads mean's memory, "
+     "its own waits in the empty spare; params' versions bumped; their sums before, after"},
+    {"unpark", unpark, METH_VARARGS,
+     "unpark(flat, spare, params) -> (before, after): flat's storage takes its memory back "
+     "from the spare; params' versions bumped; their sums before and after"},
     {"grads", grads, METH_VARARGS,
      "grads(params, views) -> (defined, matching): .grad not None, .grad is views[i]"},
     {"readable_grads", readable_grads, METH_O,

@@ -13,6 +13,7 @@ from torch import Tensor
 from . import _sweeps
 from . import noise as _noise
 from ._layout import Bucket, build_buckets, expose, padded_copy
+from ._transaction import parking
 from ._validation import check, check_group_keys
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -200,6 +201,7 @@ class ParamGroupsMixin:
         """Per-parameter views of the flat buffers, as ``optimizer.state[p]``."""
         expose(self.state, b)
 
+    @parking
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a parameter group (``torch.optim`` semantics).  Refused, with the optimizer
         unchanged, while a sample is in the parameters or gradients are pending, or if the

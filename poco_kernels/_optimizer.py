@@ -110,7 +110,7 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
 
     def _initialise(self, params, defaults: Dict[str, Any], *, seed: Optional[int] = None,
                     backend: str = "auto", check_finite: Optional[bool] = None,
-                    grad_views: Optional[bool] = None, sample_ahead: bool = False,
+                    grad_views: Optional[bool] = None, sample_ahead: Optional[bool] = False,
                     state_dtype: Optional[torch.dtype] = None,
                     outer_dtype: Optional[torch.dtype] = None):
         """The constructor every generated ``__init__`` calls: ``defaults`` are the
@@ -129,9 +129,11 @@ class BucketedOptimizer(DeclaredArguments, ParamGroupsMixin, StateDictMixin,
         #: place or copied in (None until the backend resolves it, below)
         self.grad_views = grad_views
         self._grad_views_requested = grad_views
-        check(isinstance(sample_ahead, bool),
-              f"sample_ahead must be a bool, got {sample_ahead!r}")
-        #: the step leaves the next step's inner sample in the parameters (IVON family)
+        check(sample_ahead is None or isinstance(sample_ahead, bool),
+              f"sample_ahead must be None or a bool, got {sample_ahead!r}")
+        #: the step writes the next step's inner sample (IVON family): True, into the
+        #: parameters; None, beside the mean where the engine parks (the parameters hold
+        #: the mean between public calls); False: no sample ahead
         self.sample_ahead = sample_ahead
         #: dtype of the rule's ``low_state_buffers`` and of its ``outer_estimate_buffers``
         #: (None: float32 state; the outer estimates follow ``state_dtype``)

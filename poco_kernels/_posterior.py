@@ -18,7 +18,8 @@ from ._groups import _from_lightning, as_closures
 from ._optimizer import BucketedOptimizer
 from ._protocol import KIND_INNER, KIND_NAMES, KIND_OUTER, KIND_REFRESH, Pending, mean_loss
 from ._step_plan import StepPlanMixin
-from ._transaction import TransactionMixin, outside_dynamo, step_hooks, without_grad_mode
+from ._transaction import (TransactionMixin, outside_dynamo, parking, step_hooks,
+                           without_grad_mode)
 from ._validation import check
 
 
@@ -54,6 +55,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
     # optimizer without tracking its mutations), so a traced sample() would leave no
     # active sample behind it.
     @outside_dynamo
+    @parking
     def sample(self, kind: str = "inner") -> None:
         """Write a posterior sample into the parameters.
 
@@ -156,7 +158,13 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
     @outside_dynamo
     def restore(self) -> None:
         """Put the posterior mean back into the parameters (ends the active sample)."""
-        self._runner.restore()
+        self._restore()
+
+    @parking
+    def _restore(self) -> None:
+        eng = self._runner
+        if not eng.keeps_ahead():             # (else parked on the way out: nothing moves)
+            eng.restore()
         self._active = None
 
     @contextlib.contextmanager
@@ -185,6 +193,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
     # ------------------------------------------------------------------ step
     @step_hooks
     @outside_dynamo           # (see sample(); the closure runs eagerly too)
+    @parking
     @without_grad_mode
     def step(self, closure: Optional[Callable] = None, *, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None):
@@ -315,6 +324,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
 
     # ------------------------------------------------------------------ refresh
     @outside_dynamo
+    @parking
     @without_grad_mode
     def refresh(self, closures: Optional[Iterable[Callable]] = None, *,
                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
@@ -377,6 +387,10 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
             pend.clear((KIND_REFRESH,))
             self._eps_cache.clear()
             self._runner.after_update()
+        if self._runner.wants_ahead():
+            # (parking: the next inner sample now, so that every step finds it in place
+            # and an iteration after a refresh does an iteration's device work)
+            self._runner.prefetch()
         if not taken:
             return None
         self._refresh_taken()

@@ -12,7 +12,7 @@ from torch import Tensor
 from . import noise as _noise
 from ._layout import as_local, as_saved, is_sharded
 from ._protocol import Pending
-from ._transaction import outside_dynamo
+from ._transaction import outside_dynamo, parking
 from ._validation import check
 
 
@@ -63,6 +63,7 @@ class StateDictMixin:
                 "attributes": {k: v for k, v in self.__dict__.items()
                                if not k.startswith("_") and k not in self._REBUILT}}
 
+    @parking
     def __setstate__(self, state: Dict[str, Any]) -> None:
         if "poco_copy" not in state:            # torch.optim's layout: nothing to rebuild from
             super().__setstate__(state)
@@ -90,6 +91,7 @@ class StateDictMixin:
 
     # ------------------------------------------------------------------ state dict
     @outside_dynamo
+    @parking
     def state_dict(self) -> Dict[str, Any]:
         """``torch.optim``'s state dict (``state`` keyed by parameter index, ``param_groups``)
         plus a ``poco`` entry: counters, seed, pending sums, per-bucket buffers.  Runs the
@@ -144,6 +146,7 @@ class StateDictMixin:
         return {"state": state, "param_groups": groups}
 
     @outside_dynamo
+    @parking
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict of the same optimizer class over the same parameters (or one
         this class can continue: :meth:`_loadable_from`).  The hooks of

@@ -114,17 +114,21 @@ def from_recordings(a, b, eng) -> Optional[StepPlan]:
 
 def _parse(key, rec, eng) -> Optional[StepPlan]:
     """The plan of a recording of the planned pattern: per closure, the sample launches
-    (one per bucket) before it and the finiteness checks after it (one per bucket: the
-    buffer lent); then the step launches and the counters' ``finish``."""
+    (one per bucket; none for an inner sample a step left in the parameters) before it
+    and the finiteness checks after it (one per bucket: the buffer lent); then the step
+    launches and the counters' ``finish``."""
     marks, calls = rec.marks, rec.calls
     if len(marks) < 2 or marks[-1][1] != "update" \
             or any(what != "closure" for _, what, _ in marks[:-1]):
         return None
     pos = [i for i, _, _ in marks]
-    nb = pos[0]
-    if nb == 0 or any(n != _SAMPLE for n, _ in calls[:nb]):
+    nb = 0                                    # (buckets: one step launch each)
+    while pos[-1] + nb < len(calls) and calls[pos[-1] + nb][0] == _STEP:
+        nb += 1
+    if nb == 0 or pos[0] not in (0, nb) or any(n != _SAMPLE for n, _ in calls[:pos[0]]) \
+            or (pos[0] == 0 and marks[0][2][0] != KIND_INNER):
         return None
-    launches = [calls[:nb]]
+    launches = [calls[:pos[0]]]
     checks = []
     for j in range(len(marks) - 1):
         seg = calls[pos[j]:pos[j + 1]]
@@ -351,7 +355,7 @@ class StepPlanMixin:
         eng = self._runner
         pend = self._pending
         try:
-            eng.replay_sample(calls, noise)
+            eng.replay_sample(kind, calls, noise)   # (False: the slow sample ran; the rest holds)
         except BaseException:
             eng.restore()
             raise

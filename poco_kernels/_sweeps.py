@@ -132,3 +132,22 @@ def _load():
 #: "cpp" or "python": which implementation the functions below are
 (IMPLEMENTATION, same_addresses, versions, grads, readable_grads, set_grads, trainable,
  scan, grads_now) = _load()
+
+
+def _load_parking():
+    if IMPLEMENTATION == "cpp":
+        try:
+            from ._C import park as pk, unpark as up
+        except ImportError:                   # (an extension built before them)
+            return None, None
+        return pk, up
+    return None, None
+
+
+#: ``park(flat, mean, spare, params)`` and ``unpark(flat, spare, params)``, each ``->
+#: (before, after)``: the flat parameter buffer's storage reads the mean's memory while its
+#: own waits in the (empty) spare, and back; each of ``params`` has its version counter
+#: bumped; the sums of their versions before and after (``csrc/sweeps.cpp``).  No Python
+#: twin: None without the extension (the engine does not park then,
+#: ``backends/fused_park.py``)
+park, unpark = _load_parking()

@@ -83,6 +83,31 @@ def outside_dynamo(fn: Callable) -> Callable:
     return inner
 
 
+def parking(fn: Callable) -> Callable:
+    """A public call of an optimizer whose engine may park (``backends/fused_park.py``):
+    the engine unparked before ``fn`` runs (inside, it holds ``sample_ahead``'s state) and
+    parked after it where it may (no sample active, the next sample in the parameters):
+    between public calls the parameters hold the mean.  A call made inside another (a
+    failure's ``restore()``) leaves it to the outer one."""
+    @functools.wraps(fn)
+    def inner(self, *args, **kwargs):
+        d = self.__dict__
+        if d.get("_in_call"):
+            return fn(self, *args, **kwargs)
+        eng = d.get("_runner")
+        if eng is not None and eng.parked:
+            eng.unpark()
+        d["_in_call"] = True
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            d["_in_call"] = False
+            eng = d.get("_runner")            # (a constructor's, or a copy's, made inside)
+            if eng is not None and d.get("_active") is None and eng.may_park():
+                eng.park()
+    return inner
+
+
 def without_grad_mode(fn: Callable) -> Callable:
     """``fn`` under ``torch.no_grad()``, entered by hand (torch's decorator makes two
     context-manager objects per call: about 1.5 us more)."""

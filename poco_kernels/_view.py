@@ -60,7 +60,7 @@ class OptimizerView:
         return self._opt.grad_views
 
     @property
-    def sample_ahead(self) -> bool:
+    def sample_ahead(self) -> Optional[bool]:
         return self._opt.sample_ahead
 
     @property

@@ -76,13 +76,18 @@ class IVON(PosteriorOptimizer):
     debias: bool = hyperparameter(default=True, doc="divide ``g`` by ``1 - beta1^t``.")
     rescale_lr: bool = hyperparameter(default=True, doc="""\
         multiply lr by ``hess_init + wd``, as ivon-opt.""")
-    sample_ahead: bool = option(default=False, doc="""\
-        the step leaves the NEXT step's inner posterior sample in the parameters (computed
-        in the same pass as the update, so no separate sample pass and no restore between
-        iterations).  Between steps the parameters then hold that sample, not the mean:
-        call :meth:`restore` before evaluating at the mean or saving
-        ``model.state_dict()`` (the optimizer's state dict always has the mean).  False:
-        the step writes the mean into the parameters.""")
+    sample_ahead: Optional[bool] = option(default=None, doc="""\
+        where the NEXT step's inner posterior sample goes, which the step computes in the
+        update's own pass (no separate sample pass, no restore between iterations).
+        ``None``: beside the mean; between public calls the parameters hold the mean,
+        their storage reading the mean buffer's memory, and nothing is copied
+        (docs/design.md, 'The sampling protocol'; on the fused backends with float32
+        parameters in unsharded buckets, else as ``False``).  ``True``: into the
+        parameters, which hold that sample between steps, not the mean: call
+        :meth:`restore` before evaluating at the mean or saving ``model.state_dict()``
+        (the optimizer's state dict always has the mean).  ``False``: no sample ahead; the
+        step writes the mean into the parameters, and each step draws its sample in a pass
+        of its own.""")
     state_dtype: Optional[torch.dtype] = option(default=None, doc="""\
         ``None`` (float32 state; float64 for float64 parameters) or ``torch.bfloat16``:
         the optimizer's low-precision buffers (IVON: the momentum; IVON-PoCo(Mo): also

@@ -161,8 +161,10 @@ def b_iteration(name, provider, P=S, views_default=False, direct=True):
     own tensors: read in place where the backend can (``direct``: Triton), else gathered
     and checked (C++); IVON: inner sample
     (float32 parameters hold the mean: sync) + step; IVON-PoCoMo: inner sample + outer
-    sample + step with the correction.  ``sample_ahead`` in ``provider``: no inner
-    sample (the step wrote it; its parameter write is the step's); ``bf16_state``:
+    sample + step with the correction.  The inner sample only with the copy protocol
+    (``copy`` in ``provider``: ``sample_ahead=False``); otherwise the step wrote it (its
+    parameter write is the step's), parked by default (``sample_ahead=None``: nothing
+    moves) or left in the parameters (``sample_ahead``); ``bf16_state``:
     state_dtype=bfloat16 (momentum and outer buffers 2 bytes); ``bf16_outer``:
     outer_dtype=bfloat16 (g_out and h_out 2 bytes).  Nothing to zero without
     views; the in-place add the views cost autograd is the closure's, not counted here."""
@@ -177,7 +179,7 @@ def b_iteration(name, provider, P=S, views_default=False, direct=True):
         total = grads * b_direct(P)
     else:
         total = grads * (b_gather(P) + b_check(P))
-    if "sample_ahead" not in provider:
+    if "copy" in provider:
         total += b_sample_inner(P, P == S)
     if name == "IVON":
         return total + b_step_ivon(P, L)

@@ -5,8 +5,9 @@ GPU).
 
 Rows: fused and foreach AdamW (``closure(); step()``), ivon-opt's IVON (a closure inside
 ``sampled_params(train=True)``, then ``step()``), and this package's IVON and IVON-PoCoMo
-(``step(closure)``; IVON-PoCoMo with the correction active), each of ours also with
-``sample_ahead=True``, with bfloat16 state (IVON-PoCoMo also with bfloat16 outer
+(``step(closure)``; IVON-PoCoMo with the correction active; the default
+``sample_ahead=None``: parked where it applies), each of ours also with the copy protocol
+(``sample_ahead=False``, rows ``*_copy``), with ``sample_ahead=True``, with bfloat16 state (IVON-PoCoMo also with bfloat16 outer
 estimates alone, ``outer_dtype``), and with the ``grad_views`` setting that is
 not the device's default (``is_default``: views the backward adds into on Triton;
 autograd's own ``.grad`` tensors, copied in, on C++).  The closure is what
@@ -46,10 +47,10 @@ from benchmarks.common.device import release, sync
 from benchmarks.common.report import log
 
 #: the rows, in the table's order
-KINDS = ("adamw_fused", "adamw_foreach", "ivon_opt", "ivon", "ivon_sample_ahead",
+KINDS = ("adamw_fused", "adamw_foreach", "ivon_opt", "ivon", "ivon_copy", "ivon_sample_ahead",
          "ivon_bf16_state", "ivon_grad_views", "ivon_no_grad_views", "ivon_pocomo",
-         "ivon_pocomo_sample_ahead", "ivon_pocomo_bf16_state", "ivon_pocomo_bf16_outer",
-         "ivon_pocomo_grad_views", "ivon_pocomo_no_grad_views")
+         "ivon_pocomo_copy", "ivon_pocomo_sample_ahead", "ivon_pocomo_bf16_state",
+         "ivon_pocomo_bf16_outer", "ivon_pocomo_grad_views", "ivon_pocomo_no_grad_views")
 
 
 def views_default(dev) -> bool:
@@ -201,7 +202,8 @@ def _make(kind, dev, shapes, cs, g, ivon_mod, clock, options=None):
             opt.step()
         return ivon_opt, 1, opt, ps
     kw = dict(lr=0.1, ess=1e6, hess_init=1e-3, backend=fused_backend(dev),
-              sample_ahead=kind.endswith("sample_ahead"),
+              sample_ahead=(True if kind.endswith("sample_ahead") else
+                            False if kind.endswith("_copy") else None),
               state_dtype=torch.bfloat16 if kind.endswith("bf16_state") else None)
     if kind.endswith("grad_views"):
         kw["grad_views"] = not kind.endswith("no_grad_views")

@@ -6,8 +6,9 @@ The model: three parameters of odd sizes, ``numel`` elements in all (2^24 by def
 closure ``zero_grad(); loss = sum(p * c); loss.backward()`` (a linear loss: its backward
 writes one gradient tensor per parameter, as any model's does).  Rows, for fused and
 foreach AdamW (``closure(); step()``), IVON and IVON-PoCoMo (``step(closure)``; IVON-PoCoMo
-with the correction active, its refresh timed apart), each also with ``sample_ahead=True``
-and with ``sample_ahead=True, state_dtype=torch.bfloat16``; IVON-PoCoMo with
+with the correction active, its refresh timed apart; the default, parked), each also with
+the copy protocol (``sample_ahead=False``), with ``sample_ahead=True`` and with
+``sample_ahead=True, state_dtype=torch.bfloat16``; IVON-PoCoMo with
 ``outer_dtype=torch.bfloat16``; and IVON and IVON-PoCoMo drawing noise stream version 1
 (one Philox call per normal, the stream before version 2):
 
@@ -95,6 +96,12 @@ def candidates(backend):
          lambda ps: pk.IVON(ps, lr=1e-3, ess=1.0, backend=backend), "ours"),
         ("IVONPoCoMo", f"poco_kernels.{backend}",
          lambda ps: pk.IVONPoCoMo(ps, lr=1e-3, ess=1.0, backend=backend), "ours"),
+        # the copy protocol: a sample pass each iteration (the default before parking)
+        ("IVON", f"poco_kernels.{backend}(copy)",
+         lambda ps: pk.IVON(ps, lr=1e-3, ess=1.0, backend=backend, sample_ahead=False), "ours"),
+        ("IVONPoCoMo", f"poco_kernels.{backend}(copy)",
+         lambda ps: pk.IVONPoCoMo(ps, lr=1e-3, ess=1.0, backend=backend, sample_ahead=False),
+         "ours"),
         # the noise stream of checkpoints written before version 2, for the before/after
         ("IVON", f"poco_kernels.{backend}(noise v1)",
          lambda ps: _noise_v1(pk.IVON(ps, lr=1e-3, ess=1.0, backend=backend)), "ours"),

@@ -50,11 +50,53 @@ class Backend(ABC):
         self.ahead = self._ahead_key()
 
     def ahead_family(self) -> bool:
-        """The step leaves the next inner sample in the parameters: ``sample_ahead``, and
-        every bucket's inner sample is IVON's (from ``h``)."""
+        """The step leaves the next inner sample in the parameters: ``sample_ahead`` (True,
+        or None where the engine parks: :meth:`parks`), and every bucket's inner sample
+        is IVON's (from ``h``)."""
         view = self.view
-        return (view.sample_ahead and bool(view.buckets)
-                and all(view.spec(b, 0, 0).h is not None for b in view.buckets))
+        ahead = view.sample_ahead
+        if ahead is None:
+            ahead = self.parks()
+        buckets = view.buckets
+        if not ahead or not buckets:
+            return False
+        known = self._family
+        if known is None or known[0] is not buckets:     # (per layout: the rule decides)
+            known = self._family = (buckets, all(view.spec(b, 0, 0).h is not None
+                                                 for b in buckets))
+        return known[1]
+
+    #: (the buckets, whether every inner sample is IVON's), :meth:`ahead_family`'s
+    _family = None
+
+    #: between public calls the parameters read the mean and the next sample waits
+    #: beside it (``backends/fused_park.py``); never on this base
+    parked = False
+
+    def parks(self) -> bool:
+        """``sample_ahead=None`` keeps the next sample beside the mean between public calls
+        (the fused backends where ``backends/fused_park.py`` applies); False: it is the
+        copy protocol."""
+        return False
+
+    def may_park(self) -> bool:
+        """The engine is where :meth:`park` may be called."""
+        return False
+
+    def wants_ahead(self) -> bool:
+        """The parameters hold the mean where the next sample could wait beside it (a
+        refresh's end, where the engine parks: the next sample is drawn there)."""
+        return False
+
+    def keeps_ahead(self) -> bool:
+        """``restore()`` may leave the next sample in the parameters, to be parked."""
+        return False
+
+    def park(self) -> None:
+        """The parameters read the mean until :meth:`unpark` (the end of a public call)."""
+
+    def unpark(self) -> None:
+        """The state before :meth:`park` (the start of a public call)."""
 
     def _ahead_key(self):
         """What the inner sample of each bucket depends on besides the state and counters

@@ -53,6 +53,7 @@ from .base import Backend
 from .fused_grads import GradBuffer, GradsMixin
 from .fused_presence import Watcher
 from .fused_layout import LayoutMixin
+from .fused_park import ParkMixin
 from .fused_plan import PlanMixin
 from .fused_samples import SamplesMixin
 from .fused_state import StateMixin
@@ -75,7 +76,8 @@ def bucket_reasons(backend: str, buckets) -> List[str]:
     return list(dict.fromkeys(reasons))
 
 
-class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, PlanMixin, Backend):
+class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, PlanMixin, ParkMixin,
+                   Backend):
     """Owns the flat parameter/gradient buffers, the gradient sums and the control
     tensors of one optimizer.  ``ops``: the kernels' wrapper module (``triton_ops`` or
     ``cpp_ops``).
@@ -83,8 +85,9 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, PlanMixin,
     Composed by job: :class:`~.fused_layout.LayoutMixin` (flat buffers, re-linking,
     launches per shard), :class:`~.fused_grads.GradsMixin` (the ``.grad`` views),
     :class:`~.fused_samples.SamplesMixin` (samples, gradient sums),
-    :class:`~.fused_state.StateMixin` (counters, state dict, bookkeeping); the updates
-    are here."""
+    :class:`~.fused_state.StateMixin` (counters, state dict, bookkeeping),
+    :class:`~.fused_park.ParkMixin` (the mean in the parameters between public calls,
+    nothing copied); the updates are here."""
 
     lazy_restore = True
 

@@ -17,8 +17,10 @@ is compared by identity (:meth:`PlanMixin.plan_state`), and any difference sends
 part of the iteration down the slow path, from the same state.
 
 Only the one-draw pattern of the IVON family is planned: float32 parameters in
-unsharded buckets, ``grad_views``, one sample of each kind per step, nothing ahead
-(``sample_ahead`` off), no AMP arguments.  Everything else runs as before.
+unsharded buckets, ``grad_views``, one sample of each kind per step, no AMP arguments.
+The iteration starts from the mean in the parameters, or from the next inner sample a
+step left there (``sample_ahead``, and the parked default: then the inner sample makes no
+launch).  Everything else runs as before.
 """
 from __future__ import annotations
 
@@ -113,6 +115,8 @@ class PlanMixin:
         parameters moved to the mean buffer first)."""
         view = self.view
         noise, out = {}, []
+        if self.takes_ahead(kind, 0):         # (the step wrote it: nothing moves)
+            return {b.index: self.noise_of(kind, b, 0) for b in view.buckets}, out
         for b in view.buckets:
             spec = view.spec(b, kind, 0)
             is_mean = spec.centre is b.buffers["mean"]
@@ -142,11 +146,9 @@ class PlanMixin:
     def memo_ready(self) -> bool:
         """A step's update may be replayed from its derived launches (the optimizer's
         :meth:`~poco_kernels._step_plan.StepPlanMixin._memo_update`): eagerly, over
-        unsharded buckets (no all-reduce of the bad flag first), the step writing the mean
-        (not the next sample: ``sample_ahead``), no momentum buffer waiting for its first
-        step."""
+        unsharded buckets (no all-reduce of the bad flag first), no momentum buffer waiting
+        for its first step."""
         return (self.plan_usable() and bool(self.view.buckets) and not self.mom_start
-                and not self.ahead_family()
                 and all(b.segments is None for b in self.view.buckets))
 
     def plan_usable(self) -> bool:
@@ -155,9 +157,10 @@ class PlanMixin:
         return not (torch.compiler.is_compiling() or fused_grads._capturing())
 
     def plan_ready(self) -> bool:
-        """The engine is where a planned iteration starts: the mean in the parameters,
-        nothing ahead, every trainable parameter's ``.grad`` the view handed out."""
-        if (not self.view.grad_views or self.ahead is not None or not self.params_hold_mean
+        """The engine is where a planned iteration starts: the mean in the parameters and
+        nothing ahead, or the next inner sample there (a step left it); every trainable
+        parameter's ``.grad`` the view handed out."""
+        if (not self.view.grad_views or (self.ahead is None) != self.params_hold_mean
                 or self.mom_start or not self.plan_usable()):
             return False
         for b in self.view.buckets:
@@ -187,15 +190,22 @@ class PlanMixin:
         prepared once (its records converted)."""
         return [self.ops.prepare(name, args) for name, args in calls]
 
-    def replay_sample(self, calls, noise: Dict[int, Any]) -> None:
+    def replay_sample(self, kind: int, calls, noise: Dict[int, Any]) -> bool:
         """:meth:`~.fused_samples.SamplesMixin.sample` of a planned kind: the checks and
-        the hand-out as always, then the recorded launches."""
+        the hand-out as always, then the recorded launches (none: the sample the step
+        left in the parameters).  False: the checks found that sample gone (a parameter
+        re-linked with another value), and the slow path's sample ran instead."""
         self.check_and_hand_out()
-        self.ahead = None
+        if not calls and self.ahead is None:
+            self.sample(kind, 0)
+            return False
+        if calls:
+            self.ahead = None
         for fn, args in calls:
             fn(*args)
         self.active_noise.update(noise)
         self.params_hold_mean = False
+        return True
 
     def replay_accumulate(self, kind: int, checks, check_calls) -> int:
         """:meth:`~.fused_samples.SamplesMixin.accumulate` of a planned kind, when every
@@ -235,9 +245,12 @@ class PlanMixin:
             self.check_layout()
         self._views_kept = checked
         self.ahead = None
+        nxt = self.ahead_family()             # (the launches write the next sample)
         for fn, args in calls:
             fn(*args)
-        self.params_hold_mean = True
+        self.params_hold_mean = not nxt
+        if nxt:
+            self.ahead = self._ahead_key()
         taken = self._raise_if_bad(COUNTER_STEPS, None) if self.view.check_finite else None
         for fn, args in finish:
             fn(*args)

@@ -98,6 +98,7 @@ class StateMixin:
 
     # ------------------------------------------------------------------ bookkeeping
     def loaded(self) -> None:
+        self._parks = None              # (the state dict may bring other buffers)
         self.params_hold_mean = True
         self.ahead = None
         self.mom_start.clear()          # (the state dict says which buffers exist)

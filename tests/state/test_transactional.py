@@ -274,7 +274,9 @@ def snapshot(rig):
         "buckets": [dict(group=b.group_index, n_params=len(b.params),
                          buffers={k: v.detach().clone() for k, v in b.buffers.items()})
                     for b in opt._buckets],
-        "storage": [p.data_ptr() for p in order],        # not compared between twins
+        # (the storage each parameter is a view of, and where: not its memory, which a
+        # parked engine trades, backends/fused_park.py; not compared between twins)
+        "storage": [(p.untyped_storage()._cdata, p.storage_offset()) for p in order],
     }
 
 

@@ -1,0 +1,122 @@
+// `poco_kernels._C.park` / `unpark` (their entries: the method table of sweeps.cpp).
+// Parking (poco_kernels/backends/fused_park.py): between public calls the parameters'
+// storage reads the mean buffer's memory, and its own memory (the next sample) waits in a
+// spare storage; nothing is copied.  The alias holds a reference to the mean's storage,
+// so the parameters keep their memory valid whatever is freed first.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "py_functions.h"
+
+namespace poco {
+namespace {
+
+void drop_alias(void* ctx) { delete static_cast<c10::Storage*>(ctx); }
+
+// The storages of the flat parameter buffer, the mean buffer and the spare, checked.
+struct Parked {
+  c10::StorageImpl *flat = nullptr, *mean = nullptr, *spare = nullptr;
+  bool init(PyObject* fo, PyObject* mo, PyObject* so) {
+    if (!THPVariable_Check(fo) || (mo != nullptr && !THPVariable_Check(mo)) ||
+        !THPVariable_Check(so)) {
+      PyErr_SetString(PyExc_TypeError, "park/unpark: tensors expected");
+      return false;
+    }
+    const at::Tensor& f = THPVariable_Unpack(fo);
+    const at::Tensor& s = THPVariable_Unpack(so);
+    const bool plain = f.has_storage() && s.has_storage() &&
+                       !f.unsafeGetTensorImpl()->is_python_dispatch() &&
+                       !s.unsafeGetTensorImpl()->is_python_dispatch();
+    TORCH_CHECK(plain && f.device() == s.device(),
+                "park/unpark: plain tensors with storage on one device expected");
+    flat = f.storage().unsafeGetStorageImpl();
+    spare = s.storage().unsafeGetStorageImpl();
+    TORCH_CHECK(flat != spare, "park/unpark: the spare shares the flat buffer's storage");
+    if (mo != nullptr) {
+      const at::Tensor& m = THPVariable_Unpack(mo);
+      TORCH_CHECK(m.has_storage() && !m.unsafeGetTensorImpl()->is_python_dispatch() &&
+                      m.device() == f.device(),
+                  "park: a plain mean buffer on the flat buffer's device expected");
+      mean = m.storage().unsafeGetStorageImpl();
+      TORCH_CHECK(mean != flat && mean != spare, "park: the mean shares a storage");
+    }
+    return true;
+  }
+};
+
+// A sequence of tensors only (else an error set: false).
+bool all_tensors(const Tensors& p) {
+  if (!p.ok()) return false;
+  for (Py_ssize_t i = 0; i < p.n; ++i) {
+    if (p.tensor(i) == nullptr) return false;
+  }
+  return true;
+}
+
+long long version_sum(const Tensors& p) {
+  long long sum = 0;
+  for (Py_ssize_t i = 0; i < p.n; ++i) sum += p.tensor(i)->_version();
+  return sum;
+}
+
+long long bump(const Tensors& p) {
+  for (Py_ssize_t i = 0; i < p.n; ++i) torch::autograd::impl::bump_version(*p.tensor(i));
+  return version_sum(p);
+}
+
+}  // namespace
+
+// park(flat, mean, spare, params) -> (before, after): the flat buffer's storage hands its
+// memory to the (empty) spare and reads the mean's; each of params has its version bumped
+// (a backward through a graph that saved one before fails, as after an in-place write).
+// before/after: the sums of their versions (counters only grow: equal sums, none moved).
+PyObject* park(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *fo, *mo, *so, *ps;
+  if (!PyArg_ParseTuple(args, "OOOO", &fo, &mo, &so, &ps)) return nullptr;
+  Parked k;
+  if (!k.init(fo, mo, so)) return nullptr;
+  Tensors p(ps, Hold::kBorrow);
+  if (!all_tensors(p)) return nullptr;
+  TORCH_CHECK(k.spare->nbytes() == 0, "park: the spare is not empty (parked already?)");
+  TORCH_CHECK(k.flat->nbytes() == k.mean->nbytes(), "park: the flat buffer has ",
+              k.flat->nbytes(), " bytes, the mean ", k.mean->nbytes());
+  TORCH_CHECK(k.flat->data_ptr().get_deleter() != &drop_alias, "park: parked already");
+  const long long before = version_sum(p);
+  k.flat->swap_data_ptr(*k.spare);            // (the spare now owns the sample's memory)
+  auto* ref = new c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(k.mean));
+  k.flat->set_data_ptr_noswap(
+      c10::DataPtr(k.mean->mutable_data(), ref, &drop_alias, k.mean->device()));
+  k.flat->set_nbytes(k.mean->nbytes());
+  const long long after = bump(p);
+  return Py_BuildValue("(LL)", before, after);
+  END_HANDLE_TH_ERRORS
+}
+
+// unpark(flat, spare, params) -> (before, after): the flat buffer's storage takes its own
+// memory back from the spare (left empty); the versions as for park.
+PyObject* unpark(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *fo, *so, *ps;
+  if (!PyArg_ParseTuple(args, "OOO", &fo, &so, &ps)) return nullptr;
+  Parked k;
+  if (!k.init(fo, nullptr, so)) return nullptr;
+  Tensors p(ps, Hold::kBorrow);
+  if (!all_tensors(p)) return nullptr;
+  TORCH_CHECK(k.flat->data_ptr().get_deleter() == &drop_alias &&
+                  k.spare->nbytes() == k.flat->nbytes(),
+              "unpark: the flat buffer is not parked");
+  const long long before = version_sum(p);
+  k.flat->set_data_ptr_noswap(c10::DataPtr(nullptr, k.flat->device()));   // (the alias dropped)
+  k.flat->set_nbytes(0);
+  k.flat->swap_data_ptr(*k.spare);
+  const long long after = bump(p);
+  return Py_BuildValue("(LL)", before, after);
+  END_HANDLE_TH_ERRORS
+}
+
+}  // namespace poco

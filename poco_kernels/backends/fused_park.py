@@ -1,0 +1,127 @@
+"""The fused engine's parking: the mean in the parameters between public calls, the next
+sample beside it, and nothing copied.
+
+With ``sample_ahead=None`` (the default) the step of the IVON family writes the next
+step's inner sample into the parameters' flat buffer in the update's own pass, and the
+new mean into the mean buffer, as ``sample_ahead=True`` does.  At the end of the public
+call the flat buffer's storage is parked (:func:`poco_kernels._sweeps.park`): it reads
+the mean buffer's memory, and its own memory, with the sample, waits in a spare storage.
+The parameters and every view of their storage read the mean; the mean buffer, the
+optimizer's ``state`` and a state dict taken are untouched.  The next public call
+unparks before it runs, so everything inside the engine sees ``sample_ahead``'s state
+and the next ``step(closure)`` finds its inner sample in place.  No byte moves: the
+iteration costs ``sample_ahead``'s bytes, under the copy protocol's contract.
+
+Each buffer's memory keeps its role (the flat buffer's own allocation receives the
+samples, the mean buffer's the mean), so the device work of an iteration, and a CUDA
+graph captured of it, reads and writes the same addresses every time.  While parked the
+parameters' storage holds a reference to the mean's: it stays valid if the optimizer is
+dropped (the parameters then keep the mean).
+
+Parking and unparking bump the parameters' version counters: a backward through a graph
+that saved a parameter before fails, as after any in-place write.  A parameter written in
+place while parked (under ``torch.no_grad()``, ``model.load_state_dict``) moves its
+version: the write went into the mean, and the sample is drawn again from it.  A write
+through ``p.data`` moves no version counter: it reaches the mean, but the next sample,
+drawn before it, does not see it (the step after does).  A parameter whose storage was
+replaced takes its new value as its mean (the re-link, as with ``sample_ahead``).
+
+Where it applies (:meth:`ParkMixin.parks`): every bucket unsharded, its parameters of
+the mean's dtype (float32), its flat buffer and mean each at the start of a storage of
+one size (the padding included), and the
+C++ extension built (the park itself is C++).  Elsewhere ``sample_ahead=None`` is the
+copy protocol.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+from .. import _sweeps
+
+
+class ParkMixin:
+    """Parking of :class:`~poco_kernels.backends.fused.FusedBackend` (module doc)."""
+
+    #: the flat parameter buffers read the mean's memory (the next sample waits aside)
+    parked: bool = False
+    #: the sum of the parameters' versions when parked (a moved one: a write while parked)
+    _park_versions: int = 0
+    #: the sum when last unparked (a moved one: the sample was written since)
+    _unpark_versions: Optional[int] = None
+    #: cache of :meth:`parks` (None: not worked out for this layout)
+    _parks: Optional[bool] = None
+    #: per bucket index, the empty storage that holds the flat buffer's memory while parked
+    _spares: Optional[Dict[int, Tensor]] = None
+
+    def parks(self) -> bool:
+        """Parking applies to this optimizer's layout (module doc)."""
+        if self._parks is None:
+            self._parks = self._parkable()
+        return self._parks
+
+    def _parkable(self) -> bool:
+        buckets = self.view.buckets
+        if _sweeps.park is None or not buckets:
+            return False
+        for b in buckets:
+            flat, mean = getattr(b, "flat_param", None), b.buffers.get("mean")
+            if b.segments is not None or flat is None or mean is None:
+                return False
+            if flat.dtype != mean.dtype or flat.device != mean.device \
+                    or flat.numel() != mean.numel() \
+                    or flat.untyped_storage().nbytes() != mean.untyped_storage().nbytes():
+                return False
+            if flat.storage_offset() or mean.storage_offset() or not mean.is_contiguous():
+                return False
+        return True
+
+    def may_park(self) -> bool:
+        """The engine holds ``sample_ahead``'s state (the next sample in the parameters,
+        the mean in its buffer) under ``sample_ahead=None``, where parking applies."""
+        return (not self.parked and self.ahead is not None and not self.params_hold_mean
+                and self.view.sample_ahead is None and self.parks())
+
+    def wants_ahead(self) -> bool:
+        """Parking applies and the parameters hold the mean, with no sample ahead."""
+        return (self.params_hold_mean and self.ahead is None and self.view.sample_ahead is None
+                and self.parks() and self.ahead_family())
+
+    def park(self) -> None:
+        """The parameters read the mean until :meth:`unpark` (where :meth:`may_park`)."""
+        spares = self._spares
+        if spares is None or len(spares) != len(self.view.buckets):
+            spares = self._spares = {b.index: torch.empty(0, dtype=b.flat_param.dtype,
+                                                           device=b.device)
+                                     for b in self.view.buckets}
+        total = 0
+        for b in self.view.buckets:
+            total += _sweeps.park(b.flat_param, b.buffers["mean"], spares[b.index], b.params)[1]
+        self._park_versions = total
+        self.parked = True
+
+    def unpark(self) -> None:
+        """The parameters hold the next sample again, the engine's state.  A parameter
+        written in place meanwhile made it stale: drawn again at the next sample."""
+        total = after = 0
+        spares = self._spares
+        for b in self.view.buckets:
+            before, now = _sweeps.unpark(b.flat_param, spares[b.index], b.params)
+            total, after = total + before, after + now
+        self.parked = False
+        self._unpark_versions = after
+        if total != self._park_versions:
+            self.ahead = None                 # (the mean was written: drawn again)
+
+    def keeps_ahead(self) -> bool:
+        """A public ``restore()`` may leave the parameters as they are, to be parked: they
+        hold the untouched next sample (the inner sample just taken, not written since
+        the engine was unparked), and the mean its buffer."""
+        if not self.may_park() or self._unpark_versions is None:
+            return False
+        buckets = self.view.buckets
+        versions = _sweeps.versions
+        return (sum(sum(versions(b.params)) for b in buckets) == self._unpark_versions
+                and all(self._is_flat(b) for b in buckets))   # (else re-linked by restore)

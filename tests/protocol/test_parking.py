@@ -1,0 +1,230 @@
+"""The default ``sample_ahead=None`` on the fused backends: the step writes the next inner
+sample beside the mean and, between public calls, the parameters' storage reads the mean
+buffer's memory (parked, ``poco_kernels/backends/fused_park.py``).  The contract is the
+copy protocol's (``sample_ahead=False``): the parameters hold the mean between calls,
+every step the same bit for bit; the bytes are ``sample_ahead``'s (no sample pass)
+(docs/design.md, 'The sampling protocol')."""
+import copy
+import gc
+import pickle
+
+import pytest
+import torch
+
+import poco_kernels as pk
+from helpers import FUSED_BACKENDS, Problem, mlp, params_of
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STATE = ("mean", "momentum", "h", "g_out", "h_out", "m_out", "sigma_out")
+
+
+def _opt(backend, ahead, cls=pk.IVONPoCoMo, model=None, **kw):
+    m = model if model is not None else mlp()
+    kw = dict(dict(lr=0.05, ess=200.0, seed=5, backend=backend, sample_ahead=ahead), **kw)
+    return m, cls(m.parameters(), **kw)
+
+
+def _state(opt):
+    return {k: [t.clone() for t in opt.flat_state(k)] for k in STATE
+            if k in opt._buckets[0].buffers}
+
+
+def _equal(xs, ys):
+    return len(xs) == len(ys) and all(torch.equal(a, b) for a, b in zip(xs, ys))
+
+
+def _iteration(opt, m, prob, t, protocol):
+    if type(opt) is not pk.IVON:
+        if t in (1, 4):
+            opt.refresh([prob.closure(opt, m, t % 3), prob.closure(opt, m, (t + 1) % 3)])
+    if protocol == "closure":
+        opt.step(prob.closure(opt, m, t % 3))
+        return
+    for kind in ("inner", "outer") if opt.correction_active() else ("inner",):
+        with opt.sampled(kind):
+            prob.loss(m, t % 3).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+@pytest.mark.parametrize("cls", [pk.IVON, pk.IVONPoCoMo])
+@pytest.mark.parametrize("protocol", ["closure", "sampled"])
+def test_parked_steps_equal_the_copy_protocol(backend, cls, protocol):
+    """After every iteration (and refresh) the parameters hold the mean, bit for bit the
+    copy protocol's, and so does the state; the engine is parked between calls."""
+    prob = Problem()
+    m0, o0 = _opt(backend, False, cls)
+    m1, o1 = _opt(backend, None, cls)
+    assert o0.sample_ahead is False and o1.sample_ahead is None
+    for t in range(7):
+        for opt, m in ((o0, m0), (o1, m1)):
+            _iteration(opt, m, prob, t, protocol)
+        assert o1._runner.parked and not o0._runner.parked, t
+        assert _equal(params_of(m1), params_of(m0)), t
+        s0, s1 = _state(o0), _state(o1)
+        assert all(_equal(s0[k], s1[k]) for k in s0), t
+        # (the optimizer's per-parameter state reads the mean too)
+        assert all(torch.equal(o1.state[p]["mean"], p) for p in m1.parameters())
+
+
+@pytest.mark.parametrize("cls,launches", [(pk.IVON, 0), (pk.IVONPoCoMo, 1)])
+def test_a_parked_iteration_makes_no_sample_pass(cls, launches, monkeypatch):
+    """Steady state on the C++ backend: IVON's iteration launches no sample kernel and
+    IVON-PoCoMo's one (the outer sample), as with ``sample_ahead=True``; with
+    ``sample_ahead=False`` one more each.  Also the iteration after a refresh (the refresh
+    draws the next sample at its end)."""
+    from poco_kernels.kernels import cpp_ops
+    counts = {}
+    for ahead in (None, False):
+        prob = Problem()
+        m, opt = _opt("cpp", ahead, cls)
+        opt.step_plans = False                # (a plan's launches bypass the wrapper)
+        for t in range(3):
+            _iteration(opt, m, prob, t, "closure")
+        calls = []
+        real = cpp_ops.sample
+        monkeypatch.setattr(cpp_ops, "sample", lambda *a: (calls.append(1), real(*a)))
+        for t in range(4, 6):                 # (IVON-PoCoMo refreshes before 4)
+            n = len(calls)
+            _iteration(opt, m, prob, t, "closure")
+            if t == 4 and cls is pk.IVONPoCoMo:
+                n += 2 if ahead is None else 1   # (the refresh's sample; parked: the next)
+            counts.setdefault(ahead, []).append(len(calls) - n)
+        monkeypatch.setattr(cpp_ops, "sample", real)
+    assert counts[None] == [launches] * 2
+    assert counts[False] == [launches + 1] * 2
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_views_and_state_dicts_read_the_mean(backend):
+    """A view of a parameter made after the optimizer (``p.t()``, a slice) and a state
+    dict taken between steps (torch.optim's: views of the state) read the mean while
+    parked, the same memory the parameter reads."""
+    prob = Problem()
+    m, opt = _opt(backend, None)
+    w = next(m.parameters())
+    view = w[:, 2:5]
+    for t in range(3):
+        _iteration(opt, m, prob, t, "closure")
+    assert opt._runner.parked
+    assert torch.equal(view, w[:, 2:5]) and view.data_ptr() == w[:, 2:5].data_ptr()
+    sd = opt.state_dict()
+    assert torch.equal(sd["state"][0]["mean"], w)
+    saved = copy.deepcopy(sd)
+    m2, o2 = _opt(backend, False, model=copy.deepcopy(m))
+    o2.load_state_dict(saved)
+    for t in range(3, 6):
+        _iteration(opt, m, prob, t, "closure")
+        _iteration(o2, m2, prob, t, "closure")
+    assert _equal(params_of(m), params_of(m2))
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_a_backward_through_a_graph_saved_before_a_step_fails(backend):
+    """Parking moves the parameters' version counters: a graph that saved a parameter
+    before a step cannot be differentiated after it (it would read other values)."""
+    prob = Problem()
+    m, opt = _opt(backend, None, pk.IVON)
+    _iteration(opt, m, prob, 0, "closure")
+    loss = prob.loss(m, 1)
+    _iteration(opt, m, prob, 1, "closure")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+@pytest.mark.parametrize("edit", ["in_place", "load_state_dict", "replaced"])
+def test_a_parameter_written_while_parked_is_the_new_mean(backend, edit):
+    """Written between steps in place (``torch.no_grad()``, ``model.load_state_dict``) or
+    with its storage replaced (``p.data = t``): the same steps as the copy protocol given
+    the same edit (the sample the step left is drawn again from the new mean)."""
+    prob = Problem()
+    runs = []
+    for ahead in (False, None):
+        m, opt = _opt(backend, ahead)
+        for t in range(3):
+            _iteration(opt, m, prob, t, "closure")
+        p = list(m.parameters())[2]
+        if edit == "in_place":
+            with torch.no_grad():
+                p.mul_(0.5)
+        elif edit == "load_state_dict":
+            sd = {k: v * 0.5 for k, v in m.state_dict().items()}
+            m.load_state_dict(sd)
+        else:
+            p.data = p.detach() * 0.5
+        for t in range(3, 6):
+            _iteration(opt, m, prob, t, "closure")
+        runs.append((params_of(m), _state(opt)))
+    assert _equal(runs[0][0], runs[1][0])
+    assert all(_equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_a_write_through_data_reaches_the_mean(backend):
+    """A write through ``p.data`` moves no version counter: it goes into the mean at once
+    (the state and the parameters read it); the sample already drawn does not see it."""
+    prob = Problem()
+    m, opt = _opt(backend, None, pk.IVON)
+    for t in range(2):
+        _iteration(opt, m, prob, t, "closure")
+    p = next(m.parameters())
+    p.data.mul_(0.5)
+    want = p.detach().clone()
+    assert torch.equal(opt.state_dict()["state"][0]["mean"], want)
+    assert torch.equal(p, want)
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_copies_continue_the_same(backend):
+    """A deepcopy and a pickle of a parked optimizer (with its model) hold the mean and
+    continue bit for bit; the copy parks too."""
+    prob = Problem()
+    m, opt = _opt(backend, None)
+    for t in range(3):
+        _iteration(opt, m, prob, t, "closure")
+    twins = [copy.deepcopy((m, opt)), pickle.loads(pickle.dumps((m, opt)))]
+    for tm, _ in twins:
+        assert _equal(params_of(tm), params_of(m))
+    for t in range(3, 6):
+        _iteration(opt, m, prob, t, "closure")
+        for tm, to in twins:
+            _iteration(to, tm, prob, t, "closure")
+    for tm, to in twins:
+        assert to._runner.parked
+        assert _equal(params_of(tm), params_of(m))
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_the_parameters_outlive_a_parked_optimizer(backend):
+    """Dropped while parked, the optimizer leaves the parameters reading the mean (their
+    storage holds a reference to its memory)."""
+    prob = Problem()
+    m, opt = _opt(backend, None, pk.IVON)
+    for t in range(3):
+        _iteration(opt, m, prob, t, "closure")
+    mean = params_of(m)
+    del opt
+    gc.collect()
+    junk = [torch.full((4096,), 7.0) for _ in range(64)]     # (reuse freed memory)
+    assert _equal(params_of(m), mean)
+    del junk
+    opt = pk.IVON(m.parameters(), lr=0.05, ess=200.0, backend=backend)
+    assert _equal(params_of(m), mean)
+    _iteration(opt, m, prob, 0, "closure")
+
+
+@pytest.mark.parametrize("backend", ["torch"] + FUSED_BACKENDS)
+def test_where_parking_does_not_apply(backend):
+    """The torch backend, bfloat16 parameters (the mean is a float32 master copy),
+    ``sample_ahead=False`` and ``True``: no parking (``True``: the parameters hold the
+    sample between steps, as documented)."""
+    prob = Problem()
+    cases = [(None, torch.float32, backend != "torch"), (None, torch.bfloat16, False),
+             (False, torch.float32, False), (True, torch.float32, False)]
+    for ahead, dtype, parks in cases:
+        m, opt = _opt(backend, ahead, pk.IVON, model=mlp(dtype=dtype))
+        for t in range(2):
+            _iteration(opt, m, prob, t, "closure")
+        assert opt._runner.parked is parks, (ahead, dtype)
