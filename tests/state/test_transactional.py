@@ -726,6 +726,29 @@ def test_call_is_transactional(kind, name, backend):
     run_case(name, backend, **spec)
 
 
+#: the kinds that run on IVON-PoCo, again with the copy protocol on the C++ backend
+#: (``sample_ahead=False``: a sample pass each step, nothing parked; the default runs
+#: parked, ``backends/fused_park.py``)
+COPY_PROTOCOL = [kind for kind, opts, spec in KINDS
+                 if "IVONPoCo" in opts and not spec.get("kw")]
+
+
+@pytest.mark.parametrize("kind", COPY_PROTOCOL)
+def test_the_copy_protocol_is_transactional(kind):
+    """One (call, bad input) kind on IVON-PoCo with ``sample_ahead=False``."""
+    if "cpp" not in BACKENDS:
+        pytest.skip("the C++ backend is not built")
+    spec = dict(SPECS[kind])
+    spec.pop("fused", None)
+    probe = None
+    for k, v in list(spec.items()):
+        if getattr(v, "_per_name", False):
+            if k != "match" and probe is None:
+                probe = Rig("IVONPoCo", "cpp", sample_ahead=False)
+            spec[k] = v("IVONPoCo") if k == "match" else v(probe)
+    run_case("IVONPoCo", "cpp", kw={"sample_ahead": False}, **spec)
+
+
 def test_the_checks_see_one_element_one_draw_and_one_missed_step():
     """The runner's checks can fail: one float32 ulp in one state element, one draw
     counter, one step the twin did not take."""
