@@ -12,10 +12,21 @@
 
 #include "py_functions.h"
 
+#include <vector>
+
 namespace poco {
 namespace {
 
 void drop_alias(void* ctx) { delete static_cast<c10::Storage*>(ctx); }
+
+// The flat buffer's own memory once it has been parked: the allocation, and a reference to
+// the mean's storage.  A raw pointer taken while parked (numpy, DLPack, `data_ptr()`) is
+// the mean's memory, so it lives as long as the flat storage does, whatever is freed first.
+struct Owned {
+  c10::DataPtr own;
+  std::vector<c10::Storage> means;   // (one per mean buffer it was parked on: a new layout's)
+};
+void drop_owned(void* ctx) { delete static_cast<Owned*>(ctx); }
 
 // The storages of the flat parameter buffer, the mean buffer and the spare, checked.
 struct Parked {
@@ -97,23 +108,39 @@ PyObject* park(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// unpark(flat, spare, params) -> (before, after): the flat buffer's storage takes its own
-// memory back from the spare (left empty); the versions as for park.
+// unpark(flat, mean, spare, params) -> (before, after), or None: the flat buffer's storage
+// takes its own memory back from the spare (left empty), holding a reference to the mean's
+// storage from now on; the versions as for park.  None, with nothing changed but the spare
+// emptied: the storage was given other memory while parked (`share_memory_()`, a resize),
+// which now holds the mean (the sample is dropped).
 PyObject* unpark(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
-  PyObject *fo, *so, *ps;
-  if (!PyArg_ParseTuple(args, "OOO", &fo, &so, &ps)) return nullptr;
+  PyObject *fo, *mo, *so, *ps;
+  if (!PyArg_ParseTuple(args, "OOOO", &fo, &mo, &so, &ps)) return nullptr;
   Parked k;
-  if (!k.init(fo, nullptr, so)) return nullptr;
+  if (!k.init(fo, mo, so)) return nullptr;
   Tensors p(ps, Hold::kBorrow);
   if (!all_tensors(p)) return nullptr;
-  TORCH_CHECK(k.flat->data_ptr().get_deleter() == &drop_alias &&
-                  k.spare->nbytes() == k.flat->nbytes(),
-              "unpark: the flat buffer is not parked");
+  if (k.flat->data_ptr().get_deleter() != &drop_alias || k.spare->nbytes() != k.flat->nbytes()) {
+    k.spare->set_data_ptr_noswap(c10::DataPtr(nullptr, k.spare->device()));
+    k.spare->set_nbytes(0);
+    Py_RETURN_NONE;
+  }
   const long long before = version_sum(p);
-  k.flat->set_data_ptr_noswap(c10::DataPtr(nullptr, k.flat->device()));   // (the alias dropped)
-  k.flat->set_nbytes(0);
-  k.flat->swap_data_ptr(*k.spare);
+  const size_t nbytes = k.spare->nbytes();
+  c10::DataPtr own = k.spare->set_data_ptr(c10::DataPtr(nullptr, k.spare->device()));
+  k.spare->set_nbytes(0);
+  if (own.get_deleter() != &drop_owned) {    // (the first unpark: the allocator's own)
+    void* data = own.get();
+    const c10::Device device = own.device();
+    own = c10::DataPtr(data, new Owned{std::move(own), {}}, &drop_owned, device);
+  }
+  auto& means = static_cast<Owned*>(own.get_context())->means;
+  bool held = false;
+  for (const auto& m : means) held = held || m.unsafeGetStorageImpl() == k.mean;
+  if (!held) means.emplace_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(k.mean));
+  k.flat->set_data_ptr_noswap(std::move(own));     // (the alias dropped)
+  k.flat->set_nbytes(nbytes);
   const long long after = bump(p);
   return Py_BuildValue("(LL)", before, after);
   END_HANDLE_TH_ERRORS

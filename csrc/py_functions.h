@@ -55,7 +55,7 @@ extern PyObject* parameter_type;
 // presence.cpp: watch(params, flags, owner) -> None
 PyObject* watch(PyObject* self, PyObject* args);
 
-// park.cpp: park(flat, mean, spare, params), unpark(flat, spare, params) -> (before, after)
+// park.cpp: park(flat, mean, spare, params), unpark(flat, mean, spare, params) -> (before, after)
 PyObject* park(PyObject* self, PyObject* args);
 PyObject* unpark(PyObject* self, PyObject* args);
 

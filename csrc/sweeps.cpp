@@ -277,8 +277,9 @@ PyMethodDef kMethods[] = {
      "park(flat, mean, spare, params) -> (before, after): flat's storage reads mean's memory, "
      "its own waits in the empty spare; params' versions bumped; their sums before, after"},
     {"unpark", unpark, METH_VARARGS,
-     "unpark(flat, spare, params) -> (before, after): flat's storage takes its memory back "
-     "from the spare; params' versions bumped; their sums before and after"},
+     "unpark(flat, mean, spare, params) -> (before, after) or None: flat's storage takes its "
+     "memory back from the spare; params' versions bumped; their sums before and after "
+     "(None: it was given other memory while parked, and keeps it)"},
     {"grads", grads, METH_VARARGS,
      "grads(params, views) -> (defined, matching): .grad not None, .grad is views[i]"},
     {"readable_grads", readable_grads, METH_O,

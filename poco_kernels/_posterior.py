@@ -163,7 +163,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
     @parking
     def _restore(self) -> None:
         eng = self._runner
-        if not eng.keeps_ahead():             # (else parked on the way out: nothing moves)
+        if not eng.keeps_sample():            # (else parked on the way out: nothing moves)
             eng.restore()
         self._active = None
 
@@ -186,6 +186,8 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
             ok = True
         finally:
             self.restore()
+            if not ok:                        # (a sample the step left is drawn again: the
+                self._runner.ahead = None     # block may have written it through .data)
             if not ok and self._pending.count[k] == count:
                 self._pending.draws[k] = draw
                 self._put_back_grads(grads)

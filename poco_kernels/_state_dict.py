@@ -12,7 +12,7 @@ from torch import Tensor
 from . import noise as _noise
 from ._layout import as_local, as_saved, is_sharded
 from ._protocol import Pending
-from ._transaction import outside_dynamo, parking
+from ._transaction import outside_dynamo, parking, reading
 from ._validation import check
 
 
@@ -91,7 +91,7 @@ class StateDictMixin:
 
     # ------------------------------------------------------------------ state dict
     @outside_dynamo
-    @parking
+    @reading
     def state_dict(self) -> Dict[str, Any]:
         """``torch.optim``'s state dict (``state`` keyed by parameter index, ``param_groups``)
         plus a ``poco`` entry: counters, seed, pending sums, per-bucket buffers.  Runs the

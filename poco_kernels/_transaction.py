@@ -108,6 +108,29 @@ def parking(fn: Callable) -> Callable:
     return inner
 
 
+def reading(fn: Callable) -> Callable:
+    """A public call that reads the optimizer and writes nothing (``state_dict``): run as
+    the engine is, parked or not, where nothing in it needs the engine's own state (every
+    parameter still the view the engine made, the trainable set as laid out); else as
+    :func:`parking`.  No version counter moves, so a graph that saved a parameter before
+    it can still be differentiated, as under the copy protocol."""
+    unparking = parking(fn)
+
+    @functools.wraps(fn)
+    def inner(self, *args, **kwargs):
+        d = self.__dict__
+        eng = d.get("_runner")
+        if (eng is None or not eng.parked or d.get("_in_call") or not eng.reads_parked()
+                or self._trainable_changed()):
+            return unparking(self, *args, **kwargs)
+        d["_in_call"] = True
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            d["_in_call"] = False
+    return inner
+
+
 def without_grad_mode(fn: Callable) -> Callable:
     """``fn`` under ``torch.no_grad()``, entered by hand (torch's decorator makes two
     context-manager objects per call: about 1.5 us more)."""
@@ -166,7 +189,8 @@ class TransactionMixin:
         was_ahead = self._was_ahead and KIND_INNER in kinds
         if not self._runner.params_hold_mean or was_ahead:
             self.restore()
-            if was_ahead:
+            if was_ahead:                     # (drawn again: the closure may have written
+                self._runner.ahead = None     # into it through .data, which nothing sees)
                 self._runner.prefetch()
 
     def _closure_samples(self, group_key: str = "mc_samples") -> int:

@@ -84,12 +84,16 @@ class Backend(ABC):
         return False
 
     def wants_ahead(self) -> bool:
-        """The parameters hold the mean where the next sample could wait beside it (a
-        refresh's end, where the engine parks: the next sample is drawn there)."""
+        """No next sample waits where one could (a refresh's end, where the engine parks:
+        the next sample is drawn there)."""
         return False
 
-    def keeps_ahead(self) -> bool:
-        """``restore()`` may leave the next sample in the parameters, to be parked."""
+    def reads_parked(self) -> bool:
+        """Parked, with the layout as the engine made it (a read-only call may run so)."""
+        return False
+
+    def keeps_sample(self) -> bool:
+        """``restore()`` may leave the parameters as they are, to be parked."""
         return False
 
     def park(self) -> None:

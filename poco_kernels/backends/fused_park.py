@@ -14,9 +14,12 @@ iteration costs ``sample_ahead``'s bytes, under the copy protocol's contract.
 
 Each buffer's memory keeps its role (the flat buffer's own allocation receives the
 samples, the mean buffer's the mean), so the device work of an iteration, and a CUDA
-graph captured of it, reads and writes the same addresses every time.  While parked the
-parameters' storage holds a reference to the mean's: it stays valid if the optimizer is
-dropped (the parameters then keep the mean).
+graph captured of it, reads and writes the same addresses every time.  The parameters'
+storage holds a reference to the mean's memory from its first park on: a raw pointer
+taken while parked (numpy, DLPack) and the parameters of a dropped optimizer stay valid.
+A storage given other memory while parked (``share_memory_()``) keeps it, holding the
+mean, and the optimizer parks no more.  ``state_dict()`` reads the optimizer parked
+(``_transaction.reading``).
 
 Parking and unparking bump the parameters' version counters: a backward through a graph
 that saved a parameter before fails, as after any in-place write.  A parameter written in
@@ -34,6 +37,7 @@ copy protocol.
 """
 from __future__ import annotations
 
+import array
 from typing import Dict, Optional
 
 import torch
@@ -55,6 +59,8 @@ class ParkMixin:
     _parks: Optional[bool] = None
     #: per bucket index, the empty storage that holds the flat buffer's memory while parked
     _spares: Optional[Dict[int, Tensor]] = None
+    #: parking was given up (a parked storage was given other memory)
+    _park_off: bool = False
 
     def parks(self) -> bool:
         """Parking applies to this optimizer's layout (module doc)."""
@@ -64,7 +70,7 @@ class ParkMixin:
 
     def _parkable(self) -> bool:
         buckets = self.view.buckets
-        if _sweeps.park is None or not buckets:
+        if _sweeps.park is None or not buckets or self._park_off:
             return False
         for b in buckets:
             flat, mean = getattr(b, "flat_param", None), b.buffers.get("mean")
@@ -79,15 +85,16 @@ class ParkMixin:
         return True
 
     def may_park(self) -> bool:
-        """The engine holds ``sample_ahead``'s state (the next sample in the parameters,
-        the mean in its buffer) under ``sample_ahead=None``, where parking applies."""
-        return (not self.parked and self.ahead is not None and not self.params_hold_mean
+        """The mean is in its buffer, not in the parameters (they hold the next sample a
+        step left, or a sample the next write replaces), under ``sample_ahead=None``, where
+        parking applies."""
+        return (not self.parked and not self.params_hold_mean
                 and self.view.sample_ahead is None and self.parks())
 
     def wants_ahead(self) -> bool:
-        """Parking applies and the parameters hold the mean, with no sample ahead."""
-        return (self.params_hold_mean and self.ahead is None and self.view.sample_ahead is None
-                and self.parks() and self.ahead_family())
+        """Parking applies and no next sample waits (a refresh's end)."""
+        return (self.ahead is None and self.view.sample_ahead is None and self.parks()
+                and self.ahead_family())
 
     def park(self) -> None:
         """The parameters read the mean until :meth:`unpark` (where :meth:`may_park`)."""
@@ -104,24 +111,55 @@ class ParkMixin:
 
     def unpark(self) -> None:
         """The parameters hold the next sample again, the engine's state.  A parameter
-        written in place meanwhile made it stale: drawn again at the next sample."""
+        written in place meanwhile made it stale: drawn again at the next sample.  A
+        storage given other memory while parked (``share_memory_()``, a resize) keeps it,
+        holding the mean: the other buckets take the mean back too, and this optimizer
+        parks no more (its parameters' storage is the user's to share)."""
         total = after = 0
         spares = self._spares
+        kept = []
         for b in self.view.buckets:
-            before, now = _sweeps.unpark(b.flat_param, spares[b.index], b.params)
-            total, after = total + before, after + now
+            out = _sweeps.unpark(b.flat_param, b.buffers["mean"], spares[b.index], b.params)
+            if out is None:
+                continue
+            kept.append(b)
+            total, after = total + out[0], after + out[1]
         self.parked = False
         self._unpark_versions = after
-        if total != self._park_versions:
+        if len(kept) < len(self.view.buckets):
+            for b in kept:
+                self._params_from(b, b.buffers["mean"])
+            self.params_hold_mean, self.ahead = True, None
+            self._unpark_versions = None
+            self._park_off, self._parks = True, False
+        elif total != self._park_versions:
             self.ahead = None                 # (the mean was written: drawn again)
 
-    def keeps_ahead(self) -> bool:
-        """A public ``restore()`` may leave the parameters as they are, to be parked: they
-        hold the untouched next sample (the inner sample just taken, not written since
-        the engine was unparked), and the mean its buffer."""
-        if not self.may_park() or self._unpark_versions is None:
+    def reads_parked(self) -> bool:
+        """Parked, every parameter still the view of its flat buffer the engine made (a
+        call that only reads may run parked)."""
+        if not self.parked:
+            return False
+        for b in self.view.buckets:
+            base, size = b.flat_param.data_ptr(), b.flat_param.element_size()
+            if not _sweeps.same_addresses(
+                    b.params, array.array("Q", [base + off * size for off in b.offsets])):
+                return False
+        return True
+
+    def keeps_sample(self) -> bool:
+        """A public ``restore()`` may leave the parameters as they are, to be parked, the
+        mean in its buffer: they are where the engine put them (else the restore re-links
+        them) and hold the untouched next sample (the inner sample just taken, not written
+        since the engine was unparked), or no sample ahead waits (whatever they hold, the
+        next sample or step overwrites before reading)."""
+        if not self.may_park():
             return False
         buckets = self.view.buckets
+        if not all(self._is_flat(b) for b in buckets):
+            return False
+        if self.ahead is None:
+            return True
         versions = _sweeps.versions
-        return (sum(sum(versions(b.params)) for b in buckets) == self._unpark_versions
-                and all(self._is_flat(b) for b in buckets))   # (else re-linked by restore)
+        return (self._unpark_versions is not None
+                and sum(sum(versions(b.params)) for b in buckets) == self._unpark_versions)

@@ -96,6 +96,41 @@ def test_a_parked_iteration_makes_no_sample_pass(cls, launches, monkeypatch):
     assert counts[False] == [launches + 1] * 2
 
 
+@pytest.mark.parametrize("cls,launches", [(pk.IVON, 0), (pk.IVONPoCoMo, 1)])
+def test_a_parked_sampled_iteration_copies_nothing(cls, launches, monkeypatch):
+    """The protocol of ``sampled()`` blocks (the integrations'): each block's exit parks
+    instead of copying the mean back, so a steady-state iteration makes no restore and
+    only IVON-PoCoMo's outer sample launch; the copy protocol restores after each block."""
+    from poco_kernels.kernels import cpp_ops
+    seen = {}
+    for ahead in (None, False):
+        prob = Problem()
+        m, opt = _opt("cpp", ahead, cls)
+        opt.step_plans = False
+        for t in range(3):
+            _iteration(opt, m, prob, t, "sampled")
+        eng = opt._runner
+        calls = {"sample": 0, "restore": 0}
+        real_sample, real_restore = cpp_ops.sample, eng.restore
+
+        def sample(*a):
+            calls["sample"] += 1
+            return real_sample(*a)
+
+        def restore():
+            calls["restore"] += 1
+            return real_restore()
+        monkeypatch.setattr(cpp_ops, "sample", sample)
+        monkeypatch.setattr(eng, "restore", restore)
+        for t in range(5, 7):                 # (no refresh among them)
+            _iteration(opt, m, prob, t, "sampled")
+        monkeypatch.undo()
+        seen[ahead] = dict(calls)
+    assert seen[None] == {"sample": 2 * launches, "restore": 0}
+    blocks = 1 if cls is pk.IVON else 2
+    assert seen[False] == {"sample": 2 * (launches + 1), "restore": 2 * blocks}
+
+
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
 def test_views_and_state_dicts_read_the_mean(backend):
     """A view of a parameter made after the optimizer (``p.t()``, a slice) and a state
@@ -228,3 +263,88 @@ def test_where_parking_does_not_apply(backend):
         for t in range(2):
             _iteration(opt, m, prob, t, "closure")
         assert opt._runner.parked is parks, (ahead, dtype)
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_a_raw_view_taken_while_parked_stays_valid(backend):
+    """numpy (or DLPack, or ``data_ptr()``) taken between calls reads the mean buffer's
+    memory: it stays allocated while the parameter's storage lives, after an unpark and
+    the optimizer dropped."""
+    prob = Problem()
+    m, opt = _opt(backend, None, pk.IVON)
+    for t in range(2):
+        _iteration(opt, m, prob, t, "closure")
+    arr = next(m.parameters()).detach().numpy()
+    was = arr.copy()
+    opt.sample()                              # (unparked: the parameters hold a sample)
+    del opt
+    gc.collect()
+    junk = [torch.full((4096,), 7.0) for _ in range(64)]
+    assert (arr == was).all()
+    del junk
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_share_memory_while_parked_keeps_the_mean_and_stops_parking(backend):
+    """``model.share_memory()`` between steps gives the parked storage other memory,
+    holding the mean: the optimizer continues as the copy protocol does (the shared
+    memory is the parameters'), and parks no more."""
+    prob = Problem()
+    runs = []
+    for ahead in (False, None):
+        m, opt = _opt(backend, ahead)
+        for t in range(3):
+            _iteration(opt, m, prob, t, "closure")
+        m.share_memory()
+        for t in range(3, 6):
+            _iteration(opt, m, prob, t, "closure")
+        assert not opt._runner.parked
+        assert all(p.is_shared() for p in m.parameters())
+        runs.append((params_of(m), _state(opt)))
+    assert _equal(runs[0][0], runs[1][0])
+    assert all(_equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+@pytest.mark.parametrize("protocol", ["closure", "sampled"])
+def test_a_sample_written_through_data_in_a_failed_call_is_drawn_again(backend, protocol):
+    """A closure or ``sampled()`` block that writes the sample through ``p.data`` (which
+    no version counter sees) and raises: the next step draws its sample again, as the
+    copy protocol does."""
+    prob = Problem()
+    runs = []
+    for ahead in (False, None):
+        m, opt = _opt(backend, ahead, pk.IVON)
+        _iteration(opt, m, prob, 0, "closure")
+        w = next(m.parameters())
+
+        def bad():
+            w.data.mul_(2.0)
+            raise KeyError("failed")
+        with pytest.raises(KeyError):
+            if protocol == "closure":
+                opt.step(bad)
+            else:
+                with opt.sampled():
+                    bad()
+        _iteration(opt, m, prob, 1, "closure")
+        runs.append((params_of(m), _state(opt)))
+    assert _equal(runs[0][0], runs[1][0])
+    assert all(_equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_a_state_dict_keeps_a_graph_at_the_mean_differentiable(backend):
+    """``state_dict()`` (and so a copy or a pickle) reads the optimizer parked: no
+    version counter moves, and a graph made at the mean before it still differentiates,
+    as under the copy protocol."""
+    prob = Problem()
+    m, opt = _opt(backend, None, pk.IVON)
+    _iteration(opt, m, prob, 0, "closure")
+    loss = prob.loss(m, 1)
+    versions = [p._version for p in m.parameters()]
+    sd = opt.state_dict()
+    copy.deepcopy(opt)
+    assert [p._version for p in m.parameters()] == versions and opt._runner.parked
+    loss.backward()
+    assert torch.equal(sd["state"][0]["mean"], next(m.parameters()))
