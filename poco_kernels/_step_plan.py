@@ -65,6 +65,9 @@ class StepPlan:
     def __init__(self, key, stamp, state, values, samples, update, finish, update_state,
                  eng):
         self.key = key                # the correction's buckets and the groups waiting
+        #: what the next sample the update writes was drawn with (the engine's
+        #: ``_ahead_key`` after it; None: it writes none), while the groups are the stamp's
+        self.ahead = eng.ahead
         self.stamp = stamp            # the groups' values the launches were derived from
         self.state = state            # the engine's side (FusedBackend.plan_state)
         self.values = values          # the rows' values then (FusedBackend.row_values)
@@ -327,12 +330,14 @@ class StepPlanMixin:
                 if derived is None or not _same(tuple(derived), plan.update_calls):
                     agreed[0] = False
                     return NotImplemented
-            return eng.replay_step(plan.update, plan.finish, checked[0] == 2)
+            return eng.replay_step(plan.update, plan.finish, checked[0] == 2,
+                                   plan.ahead if fast and groups_unchanged(self, stamp) else None)
         self._update(corr, None, None, replay)
         if not agreed[0]:                     # (recorded again from the next iteration)
             self._step_plan = None
         elif not fast and groups_unchanged(self, stamp):
             plan.stamp, plan.values = stamp, eng.row_values()   # (the rows hold them now)
+            plan.ahead = eng.ahead                              # (worked out from them)
         return mean_loss(losses)
 
     def _sample_as_planned(self, j, kind, rec, noise, fast, stamp, settings) -> bool:

@@ -236,11 +236,14 @@ class PlanMixin:
         self._complete = frozenset()
         return 2 if flat else 1
 
-    def replay_step(self, calls, finish, checked: bool = False) -> Optional[bool]:
+    def replay_step(self, calls, finish, checked: bool = False,
+                    ahead: Optional[dict] = None) -> Optional[bool]:
         """:meth:`~.fused.FusedBackend.step` with the recorded launches and counter
         advances (``finish``: ``_finish``'s; ``checked``: the last closure's
         :meth:`replay_accumulate` returned 2, and nothing since moved a parameter or a
-        ``.grad``: no layout to check, no views to hand out after)."""
+        ``.grad``: no layout to check, no views to hand out after; ``ahead``: the key of
+        the next sample the launches write, as a plan recorded it where the groups are
+        the same objects, else None: worked out)."""
         if not checked:
             self.check_layout()
         self._views_kept = checked
@@ -250,7 +253,7 @@ class PlanMixin:
             fn(*args)
         self.params_hold_mean = not nxt
         if nxt:
-            self.ahead = self._ahead_key()
+            self.ahead = ahead if ahead is not None else self._ahead_key()
         taken = self._raise_if_bad(COUNTER_STEPS, None) if self.view.check_finite else None
         for fn, args in finish:
             fn(*args)

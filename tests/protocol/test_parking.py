@@ -352,3 +352,25 @@ def test_a_state_dict_keeps_a_graph_at_the_mean_differentiable(backend):
     assert [p._version for p in m.parameters()] == versions and opt._runner.parked
     loss.backward()
     assert torch.equal(sd["state"][0]["mean"], next(m.parameters()))
+
+
+def test_a_replayed_step_leaves_the_key_of_its_sample(monkeypatch):
+    """A step plan's update sets what its next sample was drawn with from the recording
+    (no derivation per iteration); under a schedule of ``lr`` and a changed ``ess`` it is
+    still what the slow path would work out, after every step."""
+    from poco_kernels._step_plan import StepPlanMixin
+    replays = []
+    real = StepPlanMixin._replay
+    monkeypatch.setattr(StepPlanMixin, "_replay",
+                        lambda self, *a: (replays.append(1), real(self, *a))[1])
+    prob = Problem()
+    m, opt = _opt("cpp", None, pk.IVON)
+    eng = opt._runner
+    for t in range(14):
+        if 4 <= t <= 6:                       # (a schedule, then constant)
+            opt.param_groups[0]["lr"] = 0.05 / t
+        if t == 7:
+            opt.param_groups[0]["ess"] = 300.0
+        opt.step(prob.closure(opt, m, t % 3))
+        assert eng.parked and eng.ahead == eng._ahead_key(), t
+    assert len(replays) >= 6
