@@ -12,6 +12,7 @@
 
 #include "py_functions.h"
 
+#include <memory>
 #include <vector>
 
 namespace poco {
@@ -28,37 +29,6 @@ struct Owned {
 };
 void drop_owned(void* ctx) { delete static_cast<Owned*>(ctx); }
 
-// The storages of the flat parameter buffer, the mean buffer and the spare, checked.
-struct Parked {
-  c10::StorageImpl *flat = nullptr, *mean = nullptr, *spare = nullptr;
-  bool init(PyObject* fo, PyObject* mo, PyObject* so) {
-    if (!THPVariable_Check(fo) || (mo != nullptr && !THPVariable_Check(mo)) ||
-        !THPVariable_Check(so)) {
-      PyErr_SetString(PyExc_TypeError, "park/unpark: tensors expected");
-      return false;
-    }
-    const at::Tensor& f = THPVariable_Unpack(fo);
-    const at::Tensor& s = THPVariable_Unpack(so);
-    const bool plain = f.has_storage() && s.has_storage() &&
-                       !f.unsafeGetTensorImpl()->is_python_dispatch() &&
-                       !s.unsafeGetTensorImpl()->is_python_dispatch();
-    TORCH_CHECK(plain && f.device() == s.device(),
-                "park/unpark: plain tensors with storage on one device expected");
-    flat = f.storage().unsafeGetStorageImpl();
-    spare = s.storage().unsafeGetStorageImpl();
-    TORCH_CHECK(flat != spare, "park/unpark: the spare shares the flat buffer's storage");
-    if (mo != nullptr) {
-      const at::Tensor& m = THPVariable_Unpack(mo);
-      TORCH_CHECK(m.has_storage() && !m.unsafeGetTensorImpl()->is_python_dispatch() &&
-                      m.device() == f.device(),
-                  "park: a plain mean buffer on the flat buffer's device expected");
-      mean = m.storage().unsafeGetStorageImpl();
-      TORCH_CHECK(mean != flat && mean != spare, "park: the mean shares a storage");
-    }
-    return true;
-  }
-};
-
 // A sequence of tensors only (else an error set: false).
 bool all_tensors(const Tensors& p) {
   if (!p.ok()) return false;
@@ -67,6 +37,37 @@ bool all_tensors(const Tensors& p) {
   }
   return true;
 }
+
+// The arguments of park and unpark, (flat, mean, spare, params), checked: the storages of
+// the flat parameter buffer, the mean buffer and the spare, and the parameters.
+struct Parked {
+  c10::StorageImpl *flat = nullptr, *mean = nullptr, *spare = nullptr;
+  std::unique_ptr<Tensors> params;
+  bool init(PyObject* args) {
+    PyObject *fo, *mo, *so, *ps;
+    if (!PyArg_ParseTuple(args, "OOOO", &fo, &mo, &so, &ps)) return false;
+    if (!THPVariable_Check(fo) || !THPVariable_Check(mo) || !THPVariable_Check(so)) {
+      PyErr_SetString(PyExc_TypeError, "park/unpark: tensors expected");
+      return false;
+    }
+    const at::Tensor& f = THPVariable_Unpack(fo);
+    const at::Tensor& m = THPVariable_Unpack(mo);
+    const at::Tensor& s = THPVariable_Unpack(so);
+    bool plain = true;
+    for (const at::Tensor* t : {&f, &m, &s}) {
+      plain = plain && t->has_storage() && !t->unsafeGetTensorImpl()->is_python_dispatch() &&
+              t->device() == f.device();
+    }
+    TORCH_CHECK(plain, "park/unpark: plain tensors with storage on one device expected");
+    flat = f.storage().unsafeGetStorageImpl();
+    mean = m.storage().unsafeGetStorageImpl();
+    spare = s.storage().unsafeGetStorageImpl();
+    TORCH_CHECK(flat != spare && mean != flat && mean != spare,
+                "park/unpark: the flat buffer, the mean and the spare share a storage");
+    params = std::make_unique<Tensors>(ps, Hold::kBorrow);
+    return all_tensors(*params);
+  }
+};
 
 long long version_sum(const Tensors& p) {
   long long sum = 0;
@@ -87,12 +88,9 @@ long long bump(const Tensors& p) {
 // before/after: the sums of their versions (counters only grow: equal sums, none moved).
 PyObject* park(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
-  PyObject *fo, *mo, *so, *ps;
-  if (!PyArg_ParseTuple(args, "OOOO", &fo, &mo, &so, &ps)) return nullptr;
   Parked k;
-  if (!k.init(fo, mo, so)) return nullptr;
-  Tensors p(ps, Hold::kBorrow);
-  if (!all_tensors(p)) return nullptr;
+  if (!k.init(args)) return nullptr;
+  const Tensors& p = *k.params;
   TORCH_CHECK(k.spare->nbytes() == 0, "park: the spare is not empty (parked already?)");
   TORCH_CHECK(k.flat->nbytes() == k.mean->nbytes(), "park: the flat buffer has ",
               k.flat->nbytes(), " bytes, the mean ", k.mean->nbytes());
@@ -115,12 +113,9 @@ PyObject* park(PyObject* /*self*/, PyObject* args) {
 // which now holds the mean (the sample is dropped).
 PyObject* unpark(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
-  PyObject *fo, *mo, *so, *ps;
-  if (!PyArg_ParseTuple(args, "OOOO", &fo, &mo, &so, &ps)) return nullptr;
   Parked k;
-  if (!k.init(fo, mo, so)) return nullptr;
-  Tensors p(ps, Hold::kBorrow);
-  if (!all_tensors(p)) return nullptr;
+  if (!k.init(args)) return nullptr;
+  const Tensors& p = *k.params;
   if (k.flat->data_ptr().get_deleter() != &drop_alias || k.spare->nbytes() != k.flat->nbytes()) {
     k.spare->set_data_ptr_noswap(c10::DataPtr(nullptr, k.spare->device()));
     k.spare->set_nbytes(0);

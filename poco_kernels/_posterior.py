@@ -156,12 +156,9 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
                         p.grad = None
 
     @outside_dynamo
+    @parking
     def restore(self) -> None:
         """Put the posterior mean back into the parameters (ends the active sample)."""
-        self._restore()
-
-    @parking
-    def _restore(self) -> None:
         eng = self._runner
         if not eng.keeps_sample():            # (else parked on the way out: nothing moves)
             eng.restore()

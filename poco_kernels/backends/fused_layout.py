@@ -55,7 +55,7 @@ class LayoutMixin:
                 self.ctl[b.device] = (src.to(b.device, copy=True) if src is not None else
                                       self._counters_tensor(self.view.steps,
                                                             self.view.refreshes, 0, b.device))
-        self._parks = None                    # (parking is worked out for the new layout)
+        self._parks = self._spares = None     # (parking is worked out for the new layout)
 
     # ------------------------------------------------------------------ sharded buckets
     @staticmethod

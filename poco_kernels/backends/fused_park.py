@@ -14,7 +14,8 @@ iteration costs ``sample_ahead``'s bytes, under the copy protocol's contract.
 
 Each buffer's memory keeps its role (the flat buffer's own allocation receives the
 samples, the mean buffer's the mean), so the device work of an iteration, and a CUDA
-graph captured of it, reads and writes the same addresses every time.  The parameters'
+graph captured of it, reads and writes the same addresses every time (checked offline,
+``tests/protocol/test_capture.py``; not yet run on a GPU).  The parameters'
 storage holds a reference to the mean's memory from its first park on: a raw pointer
 taken while parked (numpy, DLPack) and the parameters of a dropped optimizer stay valid.
 A storage given other memory while parked (``share_memory_()``) keeps it, holding the
@@ -103,9 +104,16 @@ class ParkMixin:
             spares = self._spares = {b.index: torch.empty(0, dtype=b.flat_param.dtype,
                                                            device=b.device)
                                      for b in self.view.buckets}
-        total = 0
-        for b in self.view.buckets:
-            total += _sweeps.park(b.flat_param, b.buffers["mean"], spares[b.index], b.params)[1]
+        total, done = 0, []
+        try:
+            for b in self.view.buckets:
+                total += _sweeps.park(b.flat_param, b.buffers["mean"], spares[b.index],
+                                      b.params)[1]
+                done.append(b)
+        except BaseException:                 # (all or none: the parked ones back)
+            for b in done:
+                _sweeps.unpark(b.flat_param, b.buffers["mean"], spares[b.index], b.params)
+            raise
         self._park_versions = total
         self.parked = True
 

@@ -41,6 +41,14 @@ def _assert_twins(a, b):
                                                          if not _equal(a[1][k], b[1][k])]
 
 
+def _warm(backend, ahead, prob, cls=pk.IVONPoCoMo, steps=3):
+    """A model and optimizer after ``steps`` iterations of ``step(closure)``."""
+    m, opt = _opt(backend, ahead, cls)
+    for t in range(steps):
+        _iteration(opt, m, prob, t, "closure")
+    return m, opt
+
+
 def _iteration(opt, m, prob, t, protocol):
     if type(opt) is not pk.IVON:
         if t in (1, 4):
@@ -184,9 +192,7 @@ def test_a_parameter_written_while_parked_is_the_new_mean(backend, edit):
     prob = Problem()
     runs = []
     for ahead in (False, None):
-        m, opt = _opt(backend, ahead)
-        for t in range(3):
-            _iteration(opt, m, prob, t, "closure")
+        m, opt = _warm(backend, ahead, prob)
         p = list(m.parameters())[2]
         if edit == "in_place":
             with torch.no_grad():
@@ -298,9 +304,7 @@ def test_share_memory_while_parked_keeps_the_mean_and_stops_parking(backend):
     prob = Problem()
     runs = []
     for ahead in (False, None):
-        m, opt = _opt(backend, ahead)
-        for t in range(3):
-            _iteration(opt, m, prob, t, "closure")
+        m, opt = _warm(backend, ahead, prob)
         m.share_memory()
         for t in range(3, 6):
             _iteration(opt, m, prob, t, "closure")
