@@ -96,7 +96,10 @@ PyObject* park(PyObject* /*self*/, PyObject* args) {
               k.flat->nbytes(), " bytes, the mean ", k.mean->nbytes());
   TORCH_CHECK(k.flat->data_ptr().get_deleter() != &drop_alias, "park: parked already");
   const long long before = version_sum(p);
-  k.flat->swap_data_ptr(*k.spare);            // (the spare now owns the sample's memory)
+  const size_t nbytes = k.flat->nbytes();     // (the spare now owns the sample's memory;
+  k.spare->set_data_ptr_noswap(               //  set_data_ptr, not swap_data_ptr: torch 2.11)
+      k.flat->set_data_ptr(c10::DataPtr(nullptr, k.flat->device())));
+  k.spare->set_nbytes(nbytes);
   auto* ref = new c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(k.mean));
   k.flat->set_data_ptr_noswap(
       c10::DataPtr(k.mean->mutable_data(), ref, &drop_alias, k.mean->device()));

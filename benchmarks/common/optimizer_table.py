@@ -26,6 +26,9 @@ Columns, per row:
   (``byte_models.b_iteration``, ``b_adamw``, ``b_ivonopt_cycle``), and
   ``B_per_param_at_copy_bw``: what its measured time would move at the device's copy
   bandwidth (``model / at_copy_bw``: the share of copy speed it reaches);
+* ``protocol`` (ours): ``parked``, ``copy`` or ``sample_ahead``: what the row ran (a
+  default row runs the copy protocol where parking does not apply, e.g. without the C++
+  extension), which its byte model follows;
 * ``resident_B_per_param``: what the iteration keeps allocated per parameter, parameter and
   gradient included (CUDA: the allocator's count; elsewhere: the parameters, their
   gradients and the tensors the optimizer object holds, each storage once);
@@ -146,9 +149,22 @@ def fused_backend(dev) -> str:
     return "cpp" if cpp_status(dev) is None else "triton"
 
 
-def model_bytes(kind: str, dev=torch.device("cuda")) -> float:
+def protocol(kind: str, opt) -> str:
+    """How the row's optimizer handled its parameters between calls: ``sample_ahead``,
+    ``copy`` (``sample_ahead=False``, or the default where parking does not apply: no
+    C++ extension, say) or ``parked``."""
+    if kind.endswith("sample_ahead"):
+        return "sample_ahead"
+    if kind.endswith("_copy"):
+        return "copy"
+    return "parked" if opt._runner.parks() else "copy"
+
+
+def model_bytes(kind: str, dev=torch.device("cuda"), protocol: Optional[str] = None) -> float:
     """Bytes per parameter the iteration must move (float32 parameters) on ``dev``'s fused
-    backend."""
+    backend (``protocol`` "copy": a default row that did not park)."""
+    if protocol == "copy" and not kind.endswith("_copy"):
+        kind += "_copy"
     if kind.startswith("adamw"):
         return b_adamw(S)
     if kind == "ivon_opt":
@@ -271,6 +287,8 @@ def measure(dev, scale: str, reps: int, warm: int, ivon_mod=None,
             closures.append(tc)
             rows[kind] = {"cycle_ms": t, "optimizer_ms": own,
                           "resident_B_per_param": _resident(dev, opt, ps, base, n)}
+            if not kind.startswith("adamw") and kind != "ivon_opt":
+                rows[kind]["protocol"] = protocol(kind, opt)
         except Exception as exc:
             rows[kind] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
         del f, opt, ps
@@ -292,7 +310,7 @@ def table(dev, copy_Bps: Optional[float], *, scale: str = "gpt2", reps: int = 5,
         row = dict(r)
         if "optimizer_ms" in r:
             own = r["optimizer_ms"]
-            model = model_bytes(kind, dev)
+            model = model_bytes(kind, dev, r.get("protocol"))
             at_bw = own * 1e-3 * copy_Bps / n if copy_Bps else None
             row.update(cycle_ms=round(r["cycle_ms"], 3), optimizer_ms=round(own, 3),
                        ratio_to_fused_adamw=round(own / ref, 2) if ref else None,
@@ -306,13 +324,14 @@ def table(dev, copy_Bps: Optional[float], *, scale: str = "gpt2", reps: int = 5,
     log(f"    {n / 1e6:.1f}M parameters in {len(gpt2_shapes(scale))} tensors; closure "
         f"{tc:.3f} ms")
     log(f"    {'row':26s} {'opt ms':>9s} {'x AdamW':>8s} {'host us':>8s} {'model B':>8s} "
-        f"{'B at copy':>9s} {'resident B':>10s}")
+        f"{'B at copy':>9s} {'resident B':>10s} protocol")
     for kind in kinds:
         r = out["rows"].get(kind, {})
         if "optimizer_ms" in r:
             log(f"    {kind:26s} {r['optimizer_ms']:9.3f} {r['ratio_to_fused_adamw']!s:>8s} "
                 f"{r['host_us']!s:>8s} {r['model_B_per_param']:8.1f} "
-                f"{r['B_per_param_at_copy_bw']!s:>9s} {r['resident_B_per_param']:10.1f}")
+                f"{r['B_per_param_at_copy_bw']!s:>9s} {r['resident_B_per_param']:10.1f} "
+                f"{r.get('protocol', '')}")
         else:
             log(f"    {kind:26s} {r}")
     return out

@@ -309,16 +309,17 @@ def markdown(info, ceiling, inplace_bw, rows, mem_rows, train_rows, notes, pre_r
 
 
 def optimizer_table_md(table):
-    out = ["| optimizer | ms per iteration | x fused AdamW | host us | model B/param | "
-           "B/param at copy bw | share of copy | resident B/param |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| optimizer | protocol | ms per iteration | x fused AdamW | host us | "
+           "model B/param | B/param at copy bw | share of copy | resident B/param |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for kind, r in table["rows"].items():
         if "optimizer_ms" not in r:
-            out.append(f"| {kind} | {r.get('error') or r.get('skipped')} | | | | | | |")
+            out.append(f"| {kind} | | {r.get('error') or r.get('skipped')} | | | | | | |")
             continue
-        out.append(f"| {kind} | {r['optimizer_ms']:.3f} | {r['ratio_to_fused_adamw']} | "
-                   f"{r['host_us']} | {r['model_B_per_param']} | {r['B_per_param_at_copy_bw']} | "
-                   f"{r['share_of_copy']} | {r['resident_B_per_param']} |")
+        out.append(f"| {kind} | {r.get('protocol', '')} | {r['optimizer_ms']:.3f} | "
+                   f"{r['ratio_to_fused_adamw']} | {r['host_us']} | {r['model_B_per_param']} | "
+                   f"{r['B_per_param_at_copy_bw']} | {r['share_of_copy']} | "
+                   f"{r['resident_B_per_param']} |")
     return out
 
 

@@ -73,6 +73,18 @@ def test_run_writes_the_schema_and_tables(tmp_path, bench_modules):
                   "B_per_param_at_copy_bw", "resident_B_per_param"):
             assert r[k] is not None, (kind, k)
     rows = table["rows"]     # parameters and gradients float32: 8 B; AdamW's state 8 B
+    # the protocol each of ours ran, and its byte model: the default parks where the
+    # extension is built (the C++ backend here), else copies, and is counted as it ran
+    from benchmarks.common.optimizer_table import model_bytes
+    from poco_kernels import _sweeps
+    assert rows["ivon"]["protocol"] == ("parked" if _sweeps.park is not None else "copy")
+    assert (rows["ivon_copy"]["protocol"], rows["ivon_sample_ahead"]["protocol"]) == (
+        "copy", "sample_ahead")
+    cpu = torch.device("cpu")
+    for kind, r in rows.items():
+        assert r["model_B_per_param"] == round(model_bytes(kind, cpu, r.get("protocol")), 1)
+    assert model_bytes("ivon", cpu, "copy") == model_bytes("ivon_copy", cpu) > \
+        model_bytes("ivon", cpu, "parked")
     assert rows["adamw_fused"]["resident_B_per_param"] == 16.0
     assert rows["ivon"]["resident_B_per_param"] >= 20.0
     assert rows["ivon_pocomo_bf16_state"]["resident_B_per_param"] < rows[
