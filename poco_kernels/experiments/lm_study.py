@@ -100,7 +100,10 @@ def plan(sc: Scale, adamw_lr: float, ivon_lr: float, data: str = "stdlib") -> Li
     for seed in range(sc.seeds):
         jobs.append(_job(sc, "adamw", seed, "adamw", lr=adamw_lr))
         jobs.append(_job(sc, "ivon", seed, "ivon", lr=ivon_lr))
-        jobs.append(_job(sc, "ivon-3x", seed, "ivon", lr=ivon_lr, batch_size=3 * sc.batch))
+        # (on a GPU the 3x batch is one forward and backward: one pass's launches)
+        whole = {} if sc.device == "cpu" else {"micro_batch": 3 * sc.batch}
+        jobs.append(_job(sc, "ivon-3x", seed, "ivon", lr=ivon_lr, batch_size=3 * sc.batch,
+                         **whole))
         for s in sorted(set(sc.starts) | {sc.start}, key=lambda s: (s != sc.start, s)):
             jobs.append(_job(sc, f"pocomo@{s}", seed, "ivon-pocomo", lr=ivon_lr, poco_start=s))
         if not sc.ablations:
@@ -172,7 +175,7 @@ def run_study(scale: str = "full", out_dir: str = "lm_study_out", n_jobs: int = 
     budget = sc.budget_s if budget_s is None else budget_s
     clock = None
     if budget is not None:
-        clock = Clock(rates or default_rates(sc, data, log=log), budget, t0)
+        clock = Clock(rates or default_rates(sc, data, log=log), budget, t0, n_jobs)
     sweeps = run_jobs(sweep_jobs(sc, data), out, n_jobs, "lr sweeps", quiet, clock)
     if len(sweeps) < len(sweep_jobs(sc, data)):
         raise RuntimeError(f"the lr sweeps do not fit the window of {budget:.0f} s "
@@ -259,8 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default lm_study_out (full), lm_study_out/<scale> (the others), "
                         "benchmarks/results/lm_study_gpu/<the GPU's name> (gpu-window)")
     p.add_argument("--jobs", type=int, default=None,
-                   help="runs at a time, one thread each (1: in this process); default 2 "
-                        "on the CPU, 1 on a GPU")
+                   help="runs at a time, one thread each (1: in this process); default the "
+                        "scale's (gpu-window 4), else 2 on the CPU, 1 on a GPU")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and its predicted time, train nothing (rates from a few "
@@ -275,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> Dict[str, Any]:
     a = build_parser().parse_args(argv)
     scale = "quick" if a.quick else a.scale
-    jobs = a.jobs if a.jobs is not None else (
+    jobs = a.jobs if a.jobs is not None else SCALES[scale].jobs or (
         1 if SCALES[scale].device != "cpu" else min(2, os.cpu_count() or 1))
     if jobs < 1:
         raise SystemExit("--jobs must be >= 1")

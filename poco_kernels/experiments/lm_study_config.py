@@ -44,6 +44,8 @@ class Scale:
     block_size: Optional[int] = None     # the position table, where not the preset's
     budget_s: Optional[float] = None     # a device window: no run starts that the time
     #                                      model says would end after it (lm_study_time)
+    jobs: Optional[int] = None           # runs at a time by default (None: 2 on the CPU,
+    #                                      1 on a GPU); --jobs overrides
 
 
 ALPHA = 0.7                          # the package's recipes (the paper's continual runs)
@@ -70,11 +72,12 @@ SCALES = {
     # weights, byte vocabulary), context 256, 16 sequences (4,096 tokens) a step, 2,000
     # steps (8.2M tokens, 0.7 of the corpus); IVON-PoCoMo corrected from mid-run and from a
     # third; lrs swept over the CPU study's pick and the value below it (AdamW 1e-3: small
-    # GPTs'; IVON 0.3: the paper's)
+    # GPTs'; IVON 0.3: the paper's); four runs at a time (the steps are bound by the host's
+    # launches, 15 ms each on the H200 of 2026-11-28, with the GPU mostly idle)
     "gpu-window": Scale("gpu-window", 6, 6, 384, 256, 16, 2000, 100, 50, 8, 64, 3, 1000,
                         (667, 1000), 100, 10, 10, (), (), (1e-3, 3e-3), (0.3, 1.0), 1 - 1 / 2000,
                         preset="gpt-small", device="cuda", ablations=False, vocab_size=256,
-                        budget_s=450.0),
+                        budget_s=450.0, jobs=4),
     # the window's pipeline on the CPU in well under a minute (tests): a smoke scale
     "quick-window": Scale("quick-window", 1, 2, 32, 32, 8, 30, 3, 5, 2, 4, 3, 15, (10, 15),
                           5, 5, 5, (), (), (1e-2,), (1.0,), 1 - 1 / 30, decisive=False,

@@ -8,12 +8,18 @@ rates come from one of two places (:class:`Rates`):
 
 * **measured** (:func:`measure`): a few steps of each kind trained on this device with the
   scale's model and settings (``--dry-run`` on a machine with the device);
-* **extrapolated** (:func:`extrapolated`): for a GPU this machine does not have, from the
-  one GPU measurement of a training step this project has (GPT-2 124M on an H200,
-  ``../shared/gpu-results/h200-2026-11-26``: 26.8 ms per 8 x 1024-token step and 51.2 ms
-  per 16 x 1024 with AdamW, so about 287 TFLOP/s of model FLOPs and 2.4 ms fixed) scaled
-  by the model's FLOPs, with assumptions for what that run could not show (a small
-  model's launch-bound floor); :data:`GPU_ASSUMPTIONS` lists them.
+* **extrapolated** (:func:`extrapolated`): for a GPU this machine does not have, from
+  what this project measured on GPUs: a pass (forward and backward) costs the larger of
+  its matrix products (GPT-2 124M on an H200, ``../shared/gpu-results/h200-2026-11-26``:
+  about 287 TFLOP/s of model FLOPs) and its host's eager launches (the ``gpu-window``
+  model on an H200, 2026-11-28: 15 ms a pass, the GPU mostly idle);
+  :data:`GPU_ASSUMPTIONS` lists the numbers and what is assumed.
+
+Several runs at a time (``--jobs N``, one process each) overlap one run's host work with
+another's: :func:`speedup` is the throughput of N against one (N on the CPU's cores; on
+a GPU an assumed efficiency per extra run, :attr:`Rates.parallel_efficiency`, until it
+is measured), and until a run has finished the clock takes a run to last N / speedup(N)
+times its prediction alone.
 
 While a study runs, :class:`Clock` compares each finished run's time with its prediction
 and scales the predictions of the runs still to start by the worst ratio seen, so a model
@@ -27,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["Rates", "step_kind", "run_seconds", "extrapolated", "measure", "Clock",
+__all__ = ["Rates", "step_kind", "run_seconds", "speedup", "extrapolated", "measure", "Clock",
            "plan_text", "GPU_ASSUMPTIONS", "KINDS"]
 
 #: the kinds of training step whose rates differ
@@ -43,6 +49,13 @@ class Rates:
     val_s: float                         # one validation mini-batch (forward only)
     run_s: float                         # per run: model, optimizer, the first steps' warm-up
     start_s: float                       # per process: data, device context, kernels compiled
+    parallel_efficiency: float = 1.0     # each run at a time beyond the first adds this
+    #                                      much of a run's throughput (speedup)
+
+
+def speedup(rates: Rates, n_jobs: int) -> float:
+    """The throughput of ``n_jobs`` runs at a time against one."""
+    return 1.0 + rates.parallel_efficiency * (max(n_jobs, 1) - 1)
 
 
 def step_kind(optimizer: str, batch_scale: float, corrected: bool) -> str:
@@ -67,20 +80,32 @@ def run_seconds(job, rates: Rates) -> float:
 
 
 # --------------------------------------------------------------------------- GPU
-#: what the extrapolation to a GPU assumes beyond the one measured GPT-2 124M step
+#: what the extrapolation to a GPU takes from the GPU runs of this project, and assumes
 GPU_ASSUMPTIONS = {
     "tflops_h200_at_768": 287.0,       # measured: model FLOPs/s of GPT-2 124M's steps
     "narrow_derate": "linear in width below 768",    # small matmuls use the GPU less
     "h100_vs_h200": 0.8,               # H100 255.9k tokens/s against H200's 319k (124M)
-    "host_s_per_layer": 2.5e-4,        # eager launches of one block, forward and backward
-    "host_s_fixed": 2e-4,              # embeddings, head, loss, zero_grad
+    # fitted: the gpu-window model (6 layers, 384 wide, 16 x 256 tokens, bf16 autocast,
+    # eager) took 15.4-16.8 ms an AdamW step, 15.5 an IVON step and 14.2-15.6 a pass of
+    # IVON-3x and IVON-PoCoMo on the H200 of 2026-11-28 (their train times), where its
+    # matrix products need about 2 ms: the host's eager launches (about 1,900 aten calls
+    # a pass) bound the step.  GPT-2 124M's 26.8 ms step (12 layers, 8 x 1024 tokens, on
+    # another H200 host) bounds this from above: 12 layers at this rate are 28 ms.
+    "host_s_per_layer": 2.2e-3,        # eager launches of one block, forward and backward
+    "host_s_fixed": 2.0e-3,            # embeddings, head, loss, zero_grad, the data
     "kernel_floor_s": 4e-6,            # the least time of one kernel on the device
     "kernels_per_layer": 36, "kernels_fixed": 24,
-    "opt_host_s": {"adamw": 3e-4, "ivon": 2e-4, "pocomo": 4e-4},
+    # measured there too (bench_gpu --quick, host_step: GPT-2's 148 tensors): fused
+    # AdamW 0.76-1.0 ms of host time an iteration, IVON 0.66, IVON-PoCoMo 1.1
+    "opt_host_s": {"adamw": 1.0e-3, "ivon": 7e-4, "pocomo": 1.1e-3},
     "opt_bytes_per_param": {"adamw": 28, "ivon": 56, "pocomo": 96},
     "bandwidth_bytes_s": 4.0e12,       # measured copy bandwidth (H200: 4.0-4.2 TB/s)
     "run_s": 4.0,                      # model built, first iterations, allocator warm
     "start_s": 40.0,                   # CUDA context, data, Triton's kernels compiled once
+    # assumed, not measured: runs in separate processes on one GPU, each bound by its own
+    # host core, interleave on the GPU (which time-slices between the processes) while
+    # it is mostly idle; each run beyond the first adds this much of a run's throughput
+    "parallel_efficiency": 0.75,
 }
 
 
@@ -100,8 +125,9 @@ def model_size(settings: Dict) -> Dict[str, float]:
 
 
 def extrapolated(settings: Dict, base_batch: int, device: str = "h200") -> Rates:
-    """Rates on an H200 (or an H100) for the model of ``settings``, from the measured
-    GPT-2 124M step and :data:`GPU_ASSUMPTIONS`."""
+    """Rates on an H200 (or an H100) for the model of ``settings``, from
+    :data:`GPU_ASSUMPTIONS`: a pass costs the larger of its GPU time and its host time, and
+    IVON-3x's batch is one pass (the study's GPU scales train it whole)."""
     a = GPU_ASSUMPTIONS
     m = model_size(settings)
     tflops = a["tflops_h200_at_768"] * min(1.0, m["width"] / 768)
@@ -118,11 +144,12 @@ def extrapolated(settings: Dict, base_batch: int, device: str = "h200") -> Rates
             a["opt_bytes_per_param"][kind] * m["params"] / a["bandwidth_bytes_s"]
     refresh = settings.get("mega_batches", 0) / max(settings.get("refresh_every", 1), 1)
     step = {"adamw": eval_s + opt("adamw"), "ivon": eval_s + opt("ivon"),
-            "ivon-3x": 3 * eval_s + opt("ivon"),
+            "ivon-3x": max(3 * gpu, host) + opt("ivon"),
             "pocomo": (2 + refresh) * eval_s + opt("pocomo")}
-    val = max(gpu / 3, host / 2)
-    return Rates(device, f"extrapolated from GPT-2 124M on an H200 ({device}; "
-                 "lm_study_time.GPU_ASSUMPTIONS)", step, val, a["run_s"], a["start_s"])
+    val = max(gpu / 3, host / 3)           # (a forward: a third of a pass's launches)
+    return Rates(device, f"extrapolated from this project's H200 runs ({device}; "
+                 "lm_study_time.GPU_ASSUMPTIONS)", step, val, a["run_s"], a["start_s"],
+                 a["parallel_efficiency"])
 
 
 # --------------------------------------------------------------------------- measured
@@ -179,22 +206,30 @@ def measure(jobs: Sequence, device: str, steps: int = 0, log=print) -> Rates:
     # kernels compiled; the others' fixed time is a run's)
     later = sorted(runs[1:]) or runs
     run_s = max(later[len(later) // 2], 0.0)
+    on_gpu = jobs[0].cfg_dict().get("device", "cpu") != "cpu"
     return Rates(device, f"measured here ({', '.join(sorted(picked))}: "
                  f"{steps or 'a few'} steps each)", step_s, sum(val) / len(val),
-                 run_s, max(runs[0] - run_s, 0.0))
+                 run_s, max(runs[0] - run_s, 0.0),
+                 GPU_ASSUMPTIONS["parallel_efficiency"] if on_gpu else 1.0)
 
 
 # --------------------------------------------------------------------------- a study
 @dataclass
 class Clock:
     """The window of a study: predictions scaled by the worst ratio of a finished run's
-    time to its prediction; :meth:`fits` says whether a run may still start."""
+    time to its prediction (until one finishes, by the slowdown ``n_jobs`` runs at a time
+    are expected to cause each other); :meth:`fits` says whether a run may still start."""
     rates: Rates
     budget_s: Optional[float]
     t0: float = field(default_factory=time.perf_counter)
-    ratio: float = 1.0                   # (1 until a run finishes)
+    n_jobs: int = 1
+    ratio: float = 1.0                   # (set from n_jobs until a run finishes)
     skipped: List[str] = field(default_factory=list)
     ratios: List[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        n = max(self.n_jobs, 1)
+        self.ratio = n / speedup(self.rates, n)
 
     def predict(self, job) -> float:
         return run_seconds(job, self.rates) * self.ratio
@@ -226,7 +261,7 @@ def plan_text(jobs: Sequence, rates: Rates, n_jobs: int, budget_s: Optional[floa
         t = run_seconds(j, rates)
         total += t
         lines.append(f"  {j.run_id:24s} {j.cost():8.0f} gradient evaluations  {t:7.1f} s")
-    wall = rates.start_s + total / max(n_jobs, 1)
+    wall = rates.start_s + total / speedup(rates, n_jobs)
     lines.append(f"{len(jobs)} runs, {total:.0f} s of runs; predicted wall time {wall:.0f} s "
                  f"({wall / 60:.1f} min) at {n_jobs} run(s) at a time"
                  + ("" if budget_s is None else
