@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# A session with a lent GPU, in two device calls (docs/benchmarks.md, 'A lent GPU'):
+#
+#   bash benchmarks/gpu/lent_session.sh study   # call 1, at most 8 minutes
+#   bash benchmarks/gpu/lent_session.sh check   # call 2, at most 4 minutes, right after
+#
+# study: the C++ extension is built (-O3, beside the study, into /tmp) while the LM
+#   study's GPU window trains (`lm_study --scale gpu-window`); the extension goes into
+#   place once the study has ended (a worker never imports a half-written one).
+# check: the quick GPU check (`bench_gpu.py --quick`) with that extension, so with the
+#   parked default. A machine given back between the calls loses the build: then the
+#   extension that call 1 returned, carried in `gpu_carry/` (git-ignored), is used.
+# Each call packs its outputs into one archive under $OUT (a device call returns at most
+# 8 files); RESUME=<dir of a saved study> (carried) makes `study` resume those runs.
+set -u
+: "${OUT:?OUT must name the folder whose files come back}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi -L 2>/dev/null
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+case "${1:-}" in
+study)
+  (nice -n 10 env MAX_JOBS=8 timeout 420 python3 setup.py build_ext --build-lib /tmp/poco_ext \
+     > /tmp/build.log 2>&1; echo "build rc=$?" >> /tmp/build.log) &
+  mkdir -p /tmp/lm_study_gpu
+  if [ -n "${RESUME:-}" ]; then cp -r "$RESUME"/. /tmp/lm_study_gpu/; fi
+  t0=$(date +%s)
+  timeout 470 python3 -m poco_kernels.experiments.lm_study --scale gpu-window \
+    --out-dir /tmp/lm_study_gpu --quiet > /tmp/lm_study_gpu/lm.log 2>&1
+  echo "lm_study rc=$? in $(( $(date +%s) - t0 )) s"
+  wait
+  tail -n 2 /tmp/build.log
+  grep -m 3 -B 2 -A 6 "error" /tmp/build.log > /tmp/lm_study_gpu/build_errors.txt
+  for so in /tmp/poco_ext/poco_kernels/_C*.so; do
+    [ -f "$so" ] || continue
+    cp "$so" poco_kernels/ && echo "extension built and in place"
+    # (returned without debug information: a returned file is at most 16 MB)
+    strip --strip-debug -o "$OUT/$(basename "$so")" "$so" || echo "extension not returned"
+  done
+  tar czf "$OUT/lm_study_gpu.tgz" -C /tmp lm_study_gpu
+  tail -n 30 /tmp/lm_study_gpu/lm.log
+  ;;
+check)
+  if ! ls poco_kernels/_C*.so > /dev/null 2>&1; then
+    cp gpu_carry/_C*.so poco_kernels/ 2>/dev/null && echo "extension from gpu_carry/"
+  fi
+  python3 -c "from poco_kernels import _sweeps; print('parking:', _sweeps.park is not None)"
+  timeout 230 python3 benchmarks/bench_gpu.py --quick --out /tmp/quick > /tmp/quick.log 2>&1
+  echo "quick rc=$?"
+  cp /tmp/quick.log /tmp/quick/
+  tar czf "$OUT/quick.tgz" -C /tmp quick
+  cat /tmp/quick/quick.md
+  ;;
+*)
+  echo "usage: bash benchmarks/gpu/lent_session.sh study|check" >&2
+  exit 2
+  ;;
+esac
