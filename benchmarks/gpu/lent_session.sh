@@ -8,7 +8,7 @@
 #   study's GPU window trains (`lm_study --scale gpu-window`); the extension goes into
 #   place once the study has ended (a worker never imports a half-written one).
 # check: the quick GPU check (`bench_gpu.py --quick`) with that extension, so with the
-#   parked default. A machine given back between the calls loses the build: then the
+#   parked default, then `studies/host_profile.py` (where the host time goes). A machine given back between the calls loses the build: then the
 #   extension that call 1 returned, carried in `gpu_carry/` (git-ignored), is used.
 # Each call packs its outputs into one archive under $OUT (a device call returns at most
 # 8 files); RESUME=<dir of a saved study> (carried) makes `study` resume those runs.
@@ -47,7 +47,11 @@ check)
   python3 -c "from poco_kernels import _sweeps; print('parking:', _sweeps.park is not None)"
   timeout 230 python3 benchmarks/bench_gpu.py --quick --out /tmp/quick > /tmp/quick.log 2>&1
   echo "quick rc=$?"
-  cp /tmp/quick.log /tmp/quick/
+  # where the host time goes (cProfile, kernel launches and synchronisations per iteration)
+  timeout 60 python3 -m benchmarks.studies.host_profile --kinds adamw_fused ivon ivon_pocomo \
+    --iters 100 --profile-iters 50 --out /tmp/quick/host_profile > /tmp/host_profile.log 2>&1
+  echo "host_profile rc=$?"
+  cp /tmp/quick.log /tmp/host_profile.log /tmp/quick/
   tar czf "$OUT/quick.tgz" -C /tmp quick
   cat /tmp/quick/quick.md
   ;;
