@@ -144,10 +144,11 @@ def _load_parking():
     return None, None
 
 
-#: ``park(flat, mean, spare, params)`` and ``unpark(flat, spare, params)``, each ``->
-#: (before, after)``: the flat parameter buffer's storage reads the mean's memory while its
-#: own waits in the (empty) spare, and back; each of ``params`` has its version counter
-#: bumped; the sums of their versions before and after (``csrc/sweeps.cpp``).  No Python
+#: ``park(flat, mean, spare, params)`` and ``unpark(flat, mean, spare, params)``, each
+#: ``-> (before, after)`` (unpark: None when the storage was given other memory while
+#: parked): the flat parameter buffer's storage reads the mean's memory while its own waits
+#: in the (empty) spare, and back; each of ``params`` has its version counter bumped; the
+#: sums of their versions before and after (``csrc/park.cpp``).  No Python
 #: twin: None without the extension (the engine does not park then,
 #: ``backends/fused_park.py``)
 park, unpark = _load_parking()

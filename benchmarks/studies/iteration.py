@@ -172,7 +172,9 @@ def measure(dev, name, provider, make, kind, numel, reps):
         closures.append(sum(spent))
         opts.append(dt - sum(spent))
     rows = []
-    model = b_iteration(name, provider)
+    runner = getattr(opt, "_runner", None)      # (a default row that did not park copies)
+    parked = runner is None or "(" in provider or runner.parks()
+    model = b_iteration(name, provider if parked else provider + "(copy)")
     for kernel, ts, bpp in (("iter_cycle", cycles, None), ("iter_closure", closures, None),
                             ("iter_optimizer", opts, model)):
         rows.append(_row(kernel, provider, name, n, ts, bpp, dev))

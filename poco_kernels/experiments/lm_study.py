@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .lm_study_config import ALPHA, SCALES, SCHEDULES, Scale
-from .lm_study_runner import (Job, _run_dir, cached_result, device_name, has_device,
-                              machine, run_jobs)
+from .lm_study_runner import (Job, Workers, _run_dir, cached_result, device_name,
+                              has_device, machine, run_jobs, warm_job)
 
 __all__ = ["Scale", "SCALES", "Job", "plan", "sweep_jobs", "run_jobs", "run_study", "main"]
 
@@ -160,25 +160,14 @@ def _model_settings(jobs: List[Job]) -> Dict[str, Any]:
                 jobs[0].cfg_dict())
 
 
-def run_study(scale: str = "full", out_dir: str = "lm_study_out", n_jobs: int = 2,
-              quiet: bool = False, log=print, data: str = "stdlib", rates=None,
-              budget_s: Optional[float] = None) -> Dict[str, Any]:
-    """Both stages, then the tables, verdicts and plots; returns the claims' summary.
-    ``budget_s`` (default the scale's window): no run starts that the time model
-    (``rates``, measured first where none are given) says would end after it."""
-    from .lm_study_claims import judge, write_outputs
-    from .lm_study_time import Clock
-    sc = SCALES[scale]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    budget = sc.budget_s if budget_s is None else budget_s
-    clock = None
-    if budget is not None:
-        clock = Clock(rates or default_rates(sc, data, log=log), budget, t0, n_jobs)
-    sweeps = run_jobs(sweep_jobs(sc, data), out, n_jobs, "lr sweeps", quiet, clock)
+def _stages(sc: Scale, out: Path, n_jobs: int, quiet: bool, log, data: str, clock,
+            workers) -> Tuple[List[Dict[str, Any]], List[Job], List[Dict[str, Any]], tuple]:
+    """The lr sweeps, then the arms at the picked rates: (sweep results, the arms' jobs,
+    their results, (adamw_lr, adamw_sweep, ivon_lr, ivon_sweep))."""
+    sweeps = run_jobs(sweep_jobs(sc, data), out, n_jobs, "lr sweeps", quiet, clock,
+                      workers)
     if len(sweeps) < len(sweep_jobs(sc, data)):
-        raise RuntimeError(f"the lr sweeps do not fit the window of {budget:.0f} s "
+        raise RuntimeError(f"the lr sweeps do not fit the window of {clock.budget_s:.0f} s "
                            f"(not started: {clock.skipped}); the runs saved so far are "
                            "reused by a rerun")
     adamw_lr, adamw_sweep = _pick(sweeps, "adamw-lr=")
@@ -197,7 +186,35 @@ def run_study(scale: str = "full", out_dir: str = "lm_study_out", n_jobs: int = 
             d = _run_dir(out, j)
             d.mkdir(parents=True, exist_ok=True)
             (d / "result.json").write_text(json.dumps(s, indent=1))
-    results = run_jobs(jobs, out, n_jobs, "arms", quiet, clock)
+    results = run_jobs(jobs, out, n_jobs, "arms", quiet, clock, workers)
+    return sweeps, jobs, results, (adamw_lr, adamw_sweep, ivon_lr, ivon_sweep)
+
+
+def run_study(scale: str = "full", out_dir: str = "lm_study_out", n_jobs: int = 2,
+              quiet: bool = False, log=print, data: str = "stdlib", rates=None,
+              budget_s: Optional[float] = None) -> Dict[str, Any]:
+    """Both stages, then the tables, verdicts and plots; returns the claims' summary.
+    ``budget_s`` (default the scale's window): no run starts that the time model
+    (``rates``, measured first where none are given) says would end after it."""
+    from .lm_study_claims import judge, write_outputs
+    from .lm_study_time import Clock
+    sc = SCALES[scale]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    budget = sc.budget_s if budget_s is None else budget_s
+    clock = None
+    if budget is not None:
+        clock = Clock(rates or default_rates(sc, data, log=log), budget, t0, n_jobs)
+    workers = (Workers(n_jobs, warm_job(study_jobs(sc, data))) if n_jobs > 1
+               else None)                          # (started once, for both stages)
+    try:
+        sweeps, jobs, results, picks = _stages(sc, out, n_jobs, quiet, log, data, clock,
+                                               workers)
+    finally:
+        if workers is not None:
+            workers.close()
+    adamw_lr, adamw_sweep, ivon_lr, ivon_sweep = picks
     missing = [j.run_id for j in jobs if j.run_id not in {r["arm"] + "/seed" + str(r["seed"])
                                                         for r in results}]
     meta = {"scale": asdict(sc), "adamw_lr": adamw_lr, "ivon_lr": ivon_lr,
@@ -211,7 +228,9 @@ def run_study(scale: str = "full", out_dir: str = "lm_study_out", n_jobs: int = 
             "data": data,
             "budget_s": budget, "not_started": missing,
             "time_model": None if clock is None else {
-                "rates": clock.rates.source, "worst_ratio": clock.ratio},
+                "rates": clock.rates.source, "worst_ratio": clock.ratio,
+                "ratios": [round(r, 3) for r in clock.ratios],
+                "parallel_efficiency": clock.rates.parallel_efficiency},
             "command": "python -m poco_kernels.experiments.lm_study"
                        + {"full": "", "quick": " --quick"}.get(scale, f" --scale {scale}")
                        + ("" if data == "stdlib" else f" --data {data}")}
@@ -232,11 +251,14 @@ def dry_run(scale: str, n_jobs: int, data: str = "stdlib", log=print) -> str:
     from . import lm_study_time as T
     sc = SCALES[scale]
     jobs = study_jobs(sc, data)
+    n_sweeps = len(sweep_jobs(sc, data))              # (study_jobs: the sweeps first)
+    stages = [jobs[:n_sweeps], sorted(jobs[n_sweeps:], key=lambda j: j.seed)]
     if has_device(sc.device):
-        texts = [T.plan_text(jobs, default_rates(sc, data, log), n_jobs, sc.budget_s)]
+        texts = [T.plan_text(jobs, default_rates(sc, data, log), n_jobs, sc.budget_s,
+                             stages)]
     else:
         texts = [T.plan_text(jobs, T.extrapolated(_model_settings(jobs), sc.batch, dev),
-                             n_jobs, sc.budget_s) for dev in ("h200", "h100")]
+                             n_jobs, sc.budget_s, stages) for dev in ("h200", "h100")]
     text = f"{scale}: {len(jobs)} runs (the arms' seed 0 of AdamW and IVON are the lr " \
            "sweeps' runs)\n" + "\n\n".join(texts)
     log(text)

@@ -1,28 +1,25 @@
 """The LM study's runs: :class:`Job` (an arm at a seed, and the key that decides whether a
-saved result still holds), training one (:func:`run_job`), and running many in worker
-processes with a progress bar counted in gradient evaluations (:func:`run_jobs`)."""
+saved result still holds), and running many (:func:`run_jobs`: saved ones reused, the
+rest in this process or in worker processes, inside a window's clock, with a progress
+bar counted in gradient evaluations). Training one run, and the worker processes, are
+:mod:`.lm_study_workers`."""
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
-import multiprocessing as mp
 import os
 import platform
 import queue as queue_mod
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .lm_study_config import EVAL_SEED
+from .lm_study_workers import Workers, _run_dir, _tokens, run_job, warm_job
 
-__all__ = ["Job", "cached_result", "run_job", "run_jobs", "machine", "device_name",
-           "has_device"]
-
-#: the corpora read so far, by source (read once per process)
-_DATA: Dict[str, Any] = {}
+__all__ = ["Job", "cached_result", "run_job", "run_jobs", "Workers", "machine",
+           "device_name", "has_device"]
 
 
 @dataclass(frozen=True)
@@ -88,17 +85,6 @@ def device_name(device: str) -> str:
     return machine()
 
 
-def _tokens(source: str):
-    if source not in _DATA:
-        from .lm_data import load_tokens
-        _DATA[source] = load_tokens(source)
-    return _DATA[source]
-
-
-def _run_dir(out: Path, job: Job) -> Path:
-    return out / "runs" / job.arm / f"seed{job.seed}"
-
-
 def cached_result(out: Path, job: Job) -> Optional[Dict[str, Any]]:
     """The saved result of ``job`` when its settings are unchanged."""
     p = _run_dir(out, job) / "result.json"
@@ -109,81 +95,6 @@ def cached_result(out: Path, job: Job) -> Optional[Dict[str, Any]]:
     except ValueError:
         return None
     return r if r.get("key") == job.key() else None
-
-
-def run_job(job: Job, out: Path, report: Optional[Callable[[str, float], None]] = None
-            ) -> Dict[str, Any]:
-    """Train ``job`` and write ``result.json``: its curve (step, gradient evaluations in
-    base mini-batches, wall seconds outside evaluation, validation loss at the posterior
-    mean on fixed windows), the final validation loss on ``final_eval_batches`` windows."""
-    import torch
-    from .pretrain_config import resolve_config
-    from .pretrain_loop import Trainer
-
-    rdir = _run_dir(out, job)
-    if rdir.exists():
-        shutil.rmtree(rdir)
-    rdir.mkdir(parents=True)
-    cfg = resolve_config(job.optimizer, "cpu", out_dir=str(rdir), **job.cfg_dict())
-    data = _tokens(cfg.data)
-    base, seq = job.base_batch, cfg.seq_len
-    done = [0.0]
-
-    class StudyTrainer(Trainer):
-        def evaluate(self, batches: Optional[int] = None) -> float:
-            """Mean loss at the posterior mean over fixed validation windows: the same
-            for every arm and seed (:data:`EVAL_SEED`), whatever the batch size."""
-            model, was = self.raw, self.raw.training
-            model.eval()
-            n = batches or cfg.eval_batches
-            total = 0.0
-            with torch.no_grad():
-                for i in range(n):
-                    x, y = data.batch("val", i, base, seq, EVAL_SEED, 0, base)
-                    with self._autocast():
-                        total += float(model(x.to(self.dev), y.to(self.dev))[1])
-            model.train(was)
-            return total / n
-
-        def _record(self, step, loss, evaluate, rate) -> None:
-            super()._record(step, loss, evaluate, rate)
-            if report is not None:
-                now = self.tokens / (base * seq)
-                report(job.run_id, now - done[0])
-                done[0] = now
-
-    tr = StudyTrainer(cfg, data=data)
-    t0 = time.perf_counter()
-    tr.train()
-    total = time.perf_counter() - t0
-    final = tr.evaluate(job.final_eval_batches)
-    curve, wall = [], 0.0
-    prev = 0
-    for row in tr.history:
-        if row.get("step_ms") is not None:
-            wall += row["step_ms"] * (row["step"] - prev) / 1e3
-        prev = row["step"]
-        if row["val_loss"] is not None:
-            curve.append({"step": row["step"], "evals": row["tokens"] / (base * seq),
-                          "wall_s": wall, "val_loss": row["val_loss"],
-                          "train_loss": row["train_loss"], "alpha": row["alpha"],
-                          "lr": row["lr"]})
-    result = {"key": job.key(), "arm": job.arm, "seed": job.seed,
-              "optimizer": job.optimizer, "settings": job.cfg_dict(),
-              "final_val_loss": final, "final_eval_batches": job.final_eval_batches,
-              "steps": tr.step, "evals": tr.tokens / (base * seq), "train_wall_s": wall,
-              "run_s": total, "refreshes": getattr(tr.opt, "refresh_count", 0),
-              "backend": getattr(tr.opt, "backend", "torch"), "curve": curve}
-    for f in ("ckpt.pt", "log.csv", "summary.json"):     # the result holds what matters
-        (rdir / f).unlink(missing_ok=True)
-    (rdir / "result.json").write_text(json.dumps(result, indent=1))
-    return result
-
-
-def _worker(job: Job, out: str, q) -> Dict[str, Any]:
-    import torch
-    torch.set_num_threads(1)
-    return run_job(job, Path(out), (lambda rid, d: q.put((rid, d))) if q is not None else None)
 
 
 # --------------------------------------------------------------------------- many runs
@@ -251,15 +162,18 @@ def _stage_text(desc: str, n_runs: int, n_todo: int, n_shared: int) -> str:
 
 
 def run_jobs(jobs: Sequence[Job], out: Path, n_jobs: int = 2, desc: str = "runs",
-             quiet: bool = False, clock=None) -> List[Dict[str, Any]]:
+             quiet: bool = False, clock=None, workers: Optional[Workers] = None
+             ) -> List[Dict[str, Any]]:
     """Every job's result, reusing saved ones; the rest run ``n_jobs`` at a time (worker
-    processes of one thread each; ``n_jobs=1``: in this process, with its threads), the
-    longest first, with one progress bar in gradient evaluations.  A failed run stops the
-    study (the queued runs are cancelled) with an error that names it.
+    processes of one thread each: ``workers``, or a pool of this call's; ``n_jobs=1``: in
+    this process, with its threads), the longest first, with one progress bar in gradient
+    evaluations.  A failed run stops the study (the queued runs are cancelled) with an
+    error that names it.
 
     ``clock`` (a :class:`~.lm_study_time.Clock` with a budget): the runs go seed by seed
-    in the order given, and a run the clock says would end after the window is not
-    started (its result is missing from the list; ``clock.skipped`` names it)."""
+    in the order given, and a run the clock says would end after the window (counting
+    the start of the worker it would start) is not started (its result is missing from
+    the list; ``clock.skipped`` names it); each finished run's own time rescales it."""
     results: Dict[str, Dict[str, Any]] = {}
     todo = []
     for j in jobs:
@@ -278,65 +192,69 @@ def run_jobs(jobs: Sequence[Job], out: Path, n_jobs: int = 2, desc: str = "runs"
                _stage_text(desc, len(jobs), len(todo), shared), quiet)
     queue = iter(todo)
 
-    def next_job() -> Optional[Job]:
+    def next_job(start_s: float = 0.0) -> Optional[Job]:
         for j in queue:
-            if clock is None or clock.fits(j):
+            if clock is None or clock.fits(j, start_s):
                 return j
             bar.update(j.cost())
         return None
 
-    def done(j, r, t0):
+    def done(j, r, seconds):
         results[j.run_id] = r
         if clock is not None:
-            clock.finished(j, time.perf_counter() - t0)
+            clock.finished(j, seconds)
         bar.set_postfix_str(j.run_id)
+    own = None
     try:
         if n_jobs <= 1:
             while (j := next_job()) is not None:
                 t0 = time.perf_counter()
-                done(j, run_job(j, out, lambda rid, d: bar.update(d)), t0)
+                r = run_job(j, out, lambda rid, d: bar.update(d))
+                done(j, r, time.perf_counter() - t0)
         elif todo:
-            ctx = mp.get_context("spawn")
-            with mp.Manager() as manager, cf.ProcessPoolExecutor(
-                    n_jobs, mp_context=ctx) as pool:
-                q = manager.Queue()
-                futs: Dict[Any, Tuple[Job, float]] = {}
+            if workers is None:
+                workers = own = Workers(n_jobs, warm_job(todo))
+            pool, q = workers.pool, workers.queue
+            futs: Dict[Any, Job] = {}
 
-                def submit() -> bool:
-                    j = next_job()
-                    if j is not None:
-                        futs[pool.submit(_worker, j, str(out), q)] = (j, time.perf_counter())
-                    return j is not None
+            def submit() -> bool:
+                start = clock.rates.start_s if clock is not None and workers.fresh() else 0.0
+                j = next_job(start)
+                if j is not None:
+                    futs[workers.submit(j, out)] = j
+                return j is not None
 
-                while len(futs) < n_jobs and submit():
+            while len(futs) < n_jobs and submit():
+                pass
+            pending = set(futs)
+
+            def drain(timeout):
+                try:
+                    while True:
+                        _, d = q.get(timeout=timeout)
+                        bar.update(d)
+                except queue_mod.Empty:
                     pass
-                pending = set(futs)
-
-                def drain(timeout):
-                    try:
-                        while True:
-                            _, d = q.get(timeout=timeout)
-                            bar.update(d)
-                    except queue_mod.Empty:
-                        pass
-                while pending:
-                    drain(0.2)
-                    finished = {f for f in pending if f.done()}
-                    for f in finished:
-                        j, t0 = futs[f]
-                        if f.exception() is not None:    # cancel what waits, let the
-                            pool.shutdown(wait=True, cancel_futures=True)   # running end
-                            raise RuntimeError(f"run {j.run_id} failed (the runs saved so "
-                                               f"far are reused by a rerun): "
-                                               f"{f.exception()!r}") from f.exception()
-                        done(j, f.result(), t0)
-                    pending -= finished
-                    for _ in finished:
-                        if submit():
-                            pending.add(next(reversed(futs)))
-                drain(0.05)
+            while pending:
+                drain(0.2)
+                finished = {f for f in pending if f.done()}
+                for f in finished:
+                    j = futs[f]
+                    if f.exception() is not None:    # cancel what waits, let the
+                        pool.shutdown(wait=True, cancel_futures=True)   # running end
+                        raise RuntimeError(f"run {j.run_id} failed (the runs saved so "
+                                           f"far are reused by a rerun): "
+                                           f"{f.exception()!r}") from f.exception()
+                    done(j, *f.result())
+                pending -= finished
+                for _ in finished:
+                    if submit():
+                        pending.add(next(reversed(futs)))
+            drain(0.05)
     finally:
         bar.close()
+        if own is not None:
+            own.close(cancel=True)
     return [results[j.run_id] for j in jobs if j.run_id in results]
 
 

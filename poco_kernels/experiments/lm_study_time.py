@@ -17,9 +17,11 @@ rates come from one of two places (:class:`Rates`):
 
 Several runs at a time (``--jobs N``, one process each) overlap one run's host work with
 another's: :func:`speedup` is the throughput of N against one (N on the CPU's cores; on
-a GPU an assumed efficiency per extra run, :attr:`Rates.parallel_efficiency`, until it
-is measured), and until a run has finished the clock takes a run to last N / speedup(N)
-times its prediction alone.
+a GPU an assumed efficiency per extra run, :attr:`Rates.parallel_efficiency`, not yet
+measured), and until a run has finished the clock takes a run to last N / speedup(N)
+times its prediction alone.  :func:`wall_seconds` plays the plan's schedule: the stages
+one after the other (the lr sweeps, then the arms), each stage's runs in order on N
+slots, the workers started once.
 
 While a study runs, :class:`Clock` compares each finished run's time with its prediction
 and scales the predictions of the runs still to start by the worst ratio seen, so a model
@@ -33,8 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["Rates", "step_kind", "run_seconds", "speedup", "extrapolated", "measure", "Clock",
-           "plan_text", "GPU_ASSUMPTIONS", "KINDS"]
+__all__ = ["Rates", "step_kind", "run_seconds", "speedup", "wall_seconds", "extrapolated",
+           "measure", "Clock", "plan_text", "GPU_ASSUMPTIONS", "KINDS"]
 
 #: the kinds of training step whose rates differ
 KINDS = ("adamw", "ivon", "ivon-3x", "pocomo")
@@ -89,8 +91,9 @@ GPU_ASSUMPTIONS = {
     # eager) took 15.4-16.8 ms an AdamW step, 15.5 an IVON step and 14.2-15.6 a pass of
     # IVON-3x and IVON-PoCoMo on the H200 of 2026-11-28 (their train times), where its
     # matrix products need about 2 ms: the host's eager launches (about 1,900 aten calls
-    # a pass) bound the step.  GPT-2 124M's 26.8 ms step (12 layers, 8 x 1024 tokens, on
-    # another H200 host) bounds this from above: 12 layers at this rate are 28 ms.
+    # a pass) bound the step.  (GPT-2 124M's whole step took 26.8 ms on another H200's
+    # host; 12 layers at this rate would be 28 ms of host time: that host was faster, or
+    # its larger kernels hid part of the launches.)
     "host_s_per_layer": 2.2e-3,        # eager launches of one block, forward and backward
     "host_s_fixed": 2.0e-3,            # embeddings, head, loss, zero_grad, the data
     "kernel_floor_s": 4e-6,            # the least time of one kernel on the device
@@ -223,7 +226,7 @@ class Clock:
     budget_s: Optional[float]
     t0: float = field(default_factory=time.perf_counter)
     n_jobs: int = 1
-    ratio: float = 1.0                   # (set from n_jobs until a run finishes)
+    ratio: float = field(init=False)     # (from n_jobs until a run finishes)
     skipped: List[str] = field(default_factory=list)
     ratios: List[float] = field(default_factory=list)
 
@@ -234,23 +237,49 @@ class Clock:
     def predict(self, job) -> float:
         return run_seconds(job, self.rates) * self.ratio
 
-    def fits(self, job) -> bool:
+    def fits(self, job, extra_s: float = 0.0) -> bool:
+        """Whether ``job`` ends inside the window if it starts now (``extra_s``: time it
+        waits for first, a worker process's start)."""
         if self.budget_s is None:
             return True
-        ok = time.perf_counter() - self.t0 + self.predict(job) <= self.budget_s
+        ok = time.perf_counter() - self.t0 + extra_s + self.predict(job) <= self.budget_s
         if not ok:
             self.skipped.append(job.run_id)
         return ok
 
     def finished(self, job, seconds: float) -> None:
-        """A run took ``seconds``: the predictions scale by the worst ratio so far (below
-        1 too: measured rates that were pessimistic start no fewer runs than they could)."""
+        """A run took ``seconds`` (its own time, its worker's start not included): the
+        predictions scale by the worst ratio so far (below 1 too: measured rates that were
+        pessimistic start no fewer runs than they could)."""
         self.ratios.append(seconds / max(run_seconds(job, self.rates), 1e-9))
         self.ratio = max(self.ratios)
 
 
-def plan_text(jobs: Sequence, rates: Rates, n_jobs: int, budget_s: Optional[float]) -> str:
-    """The plan of a study: each run's predicted time, the total against the window."""
+def wall_seconds(stages: Sequence[Sequence], rates: Rates, n_jobs: int) -> float:
+    """The predicted wall time of a study whose ``stages`` run one after the other:
+    this process's start, with several slots the worker processes' start (once: they
+    serve every stage), then per stage its runs in the order given, each on the first of
+    ``n_jobs`` slots to come free, each lasting n_jobs / speedup times its time alone
+    (the slowdown of runs at a time, in a stage's tail too)."""
+    n = max(n_jobs, 1)
+    slow = n / speedup(rates, n)
+    wall = rates.start_s * (2 if n > 1 else 1)
+    for runs in stages:
+        if not runs:
+            continue
+        free = [0.0] * min(n, len(runs))
+        for j in runs:
+            i = free.index(min(free))
+            free[i] += run_seconds(j, rates) * slow
+        wall += max(free)
+    return wall
+
+
+def plan_text(jobs: Sequence, rates: Rates, n_jobs: int, budget_s: Optional[float],
+              stages: Optional[Sequence[Sequence]] = None) -> str:
+    """The plan of a study: each run's predicted time, the total against the window
+    (``stages``: how ``jobs`` split into stages that run one after the other; default
+    one)."""
     lines = [f"rates: {rates.source}"]
     lines.append("  step ms: " + ", ".join(f"{k} {1e3 * v:.2f}"
                                            for k, v in rates.step_s.items()))
@@ -261,7 +290,7 @@ def plan_text(jobs: Sequence, rates: Rates, n_jobs: int, budget_s: Optional[floa
         t = run_seconds(j, rates)
         total += t
         lines.append(f"  {j.run_id:24s} {j.cost():8.0f} gradient evaluations  {t:7.1f} s")
-    wall = rates.start_s + total / speedup(rates, n_jobs)
+    wall = wall_seconds([jobs] if stages is None else stages, rates, n_jobs)
     lines.append(f"{len(jobs)} runs, {total:.0f} s of runs; predicted wall time {wall:.0f} s "
                  f"({wall / 60:.1f} min) at {n_jobs} run(s) at a time"
                  + ("" if budget_s is None else

@@ -34,10 +34,13 @@ def test_the_gpu_window_plan_fits_its_window():
     text = S.dry_run("gpu-window", sc.jobs, log=lines.append)
     assert lines == [text] and text.count("window 450 s: fits") == 2
     assert "h200" in text and "h100" in text and f"at {sc.jobs} run(s) at a time" in text
+    stages = [jobs[:4], jobs[4:]]                   # (the sweeps, then the arms)
+    assert all(j.arm.startswith(("adamw-lr=", "ivon-lr=")) for j in stages[0])
     for dev in ("h200", "h100"):
         rates = T.extrapolated(S._model_settings(jobs), sc.batch, dev)
         total = sum(T.run_seconds(j, rates) for j in jobs)
-        wall = rates.start_s + total / T.speedup(rates, sc.jobs)
+        wall = T.wall_seconds(stages, rates, sc.jobs)
+        assert f"predicted wall time {wall:.0f} s" in text
         assert wall <= sc.budget_s < rates.start_s + total, (dev, wall)   # (4 at a time)
         # an IVON-PoCoMo step is two passes and a refresh's share; IVON-3x's batch is one
         # pass on the GPU, whose host launches bound it as they bound IVON's
@@ -72,6 +75,26 @@ def test_the_gpu_extrapolation_agrees_with_the_h200_runs():
         assert 0.75 <= ratio <= 1.0, (r["arm"], r["seed"], ratio)
         seen += 1
     assert seen == 8
+
+
+def test_the_plan_plays_its_stages_on_its_slots():
+    """wall_seconds: this process's and (with several slots) the workers' start, then
+    each stage's makespan, its runs in order on the first slot to come free, each slowed
+    by n / speedup(n)."""
+    from poco_kernels.experiments import lm_study_time as T
+    sc = S.SCALES["quick-window"]
+    rates = T.Rates("x", "test", {k: 0.01 for k in T.KINDS}, 0.0, 0.0, 10.0, 1.0)
+    runs = S.plan(sc, 1e-2, 1.0)[:3]
+    t = [T.run_seconds(j, rates) for j in runs]
+    assert T.wall_seconds([runs], rates, 1) == pytest.approx(10.0 + sum(t))
+    # two slots: runs 0 and 1 start together, run 2 on the slot that frees first
+    two = max(t[0] + (t[2] if t[0] <= t[1] else 0), t[1] + (t[2] if t[1] < t[0] else 0))
+    assert T.wall_seconds([runs], rates, 2) == pytest.approx(20.0 + two)
+    # a stage waits for the one before it (the lr sweeps before the arms)
+    assert T.wall_seconds([runs[:1], runs[1:]], rates, 2) == pytest.approx(
+        20.0 + t[0] + max(t[1], t[2]))
+    slow = dataclasses.replace(rates, parallel_efficiency=0.5)    # (2 at 1.5x one)
+    assert T.wall_seconds([runs[:1]], slow, 2) == pytest.approx(20.0 + t[0] * 2 / 1.5)
 
 
 def test_several_runs_at_a_time_slow_each_other_until_one_finishes():
@@ -192,6 +215,23 @@ def test_the_window_pipeline_stops_at_its_budget_and_resumes(tmp_path):
         {p.split("/")[0] for p in pocomo}
     verdicts = {c["id"]: c["verdict"] for c in again["claims"]}
     assert [verdicts[k] for k in "def"] == [C.NOT_RUN] * 3
+
+
+@pytest.mark.long
+def test_a_run_in_a_worker_is_timed_without_the_workers_start(tmp_path):
+    """Runs in worker processes report their own time: the clock's ratios stay near
+    those of the same runs in this process (a worker's first run would otherwise count
+    the worker's start: spawning, importing torch, reading the corpus, several times a
+    quick-window run's time)."""
+    from poco_kernels.experiments import lm_study_time as T
+    sc = S.SCALES["quick-window"]
+    jobs = S.sweep_jobs(sc)
+    rates = T.measure(jobs, "cpu", log=lambda *_: None)
+    clock = T.Clock(rates, None, n_jobs=2)
+    with R.Workers(2, R.warm_job(jobs)) as workers:
+        got = R.run_jobs(jobs, tmp_path, 2, quiet=True, clock=clock, workers=workers)
+    assert len(got) == len(jobs) == len(clock.ratios) == workers.submitted
+    assert max(clock.ratios) < 3.0, clock.ratios
 
 
 @pytest.mark.long

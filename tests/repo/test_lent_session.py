@@ -16,6 +16,13 @@ def test_the_script_parses_and_names_its_calls(tmp_path):
     r = subprocess.run(["bash", SCRIPT, "study"], cwd=ROOT, capture_output=True, text=True,
                        env={k: v for k, v in os.environ.items() if k != "OUT"})
     assert r.returncode != 0 and "OUT must name" in r.stderr
+    # a folder to resume without runs in it is refused before anything starts
+    (tmp_path / "saved").mkdir()
+    r = subprocess.run(["bash", SCRIPT, "study"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path / "out"),
+                            "RESUME": str(tmp_path / "saved")})
+    assert r.returncode == 2 and "nothing to resume" in r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_commands_it_runs_take_its_options():
