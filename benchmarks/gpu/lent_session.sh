@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu/lent_session.sh study   # call 1, at most 8 minutes
 #   bash benchmarks/gpu/lent_session.sh check   # call 2, at most 5 minutes, right after
 #
-# study: the C++ extension is built (-O3, beside the study, into /tmp) while the LM
+# study: the C++ extension is built (-O3, beside the study, into /tmp; 4 jobs at the
+#   lowest priority, leaving the study's 5 processes most of the 16 cores) while the LM
 #   study's GPU window trains (`lm_study --scale gpu-window`); the extension goes into
 #   place once the study has ended (a worker never imports a half-written one).
 # check: the quick GPU check (`bench_gpu.py --quick`) with that extension, so with the
@@ -31,7 +32,7 @@ study)
     fi
     cp -r "$RESUME"/. /tmp/lm_study_gpu/ || exit 2
   fi
-  (nice -n 10 env MAX_JOBS=8 timeout 420 python3 setup.py build_ext --build-lib /tmp/poco_ext \
+  (nice -n 19 env MAX_JOBS=4 timeout 420 python3 setup.py build_ext --build-lib /tmp/poco_ext \
      > /tmp/build.log 2>&1; echo "build rc=$?" >> /tmp/build.log) &
   t0=$(date +%s)
   timeout 455 python3 -m poco_kernels.experiments.lm_study --scale gpu-window \
