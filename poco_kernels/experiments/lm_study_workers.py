@@ -105,9 +105,6 @@ def run_job(job: Job, out: Path, report: Optional[Callable[[str, float], None]] 
     return result
 
 
-
-
-
 def _warm_worker(warm: Optional[Job]) -> None:
     """A worker process's start, before its first run: one thread, and a few steps of
     ``warm`` (corrected from its first step, where it is IVON-PoCoMo) trained and thrown
