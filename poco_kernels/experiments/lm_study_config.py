@@ -73,7 +73,8 @@ SCALES = {
     # steps (8.2M tokens, 0.7 of the corpus); IVON-PoCoMo corrected from mid-run and from a
     # third; lrs swept over the CPU study's pick and the value below it (AdamW 1e-3: small
     # GPTs'; IVON 0.3: the paper's); four runs at a time (the steps are bound by the host's
-    # launches, 15 ms each on the H200 of 2026-11-28, with the GPU mostly idle)
+    # launches, 15 ms each on the H200 of 2026-11-28, where the FLOP model gives the GPU
+    # about 2 ms: not measured)
     "gpu-window": Scale("gpu-window", 6, 6, 384, 256, 16, 2000, 100, 50, 8, 64, 3, 1000,
                         (667, 1000), 100, 10, 10, (), (), (1e-3, 3e-3), (0.3, 1.0), 1 - 1 / 2000,
                         preset="gpt-small", device="cuda", ablations=False, vocab_size=256,

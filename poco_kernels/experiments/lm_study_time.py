@@ -12,7 +12,7 @@ rates come from one of two places (:class:`Rates`):
   what this project measured on GPUs: a pass (forward and backward) costs the larger of
   its matrix products (GPT-2 124M on an H200, ``../shared/gpu-results/h200-2026-11-26``:
   about 287 TFLOP/s of model FLOPs) and its host's eager launches (the ``gpu-window``
-  model on an H200, 2026-11-28: 15 ms a pass, the GPU mostly idle);
+  model on an H200, 2026-11-28: 15 ms a pass, where the FLOP model gives about 2 ms);
   :data:`GPU_ASSUMPTIONS` lists the numbers and what is assumed.
 
 Several runs at a time (``--jobs N``, one process each) overlap one run's host work with
@@ -30,7 +30,6 @@ one that was pessimistic does not skip runs that fit).
 """
 from __future__ import annotations
 
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -90,7 +89,7 @@ GPU_ASSUMPTIONS = {
     # fitted: the gpu-window model (6 layers, 384 wide, 16 x 256 tokens, bf16 autocast,
     # eager) took 15.4-16.8 ms an AdamW step, 15.5 an IVON step and 14.2-15.6 a pass of
     # IVON-3x and IVON-PoCoMo on the H200 of 2026-11-28 (their train times), where its
-    # matrix products need about 2 ms: the host's eager launches (about 1,900 aten calls
+    # matrix products need about 2 ms by the FLOP model (not measured): the host's eager launches (about 1,900 aten calls
     # a pass) bound the step.  (GPT-2 124M's whole step took 26.8 ms on another H200's
     # host; 12 layers at this rate would be 28 ms of host time: that host was faster, or
     # its larger kernels hid part of the launches.)
@@ -106,8 +105,8 @@ GPU_ASSUMPTIONS = {
     "run_s": 4.0,                      # model built, first iterations, allocator warm
     "start_s": 40.0,                   # CUDA context, data, Triton's kernels compiled once
     # assumed, not measured: runs in separate processes on one GPU, each bound by its own
-    # host core, interleave on the GPU (which time-slices between the processes) while
-    # it is mostly idle; each run beyond the first adds this much of a run's throughput
+    # host core, interleave on the GPU while it has work from one of them only part of the
+    # time; each run beyond the first adds this much of a run's throughput
     "parallel_efficiency": 0.75,
 }
 
@@ -161,9 +160,7 @@ def measure(jobs: Sequence, device: str, steps: int = 0, log=print) -> Rates:
     settings (AdamW, IVON, IVON on 3x the batch, IVON-PoCoMo corrected from its third
     step), timed after the first steps (IVON-PoCoMo's: after two refreshes, so that every
     kernel it uses is compiled); the validation batches timed too."""
-    from .lm_study_runner import _tokens
-    from .pretrain_config import resolve_config
-    from .pretrain_loop import Trainer
+    from .lm_study_workers import _tokens, short_run
 
     picked: Dict[str, object] = {}
     for j in jobs:
@@ -176,29 +173,22 @@ def measure(jobs: Sequence, device: str, steps: int = 0, log=print) -> Rates:
             picked.setdefault(k, j)
     step_s, val, runs = {}, [], []
     for kind, j in picked.items():
-        s = dict(j.cfg_dict())
-        m = s.get("refresh_every", 1)
+        m = j.cfg_dict().get("refresh_every", 1)
         # untimed: the first steps, and for IVON-PoCoMo two refreshes with the steps
         # between (every kernel a kind uses compiled, on a GPU, before the timing starts)
         warm = 4 + (2 * m if kind == "pocomo" else 0)
         warm += warm % 2
         n = steps or max(3 * m if kind == "pocomo" else 10, 10)
         n += n % 2
-        s.update(max_steps=warm + n, lr_warmup=1, eval_every=10 ** 9, log_every=2,
-                 quiet=True)
-        if kind == "pocomo":
-            s["poco_start"] = 2
-        data = _tokens(s["data"])
+        _tokens(j.cfg_dict()["data"])         # (read before the timing)
         t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = resolve_config(j.optimizer, "cpu", out_dir=tmp, **s)
-            tr = Trainer(cfg, data=data)
+        with short_run(j, warm + n, 2 if kind == "pocomo" else None, log_every=2) as tr:
             tr.train()
             spent = time.perf_counter() - t0
             rows = [r for r in tr.history if r.get("step_ms") and r["step"] > warm]
             t1 = time.perf_counter()
             tr.evaluate()                     # (it reads the loss back: synchronised)
-            val.append((time.perf_counter() - t1) / cfg.eval_batches)
+            val.append((time.perf_counter() - t1) / tr.cfg.eval_batches)
         step_s[kind] = sum(r["step_ms"] for r in rows) / len(rows) / 1e3
         runs.append(spent - n * step_s[kind])
         log(f"  {kind:8s} {1e3 * step_s[kind]:9.2f} ms a step ({n} steps timed)")

@@ -7,9 +7,11 @@ model's clock compares a run's own time with its prediction, a process's start a
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import multiprocessing as mp
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -19,7 +21,7 @@ from .lm_study_config import EVAL_SEED
 #: a run: :class:`.lm_study_runner.Job` (not imported: the runner imports this module)
 Job = Any
 
-__all__ = ["Workers", "warm_job", "run_job"]
+__all__ = ["Workers", "warm_job", "run_job", "short_run"]
 
 #: the corpora read so far, by source (read once per process)
 _DATA: Dict[str, Any] = {}
@@ -105,29 +107,37 @@ def run_job(job: Job, out: Path, report: Optional[Callable[[str, float], None]] 
     return result
 
 
+@contextlib.contextmanager
+def short_run(job: Job, steps: int, poco_start: Optional[int] = None,
+              log_every: int = 10 ** 9):
+    """A Trainer of ``job``'s settings cut to ``steps`` steps (a one-step lr warm-up, no
+    curve evaluations, quiet; IVON-PoCoMo corrected from ``poco_start`` where given),
+    writing into a temporary folder: the time model's rates and a worker's warm-up."""
+    from .pretrain_config import resolve_config
+    from .pretrain_loop import Trainer
+    s = dict(job.cfg_dict())
+    s.update(max_steps=steps, lr_warmup=1, eval_every=10 ** 9, log_every=log_every,
+             quiet=True)
+    if poco_start is not None and job.optimizer == "ivon-pocomo":
+        s["poco_start"] = poco_start
+    with tempfile.TemporaryDirectory() as tmp:
+        yield Trainer(resolve_config(job.optimizer, "cpu", out_dir=tmp, **s),
+                      data=_tokens(s["data"]))
+
+
 def _warm_worker(warm: Optional[Job]) -> None:
     """A worker process's start, before its first run: one thread, and a few steps of
     ``warm`` (corrected from its first step, where it is IVON-PoCoMo) trained and thrown
     away, so that what a process does once (imports, the corpus read, the device's
     context, its libraries' and kernels' first calls) is the time model's process start
     and not its first run's time."""
-    import tempfile
-
     import torch
     torch.set_num_threads(1)
     if warm is None:
         return
-    from .pretrain_config import resolve_config
-    from .pretrain_loop import Trainer
-    s = dict(warm.cfg_dict())
-    s.update(max_steps=min(s["max_steps"], 2 + s.get("refresh_every", 0)), lr_warmup=1,
-             eval_every=10 ** 9, log_every=10 ** 9, quiet=True)
-    if warm.optimizer == "ivon-pocomo":
-        s["poco_start"] = 1
+    steps = min(warm.cfg_dict()["max_steps"], 2 + warm.cfg_dict().get("refresh_every", 0))
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            tr = Trainer(resolve_config(warm.optimizer, "cpu", out_dir=tmp, **s),
-                         data=_tokens(s["data"]))
+        with short_run(warm, steps, poco_start=1) as tr:
             tr.train()
             tr.evaluate()
     except Exception:         # (the run itself then fails, or pays the warm-up, and says so)
