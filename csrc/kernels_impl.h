@@ -22,6 +22,7 @@ namespace poco {
 namespace POCO_ISA {
 
 #include "poco_math.h"
+#include "poco_dtypes.h"
 
 namespace {
 

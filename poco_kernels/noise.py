@@ -248,7 +248,7 @@ def stream_id(bucket: int, kind: int, draw: int) -> int:
 # 32-bit finaliser (a bijection with full avalanche).  For a fixed salt the 2**32
 # low index words map one-to-one onto the 2**32 hash values, so the bits are exactly
 # uniform over a block of 2**32 elements.  Written for 32-bit lanes: the C++ kernels
-# (csrc/poco_math.h, round_bits) and the Triton kernels (_round_bits) run it as is.
+# (csrc/poco_dtypes.h, round_bits) and the Triton kernels (_round_bits) run it as is.
 # --------------------------------------------------------------------------
 ROUND_MUL_INDEX = 0x9E3779B1
 ROUND_MUL_SEED = 0x85EBCA6B

@@ -85,8 +85,9 @@ def test_the_package_works_without_the_extension(how):
 
 # --------------------------------------------------------------------------- determinism
 def _kernel_run(n, ops, steps=5):
-    """Three IVON-PoCo steps (independent outer noise, floor, clip, bf16 parameters), a
-    refresh, a sample and the noise past 2**32: every byte they write."""
+    """Three IVON-PoCo steps (independent outer noise, floor, clip, bf16 parameters), one
+    with shared noise and the next sample, a refresh, a sample and the noise past 2**32:
+    every byte they write."""
     g = torch.Generator().manual_seed(0)
     r = lambda: torch.randn(n, generator=g)  # noqa: E731
     st = dict(mean=r(), mom=r() * 0.1, h=r().abs() + 0.5, g_in=r(), g_at_out=r(), g_out=r(),
@@ -103,6 +104,10 @@ def _kernel_run(n, ops, steps=5):
         ops.step(st["mean"], p, st["mom"], st["h"], st["g_in"], None, st["g_at_out"], None,
                  st["g_out"], st["h_out"], st["m_out"], st["sig"], ctl, None, None,
                  K.StepStreams(7, 5, 9), hp, flags)
+    # shared noise and the next sample (the parked default): two draws per tile
+    ops.step(st["mean"], p, st["mom"], st["h"], st["g_in"], None, st["g_at_out"], None,
+             st["g_out"], st["h_out"], st["m_out"], st["sig"], ctl, None, None,
+             K.StepStreams(7, 5, 9), hp, flags._replace(shared_noise=True, next_sample=True))
     ops.refresh(st["mean"], st["h"], st["g_in"], None, st["g_out"], st["h_out"], st["m_out"],
                 st["sig"], ctl, None, None, 7, 2, 13,
                 K.RefreshHyper.ivon(ess=50.0, wd=1e-4, rho1=0.3, rho2=0.1).counted(inv_n=0.5),
