@@ -225,6 +225,19 @@ POCO_INLINE void mulhilo_v(__m256i m, __m256i x, __m256i& hi, __m256i& lo) {
   hi = _mm256_blend_epi32(_mm256_shuffle_epi32(pe, 0xB1), po, 0xAA);
   lo = _mm256_blend_epi32(pe, _mm256_shuffle_epi32(po, 0xB1), 0xAA);
 }
+// one Philox round of a vector of calls (round keys k0, k1)
+POCO_INLINE void round_v(__m256i k0, __m256i k1, __m256i& c0, __m256i& c1, __m256i& c2,
+                         __m256i& c3) {
+  const __m256i A = _mm256_set1_epi32((int)kPhiloxRoundA);
+  const __m256i B = _mm256_set1_epi32((int)kPhiloxRoundB);
+  __m256i hb, lb, ha, la;
+  mulhilo_v(B, c2, hb, lb);
+  mulhilo_v(A, c0, ha, la);
+  c0 = _mm256_xor_si256(_mm256_xor_si256(hb, c1), k0);
+  c2 = _mm256_xor_si256(_mm256_xor_si256(ha, c3), k1);
+  c1 = lb;
+  c3 = la;
+}
 template <bool FOUR = false>
 POCO_INLINE void philox_v(const PhiloxKey& key, uint32_t lo0, uint32_t hi, uint32_t counter,
                           uint32_t stream, uint32_t* o0, uint32_t* o1, uint32_t* o2 = nullptr,
@@ -234,18 +247,9 @@ POCO_INLINE void philox_v(const PhiloxKey& key, uint32_t lo0, uint32_t hi, uint3
   __m256i c1 = _mm256_set1_epi32((int)hi);
   __m256i c2 = _mm256_set1_epi32((int)counter);
   __m256i c3 = _mm256_set1_epi32((int)stream);
-  const __m256i A = _mm256_set1_epi32((int)kPhiloxRoundA);
-  const __m256i B = _mm256_set1_epi32((int)kPhiloxRoundB);
 #pragma GCC unroll 10
-  for (int r = 0; r < 10; ++r) {
-    __m256i hb, lb, ha, la;
-    mulhilo_v(B, c2, hb, lb);
-    mulhilo_v(A, c0, ha, la);
-    c0 = _mm256_xor_si256(_mm256_xor_si256(hb, c1), _mm256_set1_epi32((int)key.k0[r]));
-    c2 = _mm256_xor_si256(_mm256_xor_si256(ha, c3), _mm256_set1_epi32((int)key.k1[r]));
-    c1 = lb;
-    c3 = la;
-  }
+  for (int r = 0; r < 10; ++r)
+    round_v(_mm256_set1_epi32((int)key.k0[r]), _mm256_set1_epi32((int)key.k1[r]), c0, c1, c2, c3);
   _mm256_storeu_si256((__m256i*)o0, c0);
   _mm256_storeu_si256((__m256i*)o1, c1);
   if (FOUR) {
@@ -270,21 +274,11 @@ POCO_INLINE void philox_v4(const PhiloxKey& key, uint32_t lo0, uint32_t hi, uint
     c2[v] = _mm256_set1_epi32((int)counter);
     c3[v] = _mm256_set1_epi32((int)stream);
   }
-  const __m256i A = _mm256_set1_epi32((int)kPhiloxRoundA);
-  const __m256i B = _mm256_set1_epi32((int)kPhiloxRoundB);
 #pragma GCC unroll 10
   for (int r = 0; r < 10; ++r) {
     const __m256i k0 = _mm256_set1_epi32((int)key.k0[r]), k1 = _mm256_set1_epi32((int)key.k1[r]);
 #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) {
-      __m256i hb, lb, ha, la;
-      mulhilo_v(B, c2[v], hb, lb);
-      mulhilo_v(A, c0[v], ha, la);
-      c0[v] = _mm256_xor_si256(_mm256_xor_si256(hb, c1[v]), k0);
-      c2[v] = _mm256_xor_si256(_mm256_xor_si256(ha, c3[v]), k1);
-      c1[v] = lb;
-      c3[v] = la;
-    }
+    for (int v = 0; v < 4; ++v) round_v(k0, k1, c0[v], c1[v], c2[v], c3[v]);
   }
   for (int v = 0; v < 4; ++v) {
     _mm256_storeu_si256((__m256i*)(o0 + v * kLanes), c0[v]);
