@@ -5,9 +5,10 @@ by 10-30% between runs here, which hides a 5% change; two kernel trees in one bi
 each call of one beside the same call of the other, give a ratio per rep whose median
 holds to about 2%.
 
-The base tree's headers (``csrc/*.h``) come from ``git archive REV``; each tree is compiled for one instruction set (``--isa``: the
-extension's ``avx512`` or ``avx2``, the best this CPU runs by default) into its own
-namespace, with the extension's flags (``setup.py``), and ``kernel_ab_driver.cpp`` runs
+The base tree's headers (``csrc/*.h``) come from ``git archive REV``; each tree is
+compiled for one instruction set (``--isa``: the extension's ``avx512`` or ``avx2``, the
+best this CPU runs by default) into its own namespace, with the extension's flags
+(``setup.py``), and ``kernel_ab_driver.cpp`` runs
 the cases it names on the same buffers.  The kernels' interface (the structs of
 ``poco_kernels.h``) must be the same in both trees: the driver is compiled against the
 work tree's.  Per case, the medians of each tree and the median of the per-rep ratios
@@ -126,11 +127,17 @@ def run(exe: str, numel: int, reps: int, threads: int) -> dict:
 
 def summary(times: dict) -> list:
     """Per case: each tree's median ms and the median of the per-rep ratios work / base."""
+    def pct(xs, q):                   # (nearest rank)
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
     rows = []
     for case, t in times.items():
         ratios = [w / b for b, w in zip(t["base"], t["work"])]
         rows.append(dict(case=case, base_ms=statistics.median(t["base"]),
                          work_ms=statistics.median(t["work"]),
+                         base_p=(pct(t["base"], 0.2), pct(t["base"], 0.8)),
+                         work_p=(pct(t["work"], 0.2), pct(t["work"], 0.8)),
                          ratio=statistics.median(ratios), reps=len(ratios)))
     return rows
 
@@ -163,10 +170,11 @@ def main(argv=None):
     date = datetime.date.today().isoformat()
     csv_rows = []
     for r in rows:
-        for tree, ms in ((f"kernels@{rev}", r["base_ms"]), ("kernels@work tree", r["work_ms"])):
+        for tree, ms, (p20, p80) in ((f"kernels@{rev}", r["base_ms"], r["base_p"]),
+                                     ("kernels@work tree", r["work_ms"], r["work_p"])):
             csv_rows.append(dict(kernel=r["case"], provider=tree, dtype="float32",
-                                 size=args.numel, median=ms / 1e3, p20=ms / 1e3, p80=ms / 1e3,
-                                 timing="perf: steady_clock, interleaved"))
+                                 size=args.numel, median=ms / 1e3, p20=p20 / 1e3,
+                                 p80=p80 / 1e3, timing="steady_clock, interleaved"))
     write_csv(args.out, csv_rows, device, date)
     md = [f"Device: {device}; {args.numel} float32 elements; {args.reps} reps, the two trees' "
           f"calls interleaved in one process; medians.", "",

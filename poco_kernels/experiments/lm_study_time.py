@@ -89,10 +89,10 @@ GPU_ASSUMPTIONS = {
     # fitted: the gpu-window model (6 layers, 384 wide, 16 x 256 tokens, bf16 autocast,
     # eager) took 15.4-16.8 ms an AdamW step, 15.5 an IVON step and 14.2-15.6 a pass of
     # IVON-3x and IVON-PoCoMo on the H200 of 2026-11-28 (their train times), where its
-    # matrix products need about 2 ms by the FLOP model (not measured): the host's eager launches (about 1,900 aten calls
-    # a pass) bound the step.  (GPT-2 124M's whole step took 26.8 ms on another H200's
-    # host; 12 layers at this rate would be 28 ms of host time: that host was faster, or
-    # its larger kernels hid part of the launches.)
+    # matrix products need about 2 ms by the FLOP model (not measured): the host's eager
+    # launches (about 1,900 aten calls a pass) bound the step.  (GPT-2 124M's whole step
+    # took 26.8 ms on another H200's host; 12 layers at this rate would be 28 ms of host
+    # time: that host was faster, or its larger kernels hid part of the launches.)
     "host_s_per_layer": 2.2e-3,        # eager launches of one block, forward and backward
     "host_s_fixed": 2.0e-3,            # embeddings, head, loss, zero_grad, the data
     "kernel_floor_s": 4e-6,            # the least time of one kernel on the device

@@ -49,6 +49,8 @@ def test_the_study_builds_both_trees_and_times_every_case(tmp_path):
         written = list(csv.DictReader(f))
     assert len(written) == 2 * len(cases)
     assert {w["provider"] for w in written} == {f"kernels@{_short('HEAD')}", "kernels@work tree"}
+    for w in written:
+        assert float(w["p20"]) <= float(w["median"]) <= float(w["p80"])
     assert os.path.exists(tmp_path / "ab.md")
 
 
