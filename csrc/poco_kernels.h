@@ -1,4 +1,5 @@
-// The C++ (CPU) kernels of poco_kernels: what the torch glue (ops.cpp) hands to them.
+// The C++ (CPU) kernels of poco_kernels: what the torch glue (ops.cpp, ops_update.cpp)
+// hands to them.
 //
 // The kernels are the CPU twins of poco_kernels/kernels/triton_kernels.py: the same
 // operations (sample, accumulate, check, fold_ge, step, refresh), the same noise stream and the
@@ -36,7 +37,7 @@ enum Family : int { kFamilyIvon = 0, kFamilySgd = 1, kFamilyAdamw = 2 };
 // poco_kernels/kernels/interface.py (StepHyper, StepFlags, RefreshHyper, RefreshFlags,
 // SampleHyper), which the Triton kernels also take by these names;
 // tests/repo/test_architecture.py parses these lists and fails if Python, C++ and Triton
-// disagree.  ops.cpp reads the operator's float64 row (one value per field, in this order;
+// disagree.  ops_common.h reads the operator's float64 row (one value per field, in this order;
 // count checked) into the structs below and unpacks the flag bits (bit i = the i-th name
 // after `family`).
 #define POCO_STEP_HYPER(X) \

@@ -144,7 +144,7 @@ class VONPoCo(BucketedOptimizer):
           raised to it (:func:`~poco_kernels.reference.make_spd`, the Frobenius-nearest
           such matrix).  A clamped direction gets curvature ``ess * min_eig``, so the mean
           update along it is ``1 / min_eig`` times the gradient: on mini-batches this often
-          diverges (measured in tests/protocol/test_von_poco.py: breast-cancer logistic
+          diverges (measured in tests/protocol/test_von_poco_logreg.py: breast-cancer logistic
           regression, batch 10-32, the ``H_oi (m - m_out)`` term feeding back far from
           ``m_out``).""")
 

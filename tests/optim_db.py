@@ -16,9 +16,10 @@ The suites (``uses``):
   against the torch backend, within ``tolerances[dtype]``;
 * ``resume``: tests/state/test_state_dict.py, save / reload mid-run, bit for bit;
 * ``copy``: tests/state/test_copy_and_sharing.py, deepcopy / pickle, bit for bit;
-* ``conventions``: tests/conventions/test_torch_conventions.py, torch.optim's generic checks
+* ``conventions``: tests/conventions/test_torch_*.py, torch.optim's generic checks
   (powers of two for lr: a float lr and the same lr as a float32 tensor are one number);
-* ``transactional``: tests/state/test_transactional.py, bad calls change nothing;
+* ``transactional``: tests/state/transaction_rig.py (for test_transactional.py and its
+  siblings), bad calls change nothing;
 * ``legacy``: tests/state/legacy_checkpoints.py, the checkpoints written at commit 720fa9a.
   Their keywords are history: they must stay what wrote the file (the check compares them
   with the file's records).  A legacy configuration shares an entry with another suite only

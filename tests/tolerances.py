@@ -5,9 +5,9 @@ once (per dtype).
   torch, on the same inputs.  The only differences are float32 rounding in another order
   (``g eps sqrt(ess (h + wd))`` for ``g eps / sigma``, ``g * (1 / (1 - beta^t))``) and the
   standard normals, which differ by ~1 ulp between the kernels' transform and torch's
-  (``tests/kernels/test_noise.py``).  The kernels' own rounding is bounded element by element,
-  rigorously, in ``tests/kernels/test_openloop.py``; these tolerances are for comparisons with
-  the torch backend.
+  (``tests/kernels/test_noise_triton.py``).  The kernels' own rounding is bounded element by
+  element, rigorously, in ``tests/kernels/test_openloop.py``; these tolerances are for
+  comparisons with the torch backend.
   For bfloat16 state (``state_dtype``) see ``STATE[torch.bfloat16]``.
 * ``PARAM``: parameters written in their dtype: the rounding of nearly equal float32
   values can land one unit in the last place apart; and Triton's CPU interpreter

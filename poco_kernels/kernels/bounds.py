@@ -11,7 +11,7 @@ own rounding ``u (|v| + e)``), for the operations the kernels use: ``+ - * /``, 
 root, selects, min/max (1-Lipschitz) and the rounding of a float64 constant to float32.
 
 :mod:`poco_kernels.kernels.openloop` writes each kernel's arithmetic with these, in the
-kernel's order (``csrc/kernels_impl.h``, ``triton_kernels.py``): the bound of an output
+kernel's order (``csrc/kernels_*.h``, ``triton_kernels.py``): the bound of an output
 element is then justified by the operations that produced it, and a kernel output is
 within it of the reference maths evaluated in float64 (``|out - v| <= e``), whatever the
 cancellation in the element's inputs.  Where there is none, ``e`` is a few ulps of the

@@ -23,8 +23,8 @@ CUDA graph replays with the values the row holds at replay time.  A field may be
 Python float or a one-element tensor (``lr=torch.tensor(...)``, as ``torch.optim``'s
 capturable optimizers take it), copied into the row on the device.  Both kernel sets
 turn the float64 values into their float32 constants the same way, in double (the
-reference's Python floats are doubles): ``csrc/ops.cpp`` on the host, the Triton kernels
-at the start of each program.
+reference's Python floats are doubles): ``csrc/ops.cpp`` and ``csrc/ops_update.cpp`` on
+the host, the Triton kernels at the start of each program.
 
 No triton and no extension import here: both kernel wrappers and the host engine use it.
 """

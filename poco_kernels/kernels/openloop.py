@@ -8,7 +8,7 @@ float16 parameters; bfloat16 state), :func:`make_inputs` draws fresh random inpu
 given (odd) size, :func:`run` applies one kernel set's operation (``cpp_ops`` or
 ``triton_ops``, on any device) and :func:`model` writes the same operation with
 :class:`~poco_kernels.kernels.bounds.Tracked` values, in the kernels' order of operations
-(``csrc/kernels_impl.h``): each output's exact value (the reference maths in float64)
+(``csrc/kernels_*.h``): each output's exact value (the reference maths in float64)
 and the bound of a float32 computation of it.  :func:`compare` gives, per output, the
 largest error in units of its bound (at most 1: parity) and in ulps of the result.
 

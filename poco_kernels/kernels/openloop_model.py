@@ -1,7 +1,8 @@
 """The bound models of :mod:`poco_kernels.kernels.openloop`: each kernel operation written
 with :class:`~poco_kernels.kernels.bounds.Tracked` values, operation for operation as
-``csrc/kernels_impl.h`` (and its Triton twin) computes it, with its float32 constants
-made in double from the same hyperparameters as ``csrc/ops.cpp`` makes them.
+the C++ kernels (``csrc/kernels_*.h``, and their Triton twins) compute it, with their
+float32 constants made in double from the same hyperparameters as ``csrc/ops_update.cpp``
+makes them.
 
 Every model's values are the reference maths (``tests/kernels/test_openloop.py`` checks them
 against :mod:`poco_kernels.reference` in float64); its bounds are those of the kernel's
@@ -24,7 +25,7 @@ def _x(t: Tensor) -> T:
 
 
 def _pow(b: float, e: int) -> float:
-    """``b ** e`` by squaring, in double (``pow_steps`` of csrc/ops.cpp)."""
+    """``b ** e`` by squaring, in double (``pow_steps`` of csrc/ops_common.h)."""
     r = 1.0
     while e > 0:
         if e & 1:

@@ -1,6 +1,7 @@
 """What the Triton kernels share: the code-path constants as ``constexpr``, where each
 field of the hyperparameter rows is, the launch typing, and the scalar helpers (the
-constants each program makes in double from its float64 row, as ``csrc/ops.cpp`` does).
+constants each program makes in double from its float64 row, as ``csrc/ops_update.cpp``
+does).
 The kernels are in :mod:`~poco_kernels.kernels.triton_kernels` (sample, accumulate, check,
 fold, randn, finish) and :mod:`~poco_kernels.kernels.triton_step` (step, refresh)."""
 import triton
@@ -54,7 +55,7 @@ _NO_SPEC = ["seed", "stream", "stream_at_out", "counter_slot", "slot", "offset",
 @triton.jit
 def _pow_steps(b, e):
     """``b ** e`` for a float64 ``b`` and an int64 ``e >= 0``, by squaring: ``pow_steps``
-    of csrc/ops.cpp, multiplication for multiplication."""
+    of csrc/ops_common.h, multiplication for multiplication."""
     r = b * 0.0 + 1.0
     while e > 0:
         r = tl.where((e & 1) != 0, r * b, r)
@@ -114,8 +115,8 @@ def _step_constants(hp_ptr, steps, refreshes, CORR: tl.constexpr, FLOOR: tl.cons
                     CLIP: tl.constexpr, DEBIAS: tl.constexpr, FAMILY: tl.constexpr):
     """The float32 constants of a step from its float64 row and the counters, each
     computed in double and rounded once (``.to(tl.float32)``: ``(float)x`` of C++), as
-    ``step_op`` of csrc/ops.cpp computes them.  (Written inline: under the interpreter
-    every call of a jit function costs about a millisecond.)"""
+    ``step_op`` of csrc/ops_update.cpp computes them.  (Written inline: under the
+    interpreter every call of a jit function costs about a millisecond.)"""
     f32 = tl.float32
     alpha = tl.load(hp_ptr + S_ALPHA)
     if CORR:

@@ -1,19 +1,19 @@
 """Triton kernels of the family, over flat per-bucket buffers.
 
 Each kernel is the fused form of reference functions; the ``Reference:`` line of each
-names them (:mod:`poco_kernels.reference`), and ``tests/kernels/test_kernels.py`` checks
+names them (:mod:`poco_kernels.reference`), and ``tests/kernels/test_kernels_*.py`` check
 each against them.  Host wrappers (launch, torch custom-op registration) are in
 :mod:`poco_kernels.kernels.triton_ops`; the noise and the stored bits in
 :mod:`poco_kernels.kernels.triton_noise`.
 
-**Each kernel is the op-for-op twin of its C++ kernel** (``csrc/kernels_impl.h``): the
+**Each kernel is the op-for-op twin of its C++ kernel** (``csrc/kernels_*.h``): the
 same float32 operations in the same order, on the same float32 constants, which both
-compute in double from the float64 hyperparameters as ``csrc/ops.cpp`` does
+compute in double from the float64 hyperparameters as ``csrc/ops_update.cpp`` does
 (:func:`_step_constants`, :func:`_refresh_constants`).  Compiled without floating-point
 contraction and with correctly rounded division and square root (``triton_ops``
 launches with ``enable_fp_fusion=False``; ``tl.div_rn``, ``tl.sqrt_rn`` here), a kernel on
 a GPU, the same kernel under Triton's interpreter and the C++ kernel give the same bits
-(``tests/kernels/test_kernels.py`` compares the interpreter with C++ bit for bit;
+(``tests/kernels/test_kernels_noise.py`` compares the interpreter with C++ bit for bit;
 ``benchmarks/bench_gpu.py`` the GPU with the interpreter).
 
 Conventions shared by all kernels:

@@ -23,13 +23,14 @@ import triton.language as tl
 #: word pair made the test suite 2 minutes slower than numpy's own log, cos and sin (three
 #: calls, within an ulp of the polynomials); so the interpreter takes those, unless
 #: ``POCO_BRANCH_FREE=1`` asks for the compiled transform (the bit-for-bit checks:
-#: ``tests/kernels/test_kernels.py``, the GPU check's interpreter twin) or a test sets this to True.
+#: ``tests/kernels/test_kernels_noise.py``, the GPU check's interpreter twin) or a test
+#: sets this to True.
 BRANCH_FREE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
                            or os.environ.get("POCO_BRANCH_FREE", "0") == "1")
 
 
 #: Philox under Triton's CPU interpreter: :func:`_philox_host`, the ten rounds in numpy
-#: (the same words bit for bit: ``tests/kernels/test_noise.py``) instead of
+#: (the same words bit for bit: ``tests/kernels/test_noise_triton.py``) instead of
 #: ``tl.philox``'s ~100 tensor operations at the interpreter's fixed cost each.  Compiled
 #: for a GPU: ``tl.philox``.
 HOST_PHILOX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")

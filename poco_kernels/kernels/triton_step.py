@@ -36,7 +36,7 @@ def step_kernel(
         NESTEROV: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr,
         NOISE: tl.constexpr, SHARD: tl.constexpr, TILED: tl.constexpr, BLOCK: tl.constexpr):
     """One inner step of every optimizer of the diagonal family, in one pass: ``step_ivon``,
-    ``step_sgd`` and ``step_adamw`` of csrc/kernels_impl.h, operation for operation.  The
+    ``step_sgd`` and ``step_adamw`` of csrc/kernels_step.h, operation for operation.  The
     switches are the fields of ``StepFlags``, the scalars those of the ``StepHyper`` row
     (:mod:`poco_kernels.kernels.interface`).
 
@@ -179,7 +179,7 @@ def refresh_kernel(mean_ptr, h_ptr, acc_g_ptr, acc_ge_ptr, g_out_ptr, h_out_ptr,
                    HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr, NOISE: tl.constexpr,
                    SHARD: tl.constexpr, TILED: tl.constexpr, BLOCK: tl.constexpr):
     """The outer refresh, one pass: ``refresh_ivon`` and ``refresh_sgd`` of
-    csrc/kernels_impl.h, operation for operation (``hp_ptr``: the ``RefreshHyper`` row).
+    csrc/kernels_refresh.h, operation for operation (``hp_ptr``: the ``RefreshHyper`` row).
 
     ``FAMILY_IVON``: ``sigma``, the Price Hessian of the mega-batch gradient (noise of the
     refresh sample regenerated unless several draws were summed, ``GE``), the outer folds

@@ -1,5 +1,5 @@
 """torch.optim habits that took a decision here (docs/design.md, 'torch.optim conventions'),
-beyond the generic checks of tests/conventions/test_torch_conventions.py (missing gradients,
+beyond the generic checks of tests/conventions/test_torch_*.py (missing gradients,
 frozen parameters, the seed, ``betas``, ``refresh(closure)``, torch's flags: there, for
 every optimizer): a gradient missing at some samples only, unfreezing and freezing
 parameters mid-run, IVON -> IVON-PoCo(Mo), parameters shared with another optimizer, the
@@ -17,7 +17,7 @@ CPU_BACKENDS = ["torch"] + [b for b in FUSED_BACKENDS if b == "cpp"]
 
 
 # ---------------------------------------------------------------- None gradients
-# (a parameter without a gradient at every sample: tests/conventions/test_torch_conventions.py)
+# (a parameter without a gradient at every sample: tests/conventions/test_torch_gradients.py)
 def test_none_at_some_samples_counts_as_zero_there():
     """With two samples, a gradient missing at one of them counts as zero for that one:
     the step equals one whose closure gives a zero gradient there."""

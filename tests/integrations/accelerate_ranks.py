@@ -1,4 +1,4 @@
-"""Ranks for tests/integrations/test_integrations.py: a small IVON-PoCoMo run under ``accelerate``
+"""Ranks for tests/integrations/test_accelerate.py: a small IVON-PoCoMo run under ``accelerate``
 (``Accelerator(cpu=True)``: DDP on gloo when WORLD_SIZE > 1), each rank training on its
 rows of the same global batches; writes the final parameters and optimizer state.
 

@@ -2,7 +2,7 @@
 without it; its results do not depend on the number of threads or on the instruction set;
 its operators check their inputs.
 
-(Parity of every operation with the reference is in tests/kernels/test_kernels.py, whole
+(Parity of every operation with the reference is in tests/kernels/test_kernels_*.py, whole
 trajectories in tests/protocol/test_backends.py, both shared with the Triton kernels.)"""
 import contextlib
 import os

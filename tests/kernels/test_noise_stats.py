@@ -1,6 +1,6 @@
 """Statistics of the noise stream (version 2, four normals per Philox call), on 2**24 draws
 from the kernels' own generator (the C++ stream operator; the torch reference where the
-extension is not built: ``tests/kernels/test_kernels.py`` shows the two agree to ~1e-6).
+extension is not built: ``tests/kernels/test_kernels_noise.py`` shows the two agree to ~1e-6).
 
 Each check compares a statistic with its sampling distribution under the null (independent
 standard normals) and fails beyond ``Z`` standard errors, or beyond the Kolmogorov-Smirnov

@@ -1,9 +1,9 @@
-"""VON-PoCo (Alg. 4, Thm. 3): Newton landing, exact noise path, SPD guards, reduction to
-VON, state dict, transactions, Hessians, block-diagonal groups, logistic regression.
+"""VON-PoCo (Alg. 4, Thm. 3), the algorithm: Newton landing and the exact noise path on a
+quadratic, SPD guards on the precision, reduction to plain VON, the refresh's gradients and
+Hessians, block-diagonal precisions over several groups.
 
 VON-PoCo closures RETURN the loss and do not call backward()."""
 import copy
-import io
 import math
 
 import numpy as np
@@ -15,6 +15,7 @@ from poco_kernels import reference as R
 from poco_kernels._protocol import KIND_INNER, KIND_REFRESH
 from poco_kernels.von_poco import VONPoCo
 from poco_kernels.reference import blr_precision_term
+from von_poco_problems import random_logreg
 
 
 #: tiny LAPACK calls (31 x 31 eigh) are ~100x slower with several busy threads
@@ -22,21 +23,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------- helpers
-def snapshot(opt):
-    bufs = {(b.index, k): v.clone() for b in opt._buckets for k, v in b.buffers.items()}
-    params = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
-    return bufs, params, opt.step_count, opt.refresh_count
-
-
-def assert_same_snapshot(a, b):
-    assert a[2:] == b[2:]
-    assert a[0].keys() == b[0].keys()
-    for k in a[0]:
-        assert torch.equal(a[0][k], b[0][k]), k
-    for x, y in zip(a[1], b[1]):
-        assert torch.equal(x, y)
-
-
 def spd_quadratic(d, seed, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     Q = torch.randn(d, d, generator=g, dtype=torch.float64)
@@ -74,46 +60,6 @@ def chol_offset(S, eps):
 
 def inner_eps(d, seed, step, dtype, bucket=0):
     return N_.randn(d, seed, step, N_.stream_id(bucket, KIND_INNER, 0), dtype=dtype)
-
-
-class LogReg:
-    """Binary logistic regression with an L2 term, one flat parameter w; per-example
-    losses available for autograd.functional checks."""
-
-    def __init__(self, X, y, delta, dtype=torch.float64):
-        self.X, self.y, self.delta = X.to(dtype), y.to(dtype), delta
-        self.n, self.d = X.shape
-        self.w = torch.nn.Parameter(torch.zeros(self.d, dtype=dtype))
-
-    def f(self, w, idx, weight=None):
-        z = -self.y[idx] * (self.X[idx] @ w)
-        data = torch.nn.functional.softplus(z)
-        data = data.mean() if weight is None else data.sum() * weight
-        return data + 0.5 * self.delta * w @ w
-
-    def closure(self, idx, weight=None, log=None):
-        def c():
-            if log is not None:
-                log.append(self.w.detach().clone())
-            return self.f(self.w, idx, weight)
-        return c
-
-    def chunks(self, k):
-        """k closures whose mean is the full-batch mean loss (chunks of unequal size)."""
-        return [self.closure(c, weight=k / self.n) for c in torch.arange(self.n).chunk(k)]
-
-    def grad_hess(self, w, idx):
-        w = w.detach()
-        g = torch.autograd.functional.jacobian(lambda u: self.f(u, idx), w)
-        H = torch.autograd.functional.hessian(lambda u: self.f(u, idx), w)
-        return g, H
-
-
-def random_logreg(n=40, d=6, seed=0, scale=1.0, delta=1e-2):
-    g = torch.Generator().manual_seed(seed)
-    X = scale * torch.randn(n, d, generator=g, dtype=torch.float64)
-    y = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
-    return LogReg(X, y, delta)
 
 
 # ---------------------------------------------------------------------------- quadratic
@@ -281,175 +227,6 @@ def test_alpha_zero_is_plain_von_with_or_without_refreshes(update):
         assert torch.allclose(m1, m2, rtol=1e-9, atol=1e-11), (m1 - m2).abs().max()
 
 
-# ---------------------------------------------------------------------------- state dict
-def test_state_dict_mid_inner_loop_reproduces_trajectory_bit_for_bit():
-    batches = [torch.randint(0, 40, (6,), generator=torch.Generator().manual_seed(100 + t))
-               for t in range(14)]
-    kw = dict(ess=40.0, lr=0.4, beta=0.3, alpha=0.8, rho1=0.5, rho2=0.3, prior_precision=0.5,
-              min_eig=1e-2, noise_scale=1.0, seed=5)
-
-    def run(opt, prob, start, stop):
-        out = []
-        for t in range(start, stop):
-            if t % 5 == 0:
-                opt.refresh(prob.chunks(2))
-            opt.step(prob.closure(batches[t]))
-            out.append(prob.w.detach().clone())
-        return out
-
-    prob = random_logreg()
-    opt = VONPoCo([prob.w], **kw)
-    run(opt, prob, 0, 7)                # refreshes at 0 and 5, mid inner loop at 7
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    saved = {k: v.clone() for k, v in zip(("S", "H"), (opt.flat_state("precision")[0],
-                                                       opt.flat_state("H_out")[0]))}
-    ref = run(opt, prob, 7, 14)         # crosses the refresh at 10
-
-    prob2 = random_logreg(seed=9)       # other data would differ: same data, other init
-    prob2.X, prob2.y = prob.X, prob.y
-    with torch.no_grad():
-        prob2.w.normal_()
-    opt2 = VONPoCo([prob2.w], **{**kw, "seed": 999, "lr": 0.01})
-    buf.seek(0)
-    opt2.load_state_dict(torch.load(buf))
-    assert torch.equal(opt2.flat_state("precision")[0], saved["S"])
-    assert torch.equal(opt2.flat_state("H_out")[0], saved["H"])
-    assert opt2.seed == 5 and opt2.param_groups[0]["lr"] == 0.4
-    assert (opt2.step_count, opt2.refresh_count) == (7, 2)
-    again = run(opt2, prob2, 7, 14)
-    for a, b in zip(ref, again):
-        assert torch.equal(a, b)
-
-
-def test_load_state_dict_refuses_bad_precision_and_changes_nothing():
-    prob = random_logreg()
-    opt = VONPoCo([prob.w], ess=40.0, noise_scale=0.5)
-    opt.refresh(prob.chunks(2))
-    opt.step(prob.closure(torch.arange(8)))
-    sd = copy.deepcopy(opt.state_dict())
-    opt.step(prob.closure(torch.arange(8, 16)))
-    before = snapshot(opt)
-    for bad in (-torch.eye(6, dtype=torch.float64), torch.zeros(6, 6, dtype=torch.float64),
-                torch.eye(6, dtype=torch.float64) + torch.triu(torch.ones(6, 6), 1).double(),
-                torch.eye(3, dtype=torch.float64)):
-        sd_bad = copy.deepcopy(sd)
-        sd_bad["poco"]["bucket_buffers"]["0/precision"] = bad
-        with pytest.raises(ValueError):
-            opt.load_state_dict(sd_bad)
-        assert_same_snapshot(before, snapshot(opt))
-
-
-# ---------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("bad", [
-    dict(lr=-0.1), dict(lr=float("nan")), dict(beta=0.0), dict(beta=1.5), dict(ess=0.0),
-    dict(ess=-3.0), dict(alpha=1.2), dict(alpha=-0.1), dict(prior_precision=0.0),
-    dict(min_eig=0.0), dict(min_eig=-1.0), dict(min_eig=2.0, prior_precision=1.0),
-    dict(noise_scale=-1.0), dict(noise_scale=float("inf")), dict(rho1=1.0), dict(rho2=-0.2),
-    dict(precision_update="eig"), dict(beta=True), dict(seed=-1), dict(backend="cuda"),
-])
-def test_invalid_hyperparameters_raise(bad):
-    prob = random_logreg()
-    kw = {"ess": 40.0, **bad}
-    with pytest.raises(ValueError):
-        VONPoCo([prob.w], **kw)
-
-
-def test_unsupported_parameters_and_protocols_raise():
-    with pytest.raises(ValueError, match="float32 and float64"):
-        VONPoCo([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], ess=1.0)
-    frozen = torch.zeros(3)                 # requires_grad=False: no state, never moved
-    assert len(VONPoCo([frozen, torch.nn.Parameter(torch.zeros(2))], ess=1.0).state) == 1
-    prob = random_logreg()
-    opt = VONPoCo([prob.w], ess=40.0)
-    for call in (lambda: opt.sample(), lambda: opt.accumulate(), lambda: opt.step(),
-                 lambda: opt.refresh()):
-        with pytest.raises(RuntimeError):
-            call()
-
-
-def test_invalid_group_change_is_refused_before_anything_changes():
-    prob = random_logreg()
-    opt = VONPoCo([prob.w], ess=40.0, noise_scale=0.5)
-    opt.refresh(prob.chunks(2))
-    opt.step(prob.closure(torch.arange(8)))
-    before = snapshot(opt)
-    for key, value in (("beta", 0.0), ("min_eig", -1.0), ("alpha", 2.0)):
-        old = opt.param_groups[0][key]
-        opt.param_groups[0][key] = value
-        for call in (lambda: opt.step(prob.closure(torch.arange(8))),
-                     lambda: opt.refresh(prob.chunks(2))):
-            with pytest.raises(ValueError):
-                call()
-            assert_same_snapshot(before, snapshot(opt))
-        opt.param_groups[0][key] = old
-
-
-def test_bad_closures_raise_and_leave_state_unchanged():
-    prob = random_logreg()
-    opt = VONPoCo([prob.w], ess=40.0, lr=1.0, prior_precision=1e-2, min_eig=1e-3,
-                  noise_scale=0.5)
-    opt.step(prob.closure(torch.arange(8)))
-    opt.refresh(prob.chunks(2))
-    opt.step(prob.closure(torch.arange(8)))
-    before = snapshot(opt)
-    good = prob.closure(torch.arange(8))
-    w = prob.w
-
-    def nan_loss():
-        return good() * float("nan")
-
-    def nan_grad():                     # finite loss (0 added), nan gradient
-        return good() + torch.sqrt((w[0] - w[0].detach()) ** 2)
-
-    def inf_hessian():                  # finite loss (+1) and gradient (+1e200), inf Hessian
-        return good() + torch.exp(1e200 * (w[1] - w[1].detach()))
-
-    calls = []
-
-    def fails_at_outer():               # the second evaluation (theta_out) raises
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyError("boom")
-        return good()
-
-    def calls_backward():
-        loss = good()
-        loss.backward()
-        return loss
-
-    def detached():
-        return good().detach()
-
-    cases = [(nan_loss, ValueError), (nan_grad, ValueError), (inf_hessian, ValueError),
-             (fails_at_outer, KeyError), (calls_backward, RuntimeError),
-             (detached, ValueError), (lambda: 3.0, TypeError)]
-    for closure, err in cases:
-        calls.clear()
-        with pytest.raises(err):
-            opt.step(closure)
-        assert_same_snapshot(before, snapshot(opt))
-        calls.clear()
-        calls.append(1)                 # in a refresh, fails_at_outer fails at its first call
-        with pytest.raises(err):
-            opt.refresh([prob.closure(torch.arange(4)), closure])
-        assert_same_snapshot(before, snapshot(opt))
-    n_huge = []
-
-    def huge_grad():                    # finite inputs (huge gradient at theta_in only, so
-        n_huge.append(1)                # the correction does not cancel it): m overflows
-        return good() + (1e308 * (w - w.detach()).sum() if len(n_huge) == 1 else 0.0)
-
-    with pytest.raises(FloatingPointError):
-        opt.step(huge_grad)
-    assert_same_snapshot(before, snapshot(opt))
-    with pytest.raises(ValueError, match="at least one"):
-        opt.refresh([])
-    assert_same_snapshot(before, snapshot(opt))
-    opt.step(good)                      # still usable
-    assert opt.step_count == before[2] + 1
-
-
 # ---------------------------------------------------------------------------- Hessians
 def test_refresh_stores_chunk_mean_gradient_and_hessian_with_outer_momentum():
     torch.manual_seed(0)
@@ -545,74 +322,3 @@ def test_several_groups_give_a_block_diagonal_precision():
     for x, y in zip(t1, t2):
         assert torch.allclose(x, y, rtol=1e-9, atol=1e-12)
     assert float((t1[-1] - t1[0]).norm()) > 0.1
-
-
-# ---------------------------------------------------------------------------- logistic regression
-@pytest.fixture(scope="module")
-def cancer():
-    sklearn = pytest.importorskip("sklearn.datasets")
-    so = pytest.importorskip("scipy.optimize")
-    X, y = sklearn.load_breast_cancer(return_X_y=True)
-    X = (X - X.mean(0)) / X.std(0)
-    X = np.hstack([X, np.ones((len(X), 1))])
-    y = 2.0 * y - 1.0
-    n, delta = len(X), 1e-2
-
-    def obj(w):
-        z = y * (X @ w)
-        return (np.logaddexp(0, -z).mean() + 0.5 * delta * w @ w,
-                X.T @ (-y * np.exp(-np.logaddexp(0, z))) / n + delta * w)
-    r = so.minimize(obj, np.zeros(X.shape[1]), jac=True, method="L-BFGS-B",
-                    options=dict(maxiter=10_000, gtol=1e-12, ftol=1e-15))
-    assert r.success
-    return torch.tensor(X), torch.tensor(y), delta, obj, r.fun
-
-
-def _run_cancer(cancer, *, update, noise_scale, steps, batch, every, lr, beta, seed=0,
-                warmup=0):
-    X, y, delta, obj, fstar = cancer
-    prob = LogReg(X, y, delta)
-    opt = VONPoCo([prob.w], ess=float(prob.n), lr=lr, beta=beta, alpha=1.0,
-                  noise_scale=noise_scale, prior_precision=delta, min_eig=delta,
-                  precision_update=update, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    gaps = []
-    for t in range(steps):
-        if t >= warmup and (t - warmup) % every == 0:
-            opt.refresh(prob.chunks(4))          # full batch in 4 unequal chunks
-        opt.step(prob.closure(torch.randint(0, prob.n, (batch,), generator=g)))
-        gaps.append((obj(prob.w.detach().numpy())[0] - fstar) / fstar)
-    return np.array(gaps), opt
-
-
-@pytest.mark.parametrize("update", ["blr", "paper"])
-def test_logistic_regression_reaches_lbfgs_without_noise(cancer, update):
-    """60 plain-VON warm-up steps (as the paper's logistic-regression runs), then a
-    full-batch refresh every 20 steps of batch 32."""
-    gaps, _ = _run_cancer(cancer, update=update, noise_scale=0.0, steps=160, batch=32,
-                          every=20, lr=0.2, beta=0.1, warmup=60)
-    assert gaps[59] > 1e-3              # VON alone stalls
-    assert abs(gaps[-1]) < 1e-9, gaps[-1]
-    assert gaps.min() > -1e-9            # never below the L-BFGS optimum (sanity)
-
-
-def test_logistic_regression_with_noise_stays_near_lbfgs(cancer):
-    """With sampling the mean fluctuates on the scale noise_scale * posterior std: the
-    objective gap at the mean is O(noise_scale^2) (measured: median 1.5e-5 at 0.01,
-    1.5e-3 at 0.1, 1e-2 at 0.3, 0.2 to 0.9 with spikes at 1.0 for this problem)."""
-    gaps, opt = _run_cancer(cancer, update="blr", noise_scale=0.1, steps=200, batch=32,
-                            every=20, lr=0.5, beta=0.3)
-    assert np.median(gaps[-60:]) < 1e-2, np.median(gaps[-60:])
-    ev = torch.linalg.eigvalsh(opt.flat_state("precision")[0])
-    assert float(ev.min()) >= 569 * 1e-2 * (1 - 1e-9)
-
-
-def test_blr_precision_update_is_stable_where_the_papers_update_is_not(cancer):
-    """Documents the default: no warm-up, batch 10, lr = beta = 1, refresh every 20 steps.
-    The clamped paper update keeps taking 1/min_eig-sized steps along clamped directions."""
-    blr, _ = _run_cancer(cancer, update="blr", noise_scale=0.0, steps=160, batch=10,
-                         every=20, lr=1.0, beta=1.0)
-    paper, _ = _run_cancer(cancer, update="paper", noise_scale=0.0, steps=160, batch=10,
-                           every=20, lr=1.0, beta=1.0)
-    assert abs(blr[-1]) < 1e-9, blr[-1]
-    assert paper[-20:].min() > 1.0, paper[-20:].min()

@@ -1,9 +1,9 @@
 """``state_dtype=torch.bfloat16`` (IVON family): the momentum and the outer buffers in
 bfloat16 with stochastic rounding; ``outer_dtype=torch.bfloat16`` (IVON-PoCo(Mo)): the
 outer estimates alone (docs/design.md, 'Low-precision state').  The kernels against the
-reference are in tests/kernels/test_kernels.py; here the optimizer: backends agree, the
-rounding is unbiased, checkpoints resume bit for bit and convert, and a refused step
-changes nothing."""
+reference are in tests/kernels/test_kernels_low_precision.py; here the optimizer: backends
+agree, the rounding is unbiased, checkpoints resume bit for bit and convert, and a refused
+step changes nothing."""
 import copy
 
 import pytest
