@@ -27,6 +27,12 @@ __all__ = ["SVRG", "SVRGAdamW", "VSGDPoCo", "svrg_inner_update", "svrg_adamw_inn
 
 #: the documentation of SGD's hyperparameters, shared by SVRG and VSGD-PoCo (whose signature
 #: puts ``sigma`` second, so it cannot inherit SVRG's; tests check the two agree)
+def _pair(value):
+    """A list or tuple as a tuple; anything else as it is, for the group's check to refuse
+    by name (``betas=0.9`` is "invalid betas", not "'float' object is not iterable")."""
+    return tuple(value) if isinstance(value, (tuple, list)) else value
+
+
 _SGD_DOC = dict(
     lr="learning rate (``>= 0``).",
     alpha="correction weight in ``[0, 1]`` (1: SVRG; below 1: alpha-SVRG; 0: SGD).",
@@ -114,7 +120,7 @@ class SVRGAdamW(_SVRGBase):
     rule = AdamWRule()
 
     lr: float = hyperparameter(default=1e-3, doc=_SGD_DOC["lr"])
-    betas: Tuple[float, float] = hyperparameter(default=(0.9, 0.999), convert=tuple, doc="""\
+    betas: Tuple[float, float] = hyperparameter(default=(0.9, 0.999), convert=_pair, doc="""\
         AdamW's ``(beta1, beta2)``, each in ``[0, 1)``.""")
     eps: float = hyperparameter(default=1e-8, doc="added to the denominator (``>= 0``).")
     weight_decay: float = hyperparameter(default=1e-2, doc="""\

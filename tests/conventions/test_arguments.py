@@ -60,6 +60,17 @@ def test_defaults_are_the_declared_hyperparameters(cls):
     assert isinstance(opt.defaults.get("betas", ()), tuple)   # (SVRGAdamW's convert)
 
 
+
+@pytest.mark.parametrize("value", [0.9, None, (0.9,), (0.9, 0.999, 0.5)], ids=repr)
+def test_betas_that_are_no_pair_are_refused_by_name(value):
+    """SVRGAdamW's ``betas`` given as a scalar, None or a tuple of the wrong length: a
+    ValueError that names ``betas`` (the constructor's conversion to a tuple lets the
+    group's check speak; it had raised "'float' object is not iterable").  IVON's
+    constructor takes ``beta1``/``beta2``; its groups' ``betas`` alias is checked in
+    test_torch_lr_and_groups.py."""
+    with pytest.raises(ValueError, match="betas"):
+        pk.SVRGAdamW(_params(), betas=value)
+
 def test_positional_arguments_land_where_the_signature_says():
     """A positional call reaches the right hyperparameter (IVONPoCoMo: 19 of them)."""
     names = [n for n, a in pk.IVONPoCoMo._arguments.items() if a.kind == "hyperparameter"]
