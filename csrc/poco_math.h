@@ -177,7 +177,7 @@ POCO_INLINE float normal_of(uint32_t w0, uint32_t w1) {
 // (measured: 1.32 against 1.75 ns per element on one Sapphire Rapids core).
 #if POCO_SIMD == 512
 constexpr int kLanes = 16;
-constexpr int kBatch = 1;     // (philox_v4 below: AVX2 only)
+constexpr int kBatch = 1;     // (philox_vb below: AVX2 only)
 POCO_INLINE void mulhilo_v(__m512i m, __m512i x, __m512i& hi, __m512i& lo) {
   const __m512i pe = _mm512_mul_epu32(m, x);                                       // even lanes
   const __m512i po = _mm512_mul_epu32(m, _mm512_shuffle_epi32(x, _MM_PERM_CDAB));  // odd lanes
@@ -257,17 +257,19 @@ POCO_INLINE void philox_v(const PhiloxKey& key, uint32_t lo0, uint32_t hi, uint3
     _mm256_storeu_si256((__m256i*)o3, c3);
   }
 }
-// Four vectors at once, their rounds interleaved: one vector's chain of multiplies,
-// shuffles and blends is latency-bound on AVX2 (Sapphire Rapids, one core, 2^22 calls:
-// 17.7 ms one vector at a time, 11.6 four; the AVX2 kernels 5-11% faster in all; AVX-512's
-// wider vectors gain nothing measurable in the kernels, 2026-11-28).  Vector v is the
-// kLanes calls lo0 + v kLanes + l (lo0 + 4 kLanes - 1 must not wrap).
-constexpr int kBatch = 4;
-POCO_INLINE void philox_v4(const PhiloxKey& key, uint32_t lo0, uint32_t hi, uint32_t counter,
+// kBatch vectors at once, their rounds interleaved: one vector's chain of multiplies,
+// shuffles and blends is latency-bound.  Four (16 vectors of state, more than AVX2's 16
+// registers with the round's temporaries) ran 2^22 calls in 11.6 ms against 17.7 one at a
+// time on a Sapphire Rapids core, and the AVX2 kernels 5-11% faster there, but up to 17%
+// slower on an AMD EPYC (kernel_ab, 2026-11-28), where two (8 vectors of state) are level
+// with one (0.96-1.05).  Vector v is the kLanes calls lo0 + v kLanes + l (lo0 + kBatch
+// kLanes - 1 must not wrap).
+constexpr int kBatch = 2;
+POCO_INLINE void philox_vb(const PhiloxKey& key, uint32_t lo0, uint32_t hi, uint32_t counter,
                            uint32_t stream, uint32_t* o0, uint32_t* o1, uint32_t* o2,
                            uint32_t* o3) {
-  __m256i c0[4], c1[4], c2[4], c3[4];
-  for (int v = 0; v < 4; ++v) {
+  __m256i c0[kBatch], c1[kBatch], c2[kBatch], c3[kBatch];
+  for (int v = 0; v < kBatch; ++v) {
     c0[v] = _mm256_add_epi32(_mm256_set1_epi32((int)(lo0 + (uint32_t)(v * kLanes))),
                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     c1[v] = _mm256_set1_epi32((int)hi);
@@ -278,9 +280,9 @@ POCO_INLINE void philox_v4(const PhiloxKey& key, uint32_t lo0, uint32_t hi, uint
   for (int r = 0; r < 10; ++r) {
     const __m256i k0 = _mm256_set1_epi32((int)key.k0[r]), k1 = _mm256_set1_epi32((int)key.k1[r]);
 #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) round_v(k0, k1, c0[v], c1[v], c2[v], c3[v]);
+    for (int v = 0; v < kBatch; ++v) round_v(k0, k1, c0[v], c1[v], c2[v], c3[v]);
   }
-  for (int v = 0; v < 4; ++v) {
+  for (int v = 0; v < kBatch; ++v) {
     _mm256_storeu_si256((__m256i*)(o0 + v * kLanes), c0[v]);
     _mm256_storeu_si256((__m256i*)(o1 + v * kLanes), c1[v]);
     _mm256_storeu_si256((__m256i*)(o2 + v * kLanes), c2[v]);
@@ -345,7 +347,7 @@ POCO_INLINE void noise_tile_v2(float* __restrict eps, int64_t len, uint64_t idx0
        c += kBatch * kLanes) {
     for (int64_t e = 4 * c; e < 4 * (c + kBatch * kLanes) && e < len; e += kLanes) prefetch(e);
     const uint64_t q = q0 + (uint64_t)c;
-    philox_v4(key, (uint32_t)q, (uint32_t)(q >> 32), counter, stream, w0 + c, w1 + c, w2 + c,
+    philox_vb(key, (uint32_t)q, (uint32_t)(q >> 32), counter, stream, w0 + c, w1 + c, w2 + c,
               w3 + c);
   }
 #endif
