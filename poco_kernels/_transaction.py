@@ -95,16 +95,20 @@ def parking(fn: Callable) -> Callable:
         if d.get("_in_call"):
             return fn(self, *args, **kwargs)
         eng = d.get("_runner")
-        if eng is not None and eng.parked:
-            eng.unpark()
+        if eng is not None:
+            if eng.parked:
+                eng.unpark()
+            eng.adopt_edits()                 # (low-precision parameters written between calls)
         d["_in_call"] = True
         try:
             return fn(self, *args, **kwargs)
         finally:
             d["_in_call"] = False
             eng = d.get("_runner")            # (a constructor's, or a copy's, made inside)
-            if eng is not None and d.get("_active") is None and eng.may_park():
-                eng.park()
+            if eng is not None:
+                if d.get("_active") is None and eng.may_park():
+                    eng.park()
+                eng.note_versions()
     return inner
 
 

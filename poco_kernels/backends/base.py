@@ -10,9 +10,13 @@ all it can use.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from array import array
 from typing import FrozenSet, List, Optional, Tuple
 
+import torch
 from torch import Tensor
+
+from .. import _sweeps
 
 
 class Backend(ABC):
@@ -101,6 +105,56 @@ class Backend(ABC):
 
     def unpark(self) -> None:
         """The state before :meth:`park` (the start of a public call)."""
+
+    # ------------------------------------------------------------------ low-precision edits
+    #: (the buckets, their low-precision ones), :meth:`_low_buckets`'s
+    _lows = None
+    #: per low-precision bucket, its parameters' version counters when a public call last
+    #: ended with the mean in them (None: not seen yet)
+    _low_seen = None
+
+    def _low_buckets(self) -> list:
+        """The unsharded buckets whose parameters are stored in a lower precision than the
+        mean (its float32 master copy is in the state)."""
+        buckets = self.view.buckets
+        known = self._lows
+        if known is None or known[0] is not buckets:
+            known = self._lows = (buckets, [b for b in buckets if b.param_dtype != b.dtype
+                                            and b.segments is None])
+        return known[1]
+
+    def adopt_edits(self) -> None:
+        """At the start of a public call: low-precision parameters written in place since
+        the last one (a weight load, an initialisation, a mask: their version counters
+        moved) or were given other memory (``p.data = t``) give the elements they changed
+        to the float32 master copy, which keeps the others, as a re-link does (float32
+        parameters are the mean themselves).  Only where the parameters hold the mean (not
+        ``sample_ahead=True``'s next sample).  A write through ``p.data``, which moves no
+        counter, is not seen."""
+        lows = self._low_buckets()
+        if not lows or not self.params_hold_mean or self.ahead is not None:
+            return
+        seen = self._low_seen or {}
+        for b in lows:
+            was = seen.get(b.index)
+            if (was is not None and was[0] == _sweeps.versions(b.params)
+                    and _sweeps.same_addresses(b.params, was[1])):
+                continue
+            with torch.no_grad():
+                mean, cur = b.buffers["mean"], b.flat_params()     # (widened exactly)
+                moved = mean.to(b.param_dtype).to(mean.dtype) != cur
+                mean.copy_(torch.where(moved, cur, mean))
+
+    def note_versions(self) -> None:
+        """At the end of a public call that leaves the mean in the parameters: what
+        :meth:`adopt_edits` compares with."""
+        lows = self._low_buckets()
+        if lows and self.params_hold_mean and self.ahead is None:
+            self._low_seen = {b.index: (_sweeps.versions(b.params),
+                                        array("Q", map(Tensor.data_ptr, b.params)))
+                              for b in lows}
+        elif lows:
+            self._low_seen = None
 
     def _ahead_key(self):
         """What the inner sample of each bucket depends on besides the state and counters

@@ -50,7 +50,8 @@ from .._protocol import (COUNTER_REFRESHES, COUNTER_STEPS, KIND_INNER, KIND_OUTE
 from ..kernels import cpp_status, triton_status
 from ..kernels import interface as iface
 from .base import Backend
-from .fused_grads import GradBuffer, GradsMixin
+from .fused_grad_buffer import GradBuffer
+from .fused_grads import GradsMixin
 from .fused_presence import Watcher
 from .fused_layout import LayoutMixin
 from .fused_park import ParkMixin

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from .. import _sweeps
-from .._layout import alloc_flat, local
+from .._layout import local
+from .fused_grad_buffer import DirectGrads, GradBuffer
 from .fused_presence import Presence
 
 
@@ -47,57 +48,6 @@ def _refuse_sparse(g: Tensor) -> None:
                            "(e.g. nn.Embedding(sparse=True)), except unsharded ones with "
                            "grad_views=True (autograd adds them into dense views): nothing "
                            "was accumulated")
-
-
-class GradBuffer:
-    """A flat gradient buffer of a bucket (the parameter dtype) and, per parameter, a
-    tensor over its part of the storage that is handed to the parameter as its ``.grad``.
-
-    Those tensors alias the buffer without being autograd views of it, so each keeps its
-    own version counter: every in-place write to one (autograd accumulating a gradient
-    into ``.grad``, ``zero_()``, a copy) moves that parameter's counter only.  ``clean``:
-    the counters at which the buffer was last known to hold zeros (None: not known), so
-    the engine knows without reading the buffer whether it is still zero and which
-    parameters received a gradient since."""
-
-    __slots__ = ("flat", "views", "clean")
-
-    def __init__(self, b):
-        self.flat = alloc_flat(b.numel, b.device, b.param_dtype)     # (zero padding)
-        st = self.flat.untyped_storage()
-        self.views = [torch.empty(0, device=b.device, dtype=b.param_dtype).set_(
-                          st, off, p.shape)            # (contiguous strides)
-                      for p, off in zip(b.params, b.offsets)]
-        self.clean = self._versions()
-
-    def _versions(self) -> List[int]:
-        return _sweeps.versions(self.views)
-
-    def is_clean(self) -> bool:
-        return self.clean is not None and self.clean == self._versions()
-
-    def zero(self, clean=None) -> None:
-        """Make it hold zeros (one memset, skipped when it is known to; ``clean``: what a
-        :func:`~poco_kernels._sweeps.scan` of the views found, True or their versions)."""
-        if clean is None:
-            clean = self.is_clean() or None
-        if clean is not True:
-            self.flat.zero_()                 # (the views' counters are their own: unmoved)
-            self.clean = clean if isinstance(clean, list) else self._versions()
-
-
-class DirectGrads(list):
-    """A bucket's gradients read in place (:meth:`GradsMixin._direct_grads`): ``tiles``,
-    the table of their addresses; ``whole``: every parameter has one (the list is then
-    empty: the parameters' ``.grad`` hold them); else the list has one per parameter
-    (None: no gradient)."""
-
-    __slots__ = ("tiles", "whole")
-
-    def __init__(self, grads, tiles, whole: bool):
-        super().__init__(grads)
-        self.tiles = tiles
-        self.whole = whole                    # (none None)
 
 
 class GradsMixin:
@@ -149,6 +99,7 @@ class GradsMixin:
                     and _sweeps.grads(b.params, b.grad_bufs[b.handed].views)[1] == len(b.params)):
                 i = self._swap_in(b, i)
             gb = b.grad_bufs[i]
+            gb.renew()
             pres = b.presence
             _, _, matching, clean, watched = _sweeps.scan(
                 b.params, None, gb.views, gb.clean, None if pres is None else pres.flags,
@@ -181,6 +132,7 @@ class GradsMixin:
             if free is None or (free != i and not _SWAP):
                 break
             gb = b.grad_bufs[i]
+            gb.renew()
             scanned = _sweeps.scan(b.params, ptrs, gb.views, gb.clean if free == i else None,
                                    pres.flags, self._watcher.owner)
             if not scanned[0] or (free != i and scanned[2] != len(b.params)):
@@ -246,6 +198,7 @@ class GradsMixin:
             gb = b.grad_bufs[b.handed]
             if id(gb.flat) in lent:
                 continue
+            gb.renew()                        # (re-pointed views are not zeroed here)
             _, _, k, clean, _ = _sweeps.scan(b.params, None, gb.views, gb.clean, None, 0)
             if k:
                 gb.zero(clean)
@@ -290,6 +243,8 @@ class GradsMixin:
         compiling = torch.compiler.is_compiling()
         i = self._free_buffer(b, lent, b.handed)
         gb = b.grad_bufs[i]
+        if not compiling:
+            gb.renew()                        # (a re-pointed one is copied as any other)
         if not compiling and _sweeps.grads(b.params, gb.views)[1] == len(b.params):
             return gb, i == b.handed          # (the usual case: every one the view)
         grads = list(map(_grad, b.params))

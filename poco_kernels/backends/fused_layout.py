@@ -20,7 +20,8 @@ from torch import Tensor
 
 from .. import _sweeps
 from .._layout import alloc_flat
-from .fused_grads import GradBuffer, _capturing
+from .fused_grad_buffer import GradBuffer
+from .fused_grads import _capturing
 
 _data_ptr = Tensor.data_ptr
 
@@ -201,7 +202,7 @@ class LayoutMixin:
             for b in loose:
                 base = b.flat_param.data_ptr()
                 size = b.flat_param.element_size()
-                for p, off, gview in zip(b.params, b.offsets, b.grad_views):
+                for p, (off, shape) in zip(b.params, b.grad_bufs[0].places):
                     if p.data_ptr() == base + off * size and p.is_contiguous():
                         continue
                     flat = b.flat_param[off:off + p.numel()]
@@ -212,7 +213,7 @@ class LayoutMixin:
                         b.buffers["mean"][off:off + p.numel()].copy_(new)
                         self.ahead = None
                     flat.copy_(new)
-                    p.data = flat.view_as(gview)
+                    p.data = flat.view(shape)
                 if b.param_dtype != b.dtype and self.params_hold_mean:
                     # low precision: the float32 master copy keeps what the parameters
                     # still round to, and takes the values changed elsewhere
@@ -222,10 +223,10 @@ class LayoutMixin:
 
     def _changed(self, b) -> Optional[str]:
         """What keeps a bucket's parameters from being re-linked (None: nothing)."""
-        for p, gview in zip(b.params, b.grad_views):
+        for p, (_, shape) in zip(b.params, b.grad_bufs[0].places):
             for what, now, was in (("dtype", p.dtype, b.param_dtype),
                                    ("device", p.device, b.device),
-                                   ("shape", tuple(p.shape), tuple(gview.shape))):
+                                   ("shape", tuple(p.shape), tuple(shape))):
                 if now != was:
                     group = self.view.param_groups[b.group_index]["params"]
                     i = next(i for i, q in enumerate(group) if q is p)
