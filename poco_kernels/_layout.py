@@ -354,6 +354,7 @@ def build_buckets(param_groups: Sequence[dict], max_buckets: int) -> List[Bucket
                 n_full += p.numel()
             buckets.append(Bucket(len(buckets), gi, ps, offsets, n, dev, dt, state_dtype(dt),
                                   segments=segments if sharded else None))
+    _check_memory([p for b in buckets for p in b.params])
     kinds = {is_sharded(p) for b in buckets for p in b.params}
     check(len(kinds) < 2,
           "the trainable parameters are partly sharded (some DTensor, some plain tensors): "
@@ -362,6 +363,31 @@ def build_buckets(param_groups: Sequence[dict], max_buckets: int) -> List[Bucket
     check(len(buckets) <= max_buckets,
           f"at most {max_buckets} (group, device, dtype) buckets are supported")
     return buckets
+
+
+def _check_memory(params: Sequence[Tensor]) -> None:
+    """Refuse trainable parameters whose elements share memory, which an update that keeps
+    one value per element (a flat buffer's copy, or the torch backend's writes) cannot
+    honour: an expanded one (stride 0), or two over the same bytes (a tie by storage,
+    ``dec.weight.data = enc.weight.data``)."""
+    spans = []
+    for p in params:
+        t = local(p)
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        check(all(st != 0 or n == 1 for st, n in zip(t.stride(), t.shape)),
+              f"a parameter of shape {tuple(p.shape)} is an expanded view (stride "
+              f"{tuple(t.stride())}): its elements share memory; give it its own (.clone())")
+        lo = t.data_ptr()
+        hi = lo + t.element_size() * (1 + sum((n - 1) * abs(st) for st, n
+                                               in zip(t.stride(), t.shape)))
+        spans.append((lo, hi, tuple(p.shape)))
+    spans.sort()
+    for (_, hi0, a), (lo1, _, b) in zip(spans, spans[1:]):
+        check(lo1 >= hi0, f"parameters of shapes {a} and {b} share memory (a tie by storage, "
+                          "such as `dec.weight.data = enc.weight.data`): an update keeps one "
+                          "value per element, so it would break the tie; tie them as one "
+                          "Parameter (`dec.weight = enc.weight`) instead")
 
 
 def expose(state: dict, b: Bucket) -> None:

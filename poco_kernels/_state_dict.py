@@ -3,6 +3,8 @@ before anything is loaded, so a bad one loses nothing), and copying and pickling
 optimizer (``copy.deepcopy``, ``pickle``), which go through it."""
 from __future__ import annotations
 
+import copy
+
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Set
 
@@ -231,7 +233,9 @@ class StateDictMixin:
                 seen.add(i)
                 saved_index[id(p)] = i
             # (from a class with fewer hyperparameters, this optimizer's values stay)
-            sg = {k: v for k, v in sg.items() if k != "poco"}      # (the counters' copy)
+            # (a copy, as torch.optim's: a tensor lr is this optimizer's own, not the
+            # saved dict's, which a scheduler of the saving optimizer may write in place)
+            sg = copy.deepcopy({k: v for k, v in sg.items() if k not in ("poco", "params")})
             merged = {**(g if fill else {}), **sg, "params": g["params"]}
             self._check_group(merged, gi)
             new_groups.append({k: v for k, v in merged.items() if k != "params"})

@@ -6,6 +6,7 @@ import difflib
 import functools
 import inspect
 import math
+import numbers
 
 import torch
 
@@ -44,6 +45,8 @@ def check_range(group, key, lo=None, hi=None, lo_open=False, hi_open=False, kind
     if kind is float:
         # (an int must fit torch's int64 scalars; the kernels take float32 constants:
         # finite there, or +inf where allowed)
+        if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)):
+            v = float(v)                      # (a numpy scalar, as torch.optim takes)
         ok = (isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)
                                        and abs(v) < 2 ** 63))
         if ok:
@@ -73,6 +76,10 @@ TORCH_FLAGS = {
     "capturable": "the fused backends keep their counters on the device already",
     "differentiable": "the updates run under torch.no_grad()",
 }
+
+
+#: those that change what an update does (the others choose how torch runs it)
+SEMANTIC_TORCH_FLAGS = ("maximize", "differentiable")
 
 
 def torch_flag_error(owner: str, key: str) -> TypeError:
@@ -123,6 +130,11 @@ def check_group_keys(group, defaults, where: str, misspelled: bool = True) -> No
     if missing:
         raise ValueError(f"{where}: missing hyperparameter(s) {', '.join(map(repr, missing))}")
     if not misspelled:
+        # (a live or loaded group: torch.optim's own values of its flags, a torch.optim
+        # state dict's, are kept; one that would change what the update does is refused)
+        for k in SEMANTIC_TORCH_FLAGS:
+            if group.get(k, False) not in (False, None, 0):
+                raise torch_flag_error(where, k)
         return
     for k in group:
         if k in TORCH_FLAGS:

@@ -42,12 +42,23 @@ def _error_inputs():
         ("not a tensor", lambda p, q: [p, 1.0], {}, TypeError, "can only optimize Tensors"),
         ("a set of params", lambda p, q: [{"params": {p}}], {}, TypeError,
          "ordered collections"),
+        ("an expanded parameter", lambda p, q: [p, Parameter(torch.randn(5).expand(3, 5))],
+         {}, ValueError, "expanded view"),
+        ("parameters tied by storage", lambda p, q: [p, _tied(p)], {}, ValueError,
+         "share memory"),
     ] + [(f"{flag}=", lambda p, q: [p], {flag: value}, TypeError, flag)
          for flag, value in (("maximize", True), ("foreach", False), ("fused", False),
                              ("capturable", False), ("differentiable", False))] + [
         # the package's seed: None or an int in [0, 2**63)
         (f"seed={bad!r}", lambda p, q: [p], {"seed": bad}, ValueError, "seed")
         for bad in (-1, 2 ** 63, True, 1.0)]
+
+
+def _tied(p):
+    """Another parameter over ``p``'s memory (``dec.weight.data = enc.weight.data``)."""
+    q = Parameter(torch.empty(0))
+    q.data = p.data
+    return q
 
 
 TORCH_FLAGS = ["maximize", "foreach", "fused", "capturable", "differentiable"]
@@ -73,6 +84,33 @@ def test_torch_flags_are_refused_in_a_new_group(kind, backend, flag):
     with pytest.raises(TypeError, match=f"'{flag}'"):
         o.add_param_group({"params": [m.u], flag: False})
     assert len(o.param_groups) == 1
+
+
+@pytest.mark.parametrize("kind,backend", CASES)
+@pytest.mark.parametrize("flag", ["maximize", "differentiable"])
+@pytest.mark.parametrize("where", ["live group", "loaded state dict"])
+def test_a_flag_that_changes_the_update_is_refused_later_too(kind, backend, flag, where):
+    """``maximize=True`` or ``differentiable=True`` put into a live group, or found in a
+    loaded state dict, is refused (TypeError) by the next step or by the load, with nothing
+    changed, not ignored; torch's own values of its flags (a torch.optim state dict's,
+    ``maximize=False``) are kept."""
+    m = Tiny()
+    o = make(kind, m.parameters(), backend)
+    drive(o, m, 0, 1)
+    before, sd = snap(m), o.state_dict()
+    if where == "live group":
+        o.param_groups[0][flag] = False
+        drive(o, m, 1, 2)                     # (torch's default value: kept)
+        before, sd = snap(m), o.state_dict()
+        o.param_groups[0][flag] = True
+        with pytest.raises(TypeError, match=f"'{flag}'"):
+            drive(o, m, 2, 3)
+    else:
+        sd["param_groups"][0][flag] = True
+        with pytest.raises(TypeError, match=f"'{flag}'"):
+            o.load_state_dict(sd)
+        assert o.param_groups[0].get(flag) is None
+    assert same(snap(m), before)
 
 
 @pytest.mark.parametrize("kind,backend", CASES)

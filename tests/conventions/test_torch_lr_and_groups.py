@@ -105,6 +105,22 @@ def test_tensor_lr_takes_the_float_lrs_steps_bit_for_bit(kind, backend, dtype):
 
 
 @pytest.mark.parametrize("kind,backend", CASES)
+def test_a_numpy_lr_takes_the_float_lrs_steps_bit_for_bit(kind, backend):
+    """A numpy scalar lr (a schedule computed from a float32 table: ``0.5 * np.float32``
+    stays one), which torch.optim takes, is taken as its float value, bit for bit."""
+    np = pytest.importorskip("numpy")
+    lr = float(np.float32(lr_of(kind) * 0.8))
+    m1, m2 = Tiny(), Tiny()
+    o1 = make(kind, m1.parameters(), backend, lr=lr)
+    o2 = make(kind, m2.parameters(), backend, lr=np.float32(lr))
+    for t in range(3):
+        o2.param_groups[0]["lr"] = np.float32(lr)
+        drive(o1, m1, t, t + 1)
+        drive(o2, m2, t, t + 1)
+        assert same(snap(m1), snap(m2)), f"step {t}"
+
+
+@pytest.mark.parametrize("kind,backend", CASES)
 @pytest.mark.parametrize("sched", ["StepLR", "ReduceLROnPlateau"])
 def test_param_group_with_lrscheduler_goes_right_direction(kind, backend, sched):
     m = Tiny()

@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 
-from torch_conventions import CASES_RT, Tiny, assert_equal_dicts, drive, make, same, snap
+from torch_conventions import CASES, CASES_RT, Tiny, assert_equal_dicts, drive, make, same, snap
 
 #: tiny tensors: torch's thread pool only costs here (conftest's fixture)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -75,3 +75,20 @@ def test_copy_continues_bit_identically(kind, backend, how):
     assert not same(snap(m1), before)
     l1, l2 = drive(o1, m1, 3, 4), drive(o2, m2, 3, 4)
     assert torch.equal(l1, l2) and same(snap(m1), snap(m2))
+
+
+@pytest.mark.parametrize("kind,backend", CASES)
+def test_a_loaded_tensor_lr_is_the_optimizers_own(kind, backend):
+    """As torch.optim copies the saved groups: an optimizer loaded from another's state
+    dict holds its own tensor ``lr``, so a scheduler writing the saving optimizer's
+    tensor in place (``fill_``) moves neither the loaded one nor the dict."""
+    m1, m2 = Tiny(), Tiny()
+    lr = float(make(kind, Tiny().parameters(), backend).param_groups[0]["lr"])
+    o1 = make(kind, m1.parameters(), backend, lr=torch.tensor(lr))
+    o2 = make(kind, m2.parameters(), backend, lr=torch.tensor(lr))
+    sd = o1.state_dict()
+    o2.load_state_dict(sd)
+    assert o2.param_groups[0]["lr"] is not o1.param_groups[0]["lr"]
+    assert o2.param_groups[0]["lr"] is not sd["param_groups"][0]["lr"]
+    o1.param_groups[0]["lr"].fill_(lr / 2)
+    assert float(o2.param_groups[0]["lr"]) == lr
