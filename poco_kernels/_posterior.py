@@ -167,10 +167,12 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
     @contextlib.contextmanager
     def sampled(self, kind: str = "inner", accumulate: bool = True):
         """``with opt.sampled(kind): loss.backward()`` = sample, (backward), accumulate,
-        restore.  On an exception the mean is restored and, unless the block accumulated
-        itself, the sample is forgotten, and with it the gradients the block left in
-        ``.grad``: the next draws and gradients are those of an optimizer that never
-        entered the block."""
+        restore.  A block that accumulated itself (a chunk at a time) and left no
+        ``.grad`` after its last ``accumulate()`` adds nothing more (not a chunk of zeros).
+        On an exception the mean is restored and, unless the block accumulated itself,
+        the sample is forgotten, and with it the gradients the block left in ``.grad``:
+        the next draws and gradients are those of an optimizer that never entered the
+        block."""
         self.sample(kind)
         k, draw = self._active
         count = self._pending.count[k]
@@ -178,7 +180,8 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
         ok = False
         try:
             yield self
-            if accumulate:
+            if accumulate and not (self._pending.count[k] > count and not any(
+                    _sweeps.grads(g["params"], None)[0] for g in self._groups)):
                 self.accumulate()
             ok = True
         finally:
@@ -281,10 +284,10 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
             if corr:
                 for _ in range(self._closure_samples()):
                     self._run_closure(closure, "outer")
+            return mean_loss(losses)
         except BaseException:
             self._drop_pending((KIND_INNER, KIND_OUTER))
             raise
-        return mean_loss(losses)
 
     def _update(self, corr, grad_scale, found_inf, replay=None) -> None:
         """The inner update from the pending sums (``replay``: a step plan's, which returns
@@ -351,7 +354,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
         pend = self._pending
         self._check_no_mix(KIND_REFRESH)
         self._check_trainable()
-        losses = []
+        losses, loss = [], None
         if closures is not None:
             if pend.count[KIND_REFRESH]:
                 raise RuntimeError("refresh(closures) with refresh gradients already "
@@ -369,6 +372,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
                             self.accumulate()
                     finally:
                         self.restore()
+                loss = mean_loss(losses)
             except BaseException:
                 self._drop_pending((KIND_REFRESH,))
                 raise
@@ -393,4 +397,4 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
         if not taken:
             return None
         self._refresh_taken()
-        return mean_loss(losses)
+        return loss

@@ -169,9 +169,22 @@ class Pending:
 
 
 def mean_loss(losses: List[Any]):
-    """The closure's loss for one evaluation; the (detached) mean for several."""
-    if not losses or losses[0] is None:
+    """The closure's loss for one evaluation, whatever it is; the (detached) mean for
+    several, each then a number or a one-element tensor (None if one is None).  Called
+    before the update, inside the call's transaction: a value that has no mean refuses
+    the call."""
+    if not losses or any(l is None for l in losses):
         return None
     if len(losses) == 1:
         return losses[0]
-    return torch.stack([torch.as_tensor(l).detach().float() for l in losses]).mean()
+    for l in losses:
+        if isinstance(l, bool) or not isinstance(l, (int, float, Tensor)) or \
+                (isinstance(l, Tensor) and (l.numel() != 1 or l.is_complex())):
+            what = (f"a tensor of shape {tuple(l.shape)}" if isinstance(l, Tensor)
+                    else f"a {type(l).__name__}")
+            raise TypeError(f"the closure returned {what}: with several evaluations in one "
+                            "call (mc_samples > 1, or a refresh over several chunks) the "
+                            "call returns the mean of their losses, so each must be a "
+                            "number or a one-element tensor (or None); the call changed "
+                            "nothing")
+    return torch.stack([torch.as_tensor(l).detach().float().reshape(()) for l in losses]).mean()

@@ -316,6 +316,7 @@ class StepPlanMixin:
                     loss = self._run_closure(closure, _KIND_NAME[kind])
                 if kind == KIND_INNER:
                     losses.append(loss)
+            loss = mean_loss(losses)
         except BaseException:
             self._drop_pending((KIND_INNER, KIND_OUTER))
             raise
@@ -338,7 +339,7 @@ class StepPlanMixin:
         elif not fast and groups_unchanged(self, stamp):
             plan.stamp, plan.values = stamp, eng.row_values()   # (the rows hold them now)
             plan.ahead = eng.ahead                              # (worked out from them)
-        return mean_loss(losses)
+        return loss
 
     def _sample_as_planned(self, j, kind, rec, noise, fast, stamp, settings) -> bool:
         """The sample ``j`` of the plan is the one the slow path would draw now: nothing

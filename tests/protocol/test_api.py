@@ -125,8 +125,11 @@ def test_functional_form_reads_the_old_outer_keys_with_a_warning():
                           group=group, step=3)
 
 
-def test_low_level_protocol_equals_closure(backend):
-    """sample / backward / accumulate / restore / step gives the closure's trajectory."""
+@pytest.mark.parametrize("block_accumulates", [False, True])
+def test_low_level_protocol_equals_closure(backend, block_accumulates):
+    """sample / backward / accumulate / restore / step gives the closure's trajectory;
+    a ``sampled()`` block left to accumulate (the default) after accumulating its chunks
+    itself adds no chunk of zeros."""
     prob = Problem()
     kw = dict(lr=0.05, ess=300.0, beta2=0.999, alpha=0.6, mc_samples=2, seed=0)
     m1, m2 = mlp(), mlp()
@@ -136,7 +139,7 @@ def test_low_level_protocol_equals_closure(backend):
     run(o1, m1, prob, 10, refresh_every=4, batches=batches, chunks=chunks)
     for t in range(10):
         if t % 4 == 0:
-            with o2.sampled("refresh", accumulate=False):
+            with o2.sampled("refresh", accumulate=block_accumulates):
                 for c in chunks:                       # one sample, one backward per chunk
                     prob.loss(m2, c).backward()
                     o2.accumulate()

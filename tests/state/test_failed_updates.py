@@ -153,3 +153,26 @@ def test_exception_inside_sampled_leaves_no_gradient_behind(name, backend, grad_
                 _block_keeping_grads(r, "outer", BATCHES[t])
             r.opt.step()
         assert_twins(a, b, f"after the step on batch {t}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name, call", [("IVON", "step"), ("IVONPoCo", "step"),
+                                        ("IVONPoCo", "refresh")])
+@pytest.mark.parametrize("ret", ["tuple", "dict", "vector"])
+def test_a_loss_without_a_mean_refuses_the_call(backend, name, call, ret):
+    """With several evaluations in one call (``mc_samples=2``, a refresh over chunks) the
+    call returns the mean of their losses: a closure returning ``(loss, 1.0)``, a dict or
+    a vector has none, so the call is refused with a TypeError before its update (not
+    after it, nor averaged element by element), and nothing changes."""
+    def returning(c):
+        def closure():
+            loss = c()
+            return {"tuple": (loss, 1.0), "dict": {"loss": loss},
+                    "vector": loss.reshape(1).repeat(2)}[ret]
+        return closure
+    if call == "step":
+        bad = lambda r: r.opt.step(returning(r.closure(2)))                # noqa: E731
+    else:
+        bad = lambda r: r.opt.refresh([returning(c) for c in r.chunks(0)])  # noqa: E731
+    run_case(name, backend, kw=dict(mc_samples=2) if call == "step" else None, bad=bad,
+             raises=TypeError, match="mean of their losses")
