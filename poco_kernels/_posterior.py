@@ -216,6 +216,7 @@ class PosteriorOptimizer(StepPlanMixin, TransactionMixin, BucketedOptimizer):
         if self._active is not None:
             raise RuntimeError("step() while a sample is in the parameters: call restore() first")
         self._check_groups()
+        grad_scale, found_inf = self._scaler_arguments(grad_scale, found_inf)
         self._check_amp(grad_scale, found_inf)
         pend = self._pending
         self._check_no_mix(KIND_INNER)

@@ -221,6 +221,62 @@ class TransactionMixin:
                 self.restore()
         return loss
 
+    #: torch.amp.GradScaler.step(opt) passes the scale and its inf check as the attributes
+    #: ``grad_scale`` and ``found_inf``, as to torch's fused optimizers
+    _step_supports_amp_scaling = True
+
+    def _scaler_value(name: str):             # noqa: N805 - a property factory
+        """An attribute GradScaler sets before ``step()`` and deletes after it: kept in the
+        instance until a step takes it (so a step that raises leaves no stale one);
+        absent (AttributeError) otherwise, as GradScaler's ``getattr`` default expects."""
+        key = f"_scaler_{name}"
+
+        def get(self):
+            try:
+                return self.__dict__[key]
+            except KeyError:
+                raise AttributeError(name) from None
+
+        def put(self, value):
+            self.__dict__[key] = value
+
+        def drop(self):
+            self.__dict__.pop(key, None)
+        return property(get, put, drop)
+
+    grad_scale = _scaler_value("grad_scale")
+    found_inf = _scaler_value("found_inf")
+    del _scaler_value
+
+    def _scaler_arguments(self, grad_scale, found_inf):
+        """``grad_scale``, ``found_inf`` of a ``step()``: the arguments, or those that
+        torch.amp.GradScaler set as attributes (taken: none outlives this step).
+        GradScaler reads its inf checks from ``.grad``, so with gradients already in the
+        optimizer's sums (``sampled()``) its check saw none of them: refused, nothing
+        changed (poco_kernels.amp.GradScaler takes the optimizer's own check)."""
+        d = self.__dict__
+        if "_scaler_grad_scale" not in d and "_scaler_found_inf" not in d:
+            return grad_scale, found_inf
+        set_scale, set_found = d.pop("_scaler_grad_scale", None), d.pop("_scaler_found_inf", None)
+        if grad_scale is not None or found_inf is not None:
+            return grad_scale, found_inf
+        grad_scale, found_inf = set_scale, set_found
+        if any(self._pending.count.values()):
+            raise RuntimeError(
+                "torch.amp.GradScaler.step(opt) checks .grad for infs, and the gradients of "
+                "this step are already in the optimizer's sums (sampled()/accumulate()): "
+                "use poco_kernels.amp.GradScaler, which takes the optimizer's own check "
+                "(docs/design.md, 'AMP'); nothing was changed")
+        if found_inf is not None and not isinstance(found_inf, Tensor):   # (no .grad seen)
+            found_inf = torch.tensor(float(found_inf))
+        return grad_scale, found_inf
+
+    def _found_inf(self, kinds) -> Tensor:
+        """A float32 scalar on the device of the first bucket, 1 where a pending sum of
+        ``kinds`` (or, sharded, any rank's) holds a non-finite value, else 0: read on the
+        device, no synchronisation (poco_kernels.amp.GradScaler's inf check)."""
+        return self._runner.found_inf(frozenset(kinds))
+
     def _check_amp(self, grad_scale, found_inf) -> None:
         """AMP arguments: one-element real tensors, as torch.amp.GradScaler passes them;
         ``grad_scale`` positive and finite, checked where reading it is free (a CPU tensor,

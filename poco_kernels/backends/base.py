@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .. import _sweeps
+from .._layout import any_rank, shard_groups
 
 
 class Backend(ABC):
@@ -105,6 +106,20 @@ class Backend(ABC):
 
     def unpark(self) -> None:
         """The state before :meth:`park` (the start of a public call)."""
+
+    def found_inf(self, kinds: FrozenSet[int]) -> Tensor:
+        """1.0 (a float32 scalar on the first bucket's device) where a pending sum of a
+        kind in ``kinds`` holds a non-finite value, on this rank or, sharded, on any;
+        else 0.0.  Computed on the device (no synchronisation)."""
+        sums = [t for (k, _, _), t in self.view.pending.sums.items() if k in kinds]
+        dev = self.view.buckets[0].device
+        flag = torch.zeros((), dtype=torch.float32, device=dev)
+        for t in sums:
+            flag = torch.maximum(flag, (~torch.isfinite(t)).any().to(dev, torch.float32))
+        groups = shard_groups(self.view.buckets)
+        if groups:
+            flag = any_rank(flag.reshape(1), groups).reshape(()).to(torch.float32)
+        return flag
 
     # ------------------------------------------------------------------ low-precision edits
     #: (the buckets, their low-precision ones), :meth:`_low_buckets`'s

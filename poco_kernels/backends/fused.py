@@ -150,6 +150,16 @@ class FusedBackend(LayoutMixin, GradsMixin, SamplesMixin, StateMixin, PlanMixin,
                              "the optimizer state is unchanged (with AMP, pass found_inf to skip)")
         return True
 
+    def found_inf(self, kinds) -> Tensor:
+        """The kernels' own non-finite flag, which every accumulation's check sets (a step's
+        and a refresh's sums never mix), agreed over the shards' ranks: no pass."""
+        self._agree()
+        dev = self.view.buckets[0].device
+        flag = torch.zeros((), dtype=torch.float32, device=dev)
+        for c in self.ctl.values():
+            flag = torch.maximum(flag, (c[iface.CTL_BAD] != 0).to(dev, torch.float32))
+        return flag
+
     def _finish(self, slot: int, found_inf: Optional[Tensor]) -> None:
         for dev, c in self.ctl.items():
             fi = None if found_inf is None else found_inf.to(dev, non_blocking=True)

@@ -114,7 +114,7 @@ class TorchBackend(Backend):
     def check_gradients(self, *ts) -> None:
         bad = any(t is not None and not bool(torch.isfinite(t).all()) for t in ts)
         if self._on_any_rank(bad):
-            raise ValueError("non-finite gradient (inf or nan): the step was not taken and the "
+            raise ValueError("non-finite gradient (inf or nan): the update was not taken and the "
                              "optimizer state is unchanged (with AMP, pass found_inf to skip)")
 
     def check_new(self, new: Dict[int, Dict[str, Tensor]], slot: int = COUNTER_STEPS) -> None:
@@ -135,7 +135,7 @@ class TorchBackend(Backend):
         if self._on_any_rank(bad is not None):
             where = repr(bad) if bad is not None else "another rank's shards"
             raise FloatingPointError(
-                f"the update produced non-finite values in {where}: the step was not taken "
+                f"the update produced non-finite values in {where}: the update was not taken "
                 f"and the optimizer state is unchanged. {self.view.rule.divergence_hint}")
 
     def commit(self, new: Dict[int, Dict[str, Tensor]]) -> None:
