@@ -24,7 +24,7 @@ class GradBuffer:
     the engine knows without reading the buffer whether it is still zero and which
     parameters received a gradient since."""
 
-    __slots__ = ("flat", "views", "clean", "places", "_rel", "_base", "_addresses")
+    __slots__ = ("flat", "views", "clean", "places", "_rel", "_addresses")
 
     def __init__(self, b):
         self.flat = alloc_flat(b.numel, b.device, b.param_dtype)     # (zero padding)
@@ -33,7 +33,7 @@ class GradBuffer:
         base = self.flat.data_ptr()
         # each view's address less the buffer's (-1: no elements, whose address is 0)
         self._rel = [v.data_ptr() - base if v.numel() else -1 for v in self.views]
-        self._base, self._addresses = None, None
+        self._addresses = {}                  # (per address of the buffer: the views')
         self.clean = self._versions()
 
     def _new_views(self) -> List[Tensor]:
@@ -47,10 +47,13 @@ class GradBuffer:
         ``p.grad.data = t`` (what ``module.to()``, ``.double()`` and ``.float()`` do to
         each ``.grad``), which keeps the tensor but not its memory."""
         base = self.flat.data_ptr()           # (moves with a swap of the storages' memory)
-        if base != self._base:
-            self._addresses = array("Q", [base + r if r >= 0 else 0 for r in self._rel])
-            self._base = base
-        return _sweeps.same_addresses(self.views, self._addresses)
+        addresses = self._addresses.get(base)
+        if addresses is None:                 # (two memories alternate: IVON-PoCoMo's swap)
+            if len(self._addresses) >= 4:
+                self._addresses.clear()
+            addresses = self._addresses[base] = array(
+                "Q", [base + r if r >= 0 else 0 for r in self._rel])
+        return _sweeps.same_addresses(self.views, addresses)
 
     def renew(self) -> bool:
         """If a view was re-pointed (:meth:`intact`), new views replace all of them in

@@ -198,7 +198,8 @@ class GradsMixin:
             gb = b.grad_bufs[b.handed]
             if id(gb.flat) in lent:
                 continue
-            gb.renew()                        # (re-pointed views are not zeroed here)
+            if self.params_hold_mean:         # (in a sample, its hand-out just checked)
+                gb.renew()                    # (re-pointed views are not zeroed here)
             _, _, k, clean, _ = _sweeps.scan(b.params, None, gb.views, gb.clean, None, 0)
             if k:
                 gb.zero(clean)

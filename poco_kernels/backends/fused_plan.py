@@ -222,8 +222,7 @@ class PlanMixin:
         for b, (grad, _) in zip(buckets, checks):
             gb = b.grad_bufs[b.handed] if b.handed is not None else None
             if (gb is None or gb.flat is not grad or id(grad) in lent
-                    or (kind, b.index, "g") in sums or not b.presence.all()
-                    or not gb.intact()):
+                    or (kind, b.index, "g") in sums or not b.presence.all()):
                 return 0
             ptrs = self.cached_addresses(b)   # (None: the layout is checked by the update)
             same, _, matching, _, _ = _sweeps.scan(b.params, ptrs, gb.views, False, None, 0)
