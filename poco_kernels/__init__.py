@@ -9,6 +9,7 @@ in :mod:`poco_kernels.reference`.
 from .ivon import IVON, IVONPoCo, IVONPoCoMo
 from .svrg import SVRG, SVRGAdamW, VSGDPoCo
 from .von_poco import VONPoCo
+from . import amp  # noqa: E402,F401  (poco_kernels.amp.GradScaler: float16 loss scaling)
 
 __all__ = ["IVON", "IVONPoCo", "IVONPoCoMo", "SVRG", "SVRGAdamW", "VSGDPoCo", "VONPoCo"]
 __version__ = "0.1.0"
