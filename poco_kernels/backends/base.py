@@ -121,31 +121,35 @@ class Backend(ABC):
             flag = any_rank(flag.reshape(1), groups).reshape(()).to(torch.float32)
         return flag
 
-    # ------------------------------------------------------------------ low-precision edits
-    #: (the buckets, their low-precision ones), :meth:`_low_buckets`'s
+    # ------------------------------------------------------------------ edits between calls
+    #: (the buckets, whether float32 ones have a mean buffer of their own, the buckets
+    #: whose mean is its own buffer), :meth:`_low_buckets`'s
     _lows = None
-    #: per low-precision bucket, its parameters' version counters when a public call last
-    #: ended with the mean in them (None: not seen yet)
+    #: per such bucket, its parameters' version counters and addresses when a public call
+    #: last ended with the mean in them (None: not seen yet)
     _low_seen = None
 
     def _low_buckets(self) -> list:
-        """The unsharded buckets whose parameters are stored in a lower precision than the
-        mean (its float32 master copy is in the state)."""
+        """The unsharded buckets whose mean is a buffer of its own between public calls:
+        parameters stored in a lower precision than the mean (its float32 master copy is
+        in the state), and float32 ones unless the engine parks (then the parameters read
+        the mean buffer itself)."""
         buckets = self.view.buckets
+        own = not (self.view.sample_ahead is None and self.parks())
         known = self._lows
-        if known is None or known[0] is not buckets:
-            known = self._lows = (buckets, [b for b in buckets if b.param_dtype != b.dtype
-                                            and b.segments is None])
-        return known[1]
+        if known is None or known[0] is not buckets or known[1] != own:
+            known = self._lows = (buckets, own, [
+                b for b in buckets if b.segments is None and (own or b.param_dtype != b.dtype)])
+        return known[2]
 
     def adopt_edits(self) -> None:
-        """At the start of a public call: low-precision parameters written in place since
-        the last one (a weight load, an initialisation, a mask: their version counters
-        moved) or were given other memory (``p.data = t``) give the elements they changed
-        to the float32 master copy, which keeps the others, as a re-link does (float32
-        parameters are the mean themselves).  Only where the parameters hold the mean (not
-        ``sample_ahead=True``'s next sample).  A write through ``p.data``, which moves no
-        counter, is not seen."""
+        """At the start of a public call: parameters written in place since the last one
+        (a weight load, an initialisation, a mask, an edit between ``sampled()`` and
+        ``step()``: their version counters moved) or given other memory (``p.data = t``)
+        give the elements they changed to the mean buffer; a float32 master copy of
+        low-precision ones keeps the others, as a re-link does.  Only where the parameters
+        hold the mean (not ``sample_ahead=True``'s next sample).  A write through
+        ``p.data``, which moves no counter, is not seen."""
         lows = self._low_buckets()
         if not lows or not self.params_hold_mean or self.ahead is not None:
             return

@@ -59,3 +59,29 @@ def test_an_edit_between_steps_is_the_new_mean(backend, dtype, kind, how):
     sd = opt.state_dict()
     for i, want in enumerate(edited):
         assert torch.equal(sd["state"][i]["mean"].to(dtype), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sample_ahead", [None, False])
+def test_an_edit_between_sampled_blocks_and_step_is_the_mean_it_steps_from(
+        backend, dtype, sample_ahead):
+    """The parameters hold the mean between ``sampled()`` and ``step()`` too: an edit
+    there is the mean the step updates, whatever the backend or protocol (the torch
+    backend and the copy protocol stepped from the mean before the edit)."""
+    if backend == "torch" and sample_ahead is None:
+        sample_ahead = False                  # (the torch backend's default)
+    prob = Problem()
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 13), torch.nn.Tanh(),
+                                torch.nn.Linear(13, 3)).to(dtype)
+    opt = pk.IVON(model.parameters(), lr=0.0, ess=1e4, hess_init=1.0, seed=3, backend=backend,
+                  sample_ahead=sample_ahead)
+    for t in range(3):
+        with opt.sampled():
+            prob.loss(model, torch.arange(8 * t, 8 * t + 8)).backward()
+        if t == 1:
+            edited = _edit(model, "mask")
+        opt.step()
+    for p, want in zip(model.parameters(), edited):
+        assert torch.equal(p.detach(), want)
