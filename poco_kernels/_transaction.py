@@ -98,7 +98,7 @@ def parking(fn: Callable) -> Callable:
         if eng is not None:
             if eng.parked:
                 eng.unpark()
-            eng.adopt_edits()                 # (low-precision parameters written between calls)
+            eng.adopt_edits()                 # (parameters written between calls)
         d["_in_call"] = True
         try:
             return fn(self, *args, **kwargs)

@@ -15,6 +15,9 @@ scaler.step(opt)`` with nothing collected by ``sampled()``), it is torch's GradS
             scaler.scale(loss_fn(model(x), y)).backward()
     scaler.step(opt)                 # and scaler.refresh(opt) after sampled("refresh")
     scaler.update()
+
+Tested on the CPU (the torch backend, the C++ kernels, the Triton kernels under the
+interpreter: tests/protocol/test_amp_scaler.py); not yet run on a GPU.
 """
 from __future__ import annotations
 

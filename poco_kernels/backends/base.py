@@ -20,6 +20,15 @@ from .. import _sweeps
 from .._layout import any_rank, shard_groups
 
 
+@torch.no_grad()
+def take_changed(mean: Tensor, params: Tensor, param_dtype: torch.dtype) -> None:
+    """The mean takes the elements of ``params`` (the parameters as one flat buffer, in
+    ``param_dtype`` or widened exactly) that it no longer rounds to: a float32 master copy
+    of bf16/fp16 parameters keeps its extra bits where they still agree."""
+    moved = mean.to(param_dtype) != params.to(param_dtype)
+    mean.copy_(torch.where(moved, params.to(mean.dtype), mean))
+
+
 class Backend(ABC):
     """One way of running an optimizer: ``torch`` (the reference maths, op for op),
     ``triton`` or ``cpp`` (fused kernels over flat buffers).
@@ -123,22 +132,22 @@ class Backend(ABC):
 
     # ------------------------------------------------------------------ edits between calls
     #: (the buckets, whether float32 ones have a mean buffer of their own, the buckets
-    #: whose mean is its own buffer), :meth:`_low_buckets`'s
-    _lows = None
+    #: whose mean is its own buffer), :meth:`_own_mean_buckets`'s
+    _own_mean = None
     #: per such bucket, its parameters' version counters and addresses when a public call
     #: last ended with the mean in them (None: not seen yet)
-    _low_seen = None
+    _seen_params = None
 
-    def _low_buckets(self) -> list:
+    def _own_mean_buckets(self) -> list:
         """The unsharded buckets whose mean is a buffer of its own between public calls:
         parameters stored in a lower precision than the mean (its float32 master copy is
         in the state), and float32 ones unless the engine parks (then the parameters read
         the mean buffer itself)."""
         buckets = self.view.buckets
         own = not (self.view.sample_ahead is None and self.parks())
-        known = self._lows
+        known = self._own_mean
         if known is None or known[0] is not buckets or known[1] != own:
-            known = self._lows = (buckets, own, [
+            known = self._own_mean = (buckets, own, [
                 b for b in buckets if b.segments is None and (own or b.param_dtype != b.dtype)])
         return known[2]
 
@@ -149,31 +158,29 @@ class Backend(ABC):
         give the elements they changed to the mean buffer; a float32 master copy of
         low-precision ones keeps the others, as a re-link does.  Only where the parameters
         hold the mean (not ``sample_ahead=True``'s next sample).  A write through
-        ``p.data``, which moves no counter, is not seen."""
-        lows = self._low_buckets()
-        if not lows or not self.params_hold_mean or self.ahead is not None:
+        ``p.data``, which moves no counter, is not seen.  A call refused after this keeps
+        the adopted edit: it is the user's, which a twin adopts at its next call too."""
+        owns = self._own_mean_buckets()
+        if not owns or not self.params_hold_mean or self.ahead is not None:
             return
-        seen = self._low_seen or {}
-        for b in lows:
+        seen = self._seen_params or {}
+        for b in owns:
             was = seen.get(b.index)
             if (was is not None and was[0] == _sweeps.versions(b.params)
                     and _sweeps.same_addresses(b.params, was[1])):
                 continue
-            with torch.no_grad():
-                mean, cur = b.buffers["mean"], b.flat_params()     # (widened exactly)
-                moved = mean.to(b.param_dtype).to(mean.dtype) != cur
-                mean.copy_(torch.where(moved, cur, mean))
+            take_changed(b.buffers["mean"], b.flat_params(), b.param_dtype)
 
     def note_versions(self) -> None:
         """At the end of a public call that leaves the mean in the parameters: what
         :meth:`adopt_edits` compares with."""
-        lows = self._low_buckets()
-        if lows and self.params_hold_mean and self.ahead is None:
-            self._low_seen = {b.index: (_sweeps.versions(b.params),
-                                        array("Q", map(Tensor.data_ptr, b.params)))
-                              for b in lows}
-        elif lows:
-            self._low_seen = None
+        owns = self._own_mean_buckets()
+        if owns and self.params_hold_mean and self.ahead is None:
+            self._seen_params = {b.index: (_sweeps.versions(b.params),
+                                           array("Q", map(Tensor.data_ptr, b.params)))
+                                 for b in owns}
+        elif owns:
+            self._seen_params = None
 
     def _ahead_key(self):
         """What the inner sample of each bucket depends on besides the state and counters

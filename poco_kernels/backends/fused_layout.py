@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .. import _sweeps
 from .._layout import alloc_flat
+from .base import take_changed
 from .fused_grad_buffer import GradBuffer
 from .fused_grads import _capturing
 
@@ -217,9 +218,7 @@ class LayoutMixin:
                 if b.param_dtype != b.dtype and self.params_hold_mean:
                     # low precision: the float32 master copy keeps what the parameters
                     # still round to, and takes the values changed elsewhere
-                    mean = b.buffers["mean"]
-                    moved = mean.to(b.param_dtype) != b.flat_param
-                    mean.copy_(torch.where(moved, b.flat_param.to(mean.dtype), mean))
+                    take_changed(b.buffers["mean"], b.flat_param, b.param_dtype)
 
     def _changed(self, b) -> Optional[str]:
         """What keeps a bucket's parameters from being re-linked (None: nothing)."""
