@@ -75,3 +75,25 @@ def test_the_built_library_is_replaced_only_when_it_changed(tmp_path, monkeypatc
     assert cmd.copy_file(str(built), str(inplace))[1] and inplace.read_bytes() == b"v2"
     assert os.stat(inplace).st_ino != before.st_ino          # a new file, not rewritten
     assert sorted(p.name for p in tmp_path.iterdir()) == ["built.so", "inplace.so"]
+
+
+def test_a_sanitized_build_has_its_own_flags_and_object_files(tmp_path, monkeypatch):
+    """POCO_KERNELS_SANITIZE=address: -fsanitize at compile and link, no -O3, the object
+    files in a folder of their own (the optimised build's are not recompiled after it);
+    an unknown sanitizer is refused."""
+    plain = _setup_dist(monkeypatch, tmp_path / "t")
+    args = plain.extensions[0].extra_compile_args
+    assert "-O3" in args and "-ffp-contract=off" in args
+    assert not any("sanitize" in a for a in args + plain.extensions[0].extra_link_args)
+    monkeypatch.setenv("POCO_KERNELS_SANITIZE", "undefined,address")
+    san = _setup_dist(monkeypatch, tmp_path / "t")
+    ext = san.extensions[0]
+    assert "-fsanitize=address,undefined" in ext.extra_compile_args
+    assert "-fsanitize=address,undefined" in ext.extra_link_args
+    assert "-O3" not in ext.extra_compile_args and "-ffp-contract=off" in ext.extra_compile_args
+    assert san.build_temp == plain.build_temp + "-sanitize-address-undefined"
+    inside = os.path.join(ROOT, "build", "temp.elsewhere")
+    assert _setup_dist(monkeypatch, inside).build_temp == inside + "-sanitize-address-undefined"
+    monkeypatch.setenv("POCO_KERNELS_SANITIZE", "adress")
+    with pytest.raises(ValueError, match="unknown sanitizer"):
+        _setup_dist(monkeypatch, tmp_path / "t")
