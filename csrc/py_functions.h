@@ -12,7 +12,11 @@ namespace poco {
 // A sequence of tensors.  `Tensors` holds a tuple of its items taken when the call starts
 // (a list that Python code run during the call changes cannot free them under us);
 // `Tensors(seq, kBorrow)` reads a list or tuple in place (no copy: 148 references taken and
-// dropped per call otherwise), for the sweeps that run no Python code while they read.
+// dropped per call otherwise), for the sweeps that run no Python code while they read: not
+// even an allocation of a Python object, which may run the garbage collector and so any
+// finalizer (one that empties the list would free the tensors under the sweep).  The engine
+// passes lists of its own, which no finalizer reaches; a caller's own list of tensor
+// subclasses is still exposed (`THPVariable_Check` of a subclass may run `isinstance`).
 enum class Hold { kCopy, kBorrow };
 
 struct Tensors {

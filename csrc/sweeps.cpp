@@ -87,9 +87,10 @@ PyObject* same_addresses(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *ts, *addrs;
   if (!PyArg_ParseTuple(args, "OO", &ts, &addrs)) return nullptr;
+  Addresses a;                               // (first: it may allocate, see `Tensors`)
+  if (!a.init(addrs)) return nullptr;
   Tensors t(ts, Hold::kBorrow);
-  Addresses a;
-  if (!t.ok() || !a.init(addrs)) return nullptr;
+  if (!t.ok()) return nullptr;
   if (t.n != a.n) Py_RETURN_FALSE;
   for (Py_ssize_t i = 0; i < t.n; ++i) {
     const at::Tensor* x = t.tensor(i);
@@ -105,16 +106,23 @@ PyObject* same_addresses(PyObject* /*self*/, PyObject* args) {
 // versions(tensors) -> list: each tensor's version counter (``t._version``).
 PyObject* versions(PyObject* /*self*/, PyObject* arg) {
   HANDLE_TH_ERRORS
-  Tensors t(arg, Hold::kBorrow);
-  if (!t.ok()) return nullptr;
-  THPObjectPtr out(PyList_New(t.n));         // (freed on every error path)
+  std::vector<long long> seen;
+  {
+    Tensors t(arg, Hold::kBorrow);            // (read before any Python object is made)
+    if (!t.ok()) return nullptr;
+    seen.reserve(static_cast<size_t>(t.n));
+    for (Py_ssize_t i = 0; i < t.n; ++i) {
+      const at::Tensor* x = t.tensor(i);
+      if (x == nullptr) return nullptr;
+      seen.push_back(static_cast<long long>(x->_version()));
+    }
+  }
+  THPObjectPtr out(PyList_New(static_cast<Py_ssize_t>(seen.size())));  // (freed on errors)
   if (!out) return nullptr;
-  for (Py_ssize_t i = 0; i < t.n; ++i) {
-    const at::Tensor* x = t.tensor(i);
-    if (x == nullptr) return nullptr;
-    PyObject* v = PyLong_FromLongLong(x->_version());
+  for (size_t i = 0; i < seen.size(); ++i) {
+    PyObject* v = PyLong_FromLongLong(seen[i]);
     if (v == nullptr) return nullptr;
-    PyList_SET_ITEM(out.get(), i, v);
+    PyList_SET_ITEM(out.get(), static_cast<Py_ssize_t>(i), v);
   }
   return out.release();
   END_HANDLE_TH_ERRORS
@@ -183,16 +191,16 @@ PyObject* scan(PyObject* /*self*/, PyObject* args) {
   PyObject *ps, *as, *vs, *cs, *fo;
   long long owner;
   if (!PyArg_ParseTuple(args, "OOOOOL", &ps, &as, &vs, &cs, &fo, &owner)) return nullptr;
-  Tensors p(ps, Hold::kBorrow);     // (no Python code runs while the sweep reads)
-  if (!p.ok()) return nullptr;
-  Tensors v(vs == Py_None ? ps : vs, Hold::kBorrow);
-  if (!v.ok()) return nullptr;
-  Addresses addrs;
+  Addresses addrs;                  // (these two first: they may allocate, see `Tensors`)
   if (as != Py_None && !addrs.init(as)) return nullptr;
   const bool want_versions = cs != Py_False;
   if (!want_versions) cs = Py_None;
   THPObjectPtr clean(cs == Py_None ? nullptr : PySequence_Fast(cs, "scan: a sequence of versions expected"));
   if (cs != Py_None && !clean) return nullptr;
+  Tensors p(ps, Hold::kBorrow);     // (no Python code runs while the sweep reads)
+  if (!p.ok()) return nullptr;
+  Tensors v(vs == Py_None ? ps : vs, Hold::kBorrow);
+  if (!v.ok()) return nullptr;
   if ((vs != Py_None && v.n != p.n) || (cs != Py_None && vs != Py_None &&
                                         PySequence_Fast_GET_SIZE(clean.get()) != v.n)) {
     PyErr_SetString(PyExc_ValueError, "scan: as many views and versions as parameters expected");

@@ -16,10 +16,12 @@ Each buffer's memory keeps its role (the flat buffer's own allocation receives t
 samples, the mean buffer's the mean), so the device work of an iteration, and a CUDA
 graph captured of it, reads and writes the same addresses every time (checked offline,
 ``tests/protocol/test_capture.py``; not yet run on a GPU).  The parameters'
-storage holds a reference to the mean's memory from its first park on: a raw pointer
-taken while parked (numpy, DLPack) and the parameters of a dropped optimizer stay valid.
-A storage given other memory while parked (``share_memory_()``) keeps it, holding the
-mean, and the optimizer parks no more.  ``state_dict()`` reads the optimizer parked
+storage holds a reference to the mean's memory and to its own (reference-counted blocks,
+``csrc/park.cpp``): a raw pointer taken while parked or inside a call (numpy, DLPack) and
+the parameters of a dropped optimizer stay valid.  A storage given other memory while
+parked (``share_memory_()``) keeps it, holding the mean, and the optimizer parks no more;
+a mean buffer given other memory while parked takes what the parameters hold at the next
+call.  ``state_dict()`` reads the optimizer parked
 (``_transaction.reading``).
 
 Parking and unparking bump the parameters' version counters: a backward through a graph
@@ -98,7 +100,10 @@ class ParkMixin:
                 and self.ahead_family())
 
     def park(self) -> None:
-        """The parameters read the mean until :meth:`unpark` (where :meth:`may_park`)."""
+        """The parameters read the mean until :meth:`unpark` (where :meth:`may_park`).  A
+        flat buffer or mean whose memory parking does not take (shared memory, another
+        library's: ``_C.park`` says None) ends parking: the parameters take the mean by
+        copy, the copy protocol from then on."""
         spares = self._spares
         if spares is None or len(spares) != len(self.view.buckets):
             spares = self._spares = {b.index: torch.empty(0, dtype=b.flat_param.dtype,
@@ -107,39 +112,59 @@ class ParkMixin:
         total, done = 0, []
         try:
             for b in self.view.buckets:
-                total += _sweeps.park(b.flat_param, b.buffers["mean"], spares[b.index],
-                                      b.params)[1]
+                out = _sweeps.park(b.flat_param, b.buffers["mean"], spares[b.index], b.params)
+                if out is None:
+                    break
+                total += out[1]
                 done.append(b)
         except BaseException:                 # (all or none: the parked ones back)
-            for b in done:
-                _sweeps.unpark(b.flat_param, b.buffers["mean"], spares[b.index], b.params)
+            self._unpark_each(done)
             raise
+        if len(done) < len(self.view.buckets):
+            self._unpark_each(done)
+            self._give_up(self.view.buckets)
+            return
         self._park_versions = total
         self.parked = True
+
+    def _unpark_each(self, buckets) -> None:
+        for b in buckets:
+            _sweeps.unpark(b.flat_param, b.buffers["mean"], self._spares[b.index], b.params)
+
+    def _give_up(self, buckets) -> None:
+        """Parking ends: ``buckets``' parameters take the mean (the others hold it)."""
+        for b in buckets:
+            self._params_from(b, b.buffers["mean"])
+        self.params_hold_mean, self.ahead = True, None
+        self._unpark_versions = None
+        self._park_off, self._parks = True, False
 
     def unpark(self) -> None:
         """The parameters hold the next sample again, the engine's state.  A parameter
         written in place meanwhile made it stale: drawn again at the next sample.  A
         storage given other memory while parked (``share_memory_()``, a resize) keeps it,
         holding the mean: the other buckets take the mean back too, and this optimizer
-        parks no more (its parameters' storage is the user's to share)."""
-        total = after = 0
+        parks no more (its parameters' storage is the user's to share).  A bucket that
+        cannot unpark (its mean buffer resized to another size) raises with every bucket
+        still parked."""
         spares = self._spares
-        kept = []
-        for b in self.view.buckets:
-            out = _sweeps.unpark(b.flat_param, b.buffers["mean"], spares[b.index], b.params)
-            if out is None:
-                continue
-            kept.append(b)
-            total, after = total + out[0], after + out[1]
+        done = []
+        try:
+            for b in self.view.buckets:
+                done.append((b, _sweeps.unpark(b.flat_param, b.buffers["mean"],
+                                               spares[b.index], b.params)))
+        except BaseException:                 # (all or none: the unparked ones parked again)
+            for b, out in done:
+                if out is not None:
+                    _sweeps.park(b.flat_param, b.buffers["mean"], spares[b.index], b.params)
+            raise
+        kept = [b for b, out in done if out is not None]
+        total = sum(out[0] for _, out in done if out is not None)
+        after = sum(out[1] for _, out in done if out is not None)
         self.parked = False
         self._unpark_versions = after
         if len(kept) < len(self.view.buckets):
-            for b in kept:
-                self._params_from(b, b.buffers["mean"])
-            self.params_hold_mean, self.ahead = True, None
-            self._unpark_versions = None
-            self._park_off, self._parks = True, False
+            self._give_up(kept)
         elif total != self._park_versions:
             self.ahead = None                 # (the mean was written: drawn again)
 

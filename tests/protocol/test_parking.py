@@ -5,7 +5,6 @@ copy protocol's (``sample_ahead=False``): the parameters hold the mean between c
 every step the same bit for bit; the bytes are ``sample_ahead``'s (no sample pass)
 (docs/design.md, 'The sampling protocol')."""
 import copy
-import gc
 import pickle
 
 import pytest
@@ -13,53 +12,9 @@ import torch
 
 import poco_kernels as pk
 from helpers import FUSED_BACKENDS, Problem, mlp, params_of
+from parking_twins import assert_twins, equal, iteration, make, state_of, warm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-STATE = ("mean", "momentum", "h", "g_out", "h_out", "m_out", "sigma_out")
-
-
-def _opt(backend, ahead, cls=pk.IVONPoCoMo, model=None, **kw):
-    m = model if model is not None else mlp()
-    kw = dict(dict(lr=0.05, ess=200.0, seed=5, backend=backend, sample_ahead=ahead), **kw)
-    return m, cls(m.parameters(), **kw)
-
-
-def _state(opt):
-    return {k: [t.clone() for t in opt.flat_state(k)] for k in STATE
-            if k in opt._buckets[0].buffers}
-
-
-def _equal(xs, ys):
-    return len(xs) == len(ys) and all(torch.equal(a, b) for a, b in zip(xs, ys))
-
-
-def _assert_twins(a, b):
-    """Two runs' ``(parameters, state)`` bit for bit."""
-    assert _equal(a[0], b[0])
-    assert all(_equal(a[1][k], b[1][k]) for k in a[1]), [k for k in a[1]
-                                                         if not _equal(a[1][k], b[1][k])]
-
-
-def _warm(backend, ahead, prob, cls=pk.IVONPoCoMo, steps=3):
-    """A model and optimizer after ``steps`` iterations of ``step(closure)``."""
-    m, opt = _opt(backend, ahead, cls)
-    for t in range(steps):
-        _iteration(opt, m, prob, t, "closure")
-    return m, opt
-
-
-def _iteration(opt, m, prob, t, protocol):
-    if type(opt) is not pk.IVON:
-        if t in (1, 4):
-            opt.refresh([prob.closure(opt, m, t % 3), prob.closure(opt, m, (t + 1) % 3)])
-    if protocol == "closure":
-        opt.step(prob.closure(opt, m, t % 3))
-        return
-    for kind in ("inner", "outer") if opt.correction_active() else ("inner",):
-        with opt.sampled(kind):
-            prob.loss(m, t % 3).backward()
-    opt.step()
 
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
@@ -69,16 +24,16 @@ def test_parked_steps_equal_the_copy_protocol(backend, cls, protocol):
     """After every iteration (and refresh) the parameters hold the mean, bit for bit the
     copy protocol's, and so does the state; the engine is parked between calls."""
     prob = Problem()
-    m0, o0 = _opt(backend, False, cls)
-    m1, o1 = _opt(backend, None, cls)
+    m0, o0 = make(backend, False, cls)
+    m1, o1 = make(backend, None, cls)
     assert o0.sample_ahead is False and o1.sample_ahead is None
     for t in range(7):
         for opt, m in ((o0, m0), (o1, m1)):
-            _iteration(opt, m, prob, t, protocol)
+            iteration(opt, m, prob, t, protocol)
         assert o1._runner.parked and not o0._runner.parked, t
-        assert _equal(params_of(m1), params_of(m0)), t
-        s0, s1 = _state(o0), _state(o1)
-        assert all(_equal(s0[k], s1[k]) for k in s0), t
+        assert equal(params_of(m1), params_of(m0)), t
+        s0, s1 = state_of(o0), state_of(o1)
+        assert all(equal(s0[k], s1[k]) for k in s0), t
         # (the optimizer's per-parameter state reads the mean too)
         assert all(torch.equal(o1.state[p]["mean"], p) for p in m1.parameters())
 
@@ -93,16 +48,16 @@ def test_a_parked_iteration_makes_no_sample_pass(cls, launches, monkeypatch):
     counts = {}
     for ahead in (None, False):
         prob = Problem()
-        m, opt = _opt("cpp", ahead, cls)
+        m, opt = make("cpp", ahead, cls)
         opt.step_plans = False                # (a plan's launches bypass the wrapper)
         for t in range(3):
-            _iteration(opt, m, prob, t, "closure")
+            iteration(opt, m, prob, t, "closure")
         calls = []
         real = cpp_ops.sample
         monkeypatch.setattr(cpp_ops, "sample", lambda *a: (calls.append(1), real(*a)))
         for t in range(4, 6):                 # (IVON-PoCoMo refreshes before 4)
             n = len(calls)
-            _iteration(opt, m, prob, t, "closure")
+            iteration(opt, m, prob, t, "closure")
             if t == 4 and cls is pk.IVONPoCoMo:
                 n += 2 if ahead is None else 1   # (the refresh's sample; parked: the next)
             counts.setdefault(ahead, []).append(len(calls) - n)
@@ -120,10 +75,10 @@ def test_a_parked_sampled_iteration_copies_nothing(cls, launches, monkeypatch):
     seen = {}
     for ahead in (None, False):
         prob = Problem()
-        m, opt = _opt("cpp", ahead, cls)
+        m, opt = make("cpp", ahead, cls)
         opt.step_plans = False
         for t in range(3):
-            _iteration(opt, m, prob, t, "sampled")
+            iteration(opt, m, prob, t, "sampled")
         eng = opt._runner
         calls = {"sample": 0, "restore": 0}
         real_sample, real_restore = cpp_ops.sample, eng.restore
@@ -138,7 +93,7 @@ def test_a_parked_sampled_iteration_copies_nothing(cls, launches, monkeypatch):
         monkeypatch.setattr(cpp_ops, "sample", sample)
         monkeypatch.setattr(eng, "restore", restore)
         for t in range(5, 7):                 # (no refresh among them)
-            _iteration(opt, m, prob, t, "sampled")
+            iteration(opt, m, prob, t, "sampled")
         monkeypatch.undo()
         seen[ahead] = dict(calls)
     assert seen[None] == {"sample": 2 * launches, "restore": 0}
@@ -152,22 +107,22 @@ def test_views_and_state_dicts_read_the_mean(backend):
     dict taken between steps (torch.optim's: views of the state) read the mean while
     parked, the same memory the parameter reads."""
     prob = Problem()
-    m, opt = _opt(backend, None)
+    m, opt = make(backend, None)
     w = next(m.parameters())
     view = w[:, 2:5]
     for t in range(3):
-        _iteration(opt, m, prob, t, "closure")
+        iteration(opt, m, prob, t, "closure")
     assert opt._runner.parked
     assert torch.equal(view, w[:, 2:5]) and view.data_ptr() == w[:, 2:5].data_ptr()
     sd = opt.state_dict()
     assert torch.equal(sd["state"][0]["mean"], w)
     saved = copy.deepcopy(sd)
-    m2, o2 = _opt(backend, False, model=copy.deepcopy(m))
+    m2, o2 = make(backend, False, model=copy.deepcopy(m))
     o2.load_state_dict(saved)
     for t in range(3, 6):
-        _iteration(opt, m, prob, t, "closure")
-        _iteration(o2, m2, prob, t, "closure")
-    assert _equal(params_of(m), params_of(m2))
+        iteration(opt, m, prob, t, "closure")
+        iteration(o2, m2, prob, t, "closure")
+    assert equal(params_of(m), params_of(m2))
 
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
@@ -175,10 +130,10 @@ def test_a_backward_through_a_graph_saved_before_a_step_fails(backend):
     """Parking moves the parameters' version counters: a graph that saved a parameter
     before a step cannot be differentiated after it (it would read other values)."""
     prob = Problem()
-    m, opt = _opt(backend, None, pk.IVON)
-    _iteration(opt, m, prob, 0, "closure")
+    m, opt = make(backend, None, pk.IVON)
+    iteration(opt, m, prob, 0, "closure")
     loss = prob.loss(m, 1)
-    _iteration(opt, m, prob, 1, "closure")
+    iteration(opt, m, prob, 1, "closure")
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
@@ -192,7 +147,7 @@ def test_a_parameter_written_while_parked_is_the_new_mean(backend, edit):
     prob = Problem()
     runs = []
     for ahead in (False, None):
-        m, opt = _warm(backend, ahead, prob)
+        m, opt = warm(backend, ahead, prob)
         p = list(m.parameters())[2]
         if edit == "in_place":
             with torch.no_grad():
@@ -203,9 +158,9 @@ def test_a_parameter_written_while_parked_is_the_new_mean(backend, edit):
         else:
             p.data = p.detach() * 0.5
         for t in range(3, 6):
-            _iteration(opt, m, prob, t, "closure")
-        runs.append((params_of(m), _state(opt)))
-    _assert_twins(*runs)
+            iteration(opt, m, prob, t, "closure")
+        runs.append((params_of(m), state_of(opt)))
+    assert_twins(*runs)
 
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
@@ -213,9 +168,9 @@ def test_a_write_through_data_reaches_the_mean(backend):
     """A write through ``p.data`` moves no version counter: it goes into the mean at once
     (the state and the parameters read it); the sample already drawn does not see it."""
     prob = Problem()
-    m, opt = _opt(backend, None, pk.IVON)
+    m, opt = make(backend, None, pk.IVON)
     for t in range(2):
-        _iteration(opt, m, prob, t, "closure")
+        iteration(opt, m, prob, t, "closure")
     p = next(m.parameters())
     p.data.mul_(0.5)
     want = p.detach().clone()
@@ -228,38 +183,19 @@ def test_copies_continue_the_same(backend):
     """A deepcopy and a pickle of a parked optimizer (with its model) hold the mean and
     continue bit for bit; the copy parks too."""
     prob = Problem()
-    m, opt = _opt(backend, None)
+    m, opt = make(backend, None)
     for t in range(3):
-        _iteration(opt, m, prob, t, "closure")
+        iteration(opt, m, prob, t, "closure")
     twins = [copy.deepcopy((m, opt)), pickle.loads(pickle.dumps((m, opt)))]
     for tm, _ in twins:
-        assert _equal(params_of(tm), params_of(m))
+        assert equal(params_of(tm), params_of(m))
     for t in range(3, 6):
-        _iteration(opt, m, prob, t, "closure")
+        iteration(opt, m, prob, t, "closure")
         for tm, to in twins:
-            _iteration(to, tm, prob, t, "closure")
+            iteration(to, tm, prob, t, "closure")
     for tm, to in twins:
         assert to._runner.parked
-        assert _equal(params_of(tm), params_of(m))
-
-
-@pytest.mark.parametrize("backend", FUSED_BACKENDS)
-def test_the_parameters_outlive_a_parked_optimizer(backend):
-    """Dropped while parked, the optimizer leaves the parameters reading the mean (their
-    storage holds a reference to its memory)."""
-    prob = Problem()
-    m, opt = _opt(backend, None, pk.IVON)
-    for t in range(3):
-        _iteration(opt, m, prob, t, "closure")
-    mean = params_of(m)
-    del opt
-    gc.collect()
-    junk = [torch.full((4096,), 7.0) for _ in range(64)]     # (reuse freed memory)
-    assert _equal(params_of(m), mean)
-    del junk
-    opt = pk.IVON(m.parameters(), lr=0.05, ess=200.0, backend=backend)
-    assert _equal(params_of(m), mean)
-    _iteration(opt, m, prob, 0, "closure")
+        assert equal(params_of(tm), params_of(m))
 
 
 @pytest.mark.parametrize("backend", ["torch"] + FUSED_BACKENDS)
@@ -271,47 +207,10 @@ def test_where_parking_does_not_apply(backend):
     cases = [(None, torch.float32, backend != "torch"), (None, torch.bfloat16, False),
              (False, torch.float32, False), (True, torch.float32, False)]
     for ahead, dtype, parks in cases:
-        m, opt = _opt(backend, ahead, pk.IVON, model=mlp(dtype=dtype))
+        m, opt = make(backend, ahead, pk.IVON, model=mlp(dtype=dtype))
         for t in range(2):
-            _iteration(opt, m, prob, t, "closure")
+            iteration(opt, m, prob, t, "closure")
         assert opt._runner.parked is parks, (ahead, dtype)
-
-
-@pytest.mark.parametrize("backend", FUSED_BACKENDS)
-def test_a_raw_view_taken_while_parked_stays_valid(backend):
-    """numpy (or DLPack, or ``data_ptr()``) taken between calls reads the mean buffer's
-    memory: it stays allocated while the parameter's storage lives, after an unpark and
-    the optimizer dropped."""
-    prob = Problem()
-    m, opt = _opt(backend, None, pk.IVON)
-    for t in range(2):
-        _iteration(opt, m, prob, t, "closure")
-    arr = next(m.parameters()).detach().numpy()
-    was = arr.copy()
-    opt.sample()                              # (unparked: the parameters hold a sample)
-    del opt
-    gc.collect()
-    junk = [torch.full((4096,), 7.0) for _ in range(64)]
-    assert (arr == was).all()
-    del junk
-
-
-@pytest.mark.parametrize("backend", FUSED_BACKENDS)
-def test_share_memory_while_parked_keeps_the_mean_and_stops_parking(backend):
-    """``model.share_memory()`` between steps gives the parked storage other memory,
-    holding the mean: the optimizer continues as the copy protocol does (the shared
-    memory is the parameters'), and parks no more."""
-    prob = Problem()
-    runs = []
-    for ahead in (False, None):
-        m, opt = _warm(backend, ahead, prob)
-        m.share_memory()
-        for t in range(3, 6):
-            _iteration(opt, m, prob, t, "closure")
-        assert not opt._runner.parked
-        assert all(p.is_shared() for p in m.parameters())
-        runs.append((params_of(m), _state(opt)))
-    _assert_twins(*runs)
 
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
@@ -323,8 +222,8 @@ def test_a_sample_written_through_data_in_a_failed_call_is_drawn_again(backend, 
     prob = Problem()
     runs = []
     for ahead in (False, None):
-        m, opt = _opt(backend, ahead, pk.IVON)
-        _iteration(opt, m, prob, 0, "closure")
+        m, opt = make(backend, ahead, pk.IVON)
+        iteration(opt, m, prob, 0, "closure")
         w = next(m.parameters())
 
         def bad():
@@ -336,9 +235,9 @@ def test_a_sample_written_through_data_in_a_failed_call_is_drawn_again(backend, 
             else:
                 with opt.sampled():
                     bad()
-        _iteration(opt, m, prob, 1, "closure")
-        runs.append((params_of(m), _state(opt)))
-    _assert_twins(*runs)
+        iteration(opt, m, prob, 1, "closure")
+        runs.append((params_of(m), state_of(opt)))
+    assert_twins(*runs)
 
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
@@ -347,8 +246,8 @@ def test_a_state_dict_keeps_a_graph_at_the_mean_differentiable(backend):
     version counter moves, and a graph made at the mean before it still differentiates,
     as under the copy protocol."""
     prob = Problem()
-    m, opt = _opt(backend, None, pk.IVON)
-    _iteration(opt, m, prob, 0, "closure")
+    m, opt = make(backend, None, pk.IVON)
+    iteration(opt, m, prob, 0, "closure")
     loss = prob.loss(m, 1)
     versions = [p._version for p in m.parameters()]
     sd = opt.state_dict()
@@ -368,7 +267,7 @@ def test_a_replayed_step_leaves_the_key_of_its_sample(monkeypatch):
     monkeypatch.setattr(StepPlanMixin, "_replay",
                         lambda self, *a: (replays.append(1), real(self, *a))[1])
     prob = Problem()
-    m, opt = _opt("cpp", None, pk.IVON)
+    m, opt = make("cpp", None, pk.IVON)
     eng = opt._runner
     for t in range(14):
         if 4 <= t <= 6:                       # (a schedule, then constant)

@@ -321,3 +321,58 @@ def test_set_grads_accepts_and_refuses_what_torchs_setter_does(fn):
     dense = torch.zeros(4, 3)
     set_grads([p], [dense])
     assert p.grad is dense
+
+
+GC_BOMB = r'''
+import gc, sys, torch
+from poco_kernels import _C
+L = [torch.zeros(1) for _ in range(64)]
+
+
+class Bomb:                      # a cycle: freed by the collector, whose finalizer empties L
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        L.clear()                                      # (the tensors' last references)
+        L.extend(object() for _ in range(10000))       # (L's item array moved)
+
+
+def armed(call):
+    """call() with the collector due at its first allocation of a Python object."""
+    Bomb()
+    keep = [[] for _ in range(200)]                    # (the free list of lists used up)
+    gc.set_threshold(1)
+    try:
+        return call()
+    except TypeError as e:
+        return "TypeError"
+    finally:
+        gc.set_threshold(700)
+        L[:] = [torch.zeros(1) for _ in range(64)]
+
+
+print(len(armed(lambda: _C.versions(L))))
+A = [t.data_ptr() for t in L]            # (a list: the sweep makes a tuple of it)
+print(armed(lambda: _C.same_addresses(L, A)))
+A = [t.data_ptr() for t in L]
+print(armed(lambda: _C.scan(L, A, None, False, None, 0)[0]))
+'''
+
+
+@needs_cpp
+def test_a_finalizer_run_by_the_collector_inside_a_sweep_frees_nothing_it_reads(tmp_path):
+    """The sweeps read their lists in place; a Python object they make (their result, a
+    tuple of addresses) may run the collector and so a finalizer that empties the list.
+    They make every such object before they read the list (a segfault before: the
+    tensors freed under the sweep).  Run in a process of its own."""
+    import subprocess
+    import sys
+    script = tmp_path / "bomb.py"
+    script.write_text(GC_BOMB)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    versions, same, scan = r.stdout.split()
+    assert versions == "64"                  # (read before the collector ran)
+    assert same in ("True", "False", "TypeError") and scan in ("True", "False", "TypeError")
