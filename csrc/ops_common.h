@@ -1,8 +1,8 @@
 // The C++ operators' shared argument handling (ops.cpp, ops_update.cpp): every tensor
-// checked (device, layout, size, dtype), the control tensor and the AMP scalars read, the
-// float64 hyperparameter rows read into their structs and the flag bits unpacked
-// (poco_kernels.h's X-macros), the tiles run with at::parallel_for.  Internal to those two
-// files; each includes it once.
+// checked (device, layout, size, dtype, inside its storage), the control tensor and the
+// AMP scalars read, the float64 hyperparameter rows read into their structs and the flag
+// bits unpacked (poco_kernels.h's X-macros), the tiles run with at::parallel_for.
+// Internal to those two files; each includes it once.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,12 +26,23 @@ namespace {
 constexpr int64_t kGrainTiles = 32768 / kTile;
 
 // ------------------------------------------------------------------ checks
+// A contiguous tensor's elements lie inside its storage (one whose storage was shrunk after
+// it was made, `untyped_storage().resize_()`, would be read and written past its end).
+inline void check_in_storage(const at::Tensor& t, const char* name) {
+  if (!t.has_storage() || t.numel() == 0) return;
+  const int64_t need = (t.storage_offset() + t.numel()) * static_cast<int64_t>(t.itemsize());
+  TORCH_CHECK(static_cast<int64_t>(t.storage().nbytes()) >= need, "poco_kernels_cpp: '", name,
+              "' reaches past the end of its storage (", need, " bytes needed, ",
+              t.storage().nbytes(), " there)");
+}
+
 inline void check_cpu_contiguous(const at::Tensor& t, int64_t n, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "poco_kernels_cpp: '", name, "' must be a CPU tensor, got ",
               t.device());
   TORCH_CHECK(t.is_contiguous(), "poco_kernels_cpp: '", name, "' must be contiguous");
   TORCH_CHECK(t.numel() == n, "poco_kernels_cpp: '", name, "' has ", t.numel(),
               " elements, expected ", n);
+  check_in_storage(t, name);
 }
 
 inline float* state_ptr(const at::Tensor& t, int64_t n, const char* name) {
@@ -78,6 +89,7 @@ inline int64_t* ctl_ptr(const at::Tensor& ctl) {
   TORCH_CHECK(ctl.device().is_cpu() && ctl.scalar_type() == at::kLong && ctl.is_contiguous() &&
                   ctl.numel() >= 4,
               "poco_kernels_cpp: 'ctl' must be a contiguous CPU int64 tensor of 4 elements");
+  check_in_storage(ctl, "ctl");
   return ctl.data_ptr<int64_t>();
 }
 
@@ -85,6 +97,7 @@ inline int64_t* ctl_ptr(const at::Tensor& ctl) {
 inline double scalar_of(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.numel() >= 1, "poco_kernels_cpp: '", name, "' is empty");
   TORCH_CHECK(t.device().is_cpu(), "poco_kernels_cpp: '", name, "' must be a CPU tensor");
+  check_in_storage(t, name);
   if (t.scalar_type() == at::kFloat && t.is_contiguous()) return t.data_ptr<float>()[0];
   return t.reshape(-1).select(0, 0).item<double>();
 }
@@ -141,6 +154,7 @@ Hyper read_hyper(const at::Tensor& hp, int64_t count, const char* op, const char
               "poco_kernels_cpp::", op, ": hp must be a contiguous float64 CPU row of ", count,
               " hyperparameters (", names, "), got ", hp.scalar_type(), " of shape ",
               hp.sizes(), " on ", hp.device());
+  check_in_storage(hp, "hp");
   Hyper h{};
   static_assert(std::is_standard_layout<Hyper>::value, "a plain struct of doubles");
   std::memcpy(&h, hp.data_ptr<double>(), sizeof(double) * count);

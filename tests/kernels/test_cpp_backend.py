@@ -249,6 +249,27 @@ def test_operators_check_their_inputs(bad, match):
 
 
 @needs_cpp
+@pytest.mark.parametrize("which", ["mean", "param", "g_in", "ctl", "hp"])
+def test_operators_refuse_a_tensor_past_the_end_of_its_storage(which):
+    """A tensor whose storage was shrunk after it was made (``untyped_storage().resize_``)
+    is refused before anything is read or written: the kernels would run past its end."""
+    import poco_kernels.kernels.cpp_ops  # noqa: F401  (loads the operators)
+    n = 10
+    a = dict(mean=torch.zeros(n), param=torch.zeros(n), s1=torch.zeros(n), s2=torch.ones(n),
+             g_in=torch.zeros(n), ctl=torch.zeros(4, dtype=torch.int64),
+             hp=torch.ones(16, dtype=torch.float64))
+    before = {k: v.clone() for k, v in a.items() if k != which}
+    st = a[which].untyped_storage()
+    st.resize_(st.nbytes() - a[which].element_size())
+    with pytest.raises(RuntimeError, match=f"'{which}' reaches past the end of its storage"):
+        torch.ops.poco_kernels_cpp.step(
+            a["mean"], a["param"], a["s1"], a["s2"], a["g_in"], None, None, None, None, None,
+            None, None, a["ctl"], None, None, 0, 2, 0, 0, a["hp"], K.FAMILY_IVON, 0)
+    for k, v in before.items():
+        assert torch.equal(a[k], v), k
+
+
+@needs_cpp
 def test_a_bound_call_is_the_operator_call():
     """``_C.bind``/``_C.call`` (a step plan's prepared calls): the operator with the
     arguments converted once, each call the same kernel as ``torch.ops``'s (written
