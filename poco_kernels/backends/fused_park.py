@@ -21,8 +21,9 @@ storage holds a reference to the mean's memory and to its own (reference-counted
 the parameters of a dropped optimizer stay valid.  A storage given other memory while
 parked (``share_memory_()``) keeps it, holding the mean, and the optimizer parks no more;
 a mean buffer given other memory while parked takes what the parameters hold at the next
-call.  ``state_dict()`` reads the optimizer parked
-(``_transaction.reading``).
+call.  Parking takes only the device allocator's own memory: a flat buffer or mean in
+shared memory ends it (:meth:`ParkMixin.park`), so torch still sees that memory shared.
+``state_dict()`` reads the optimizer parked (``_transaction.reading``).
 
 Parking and unparking bump the parameters' version counters: a backward through a graph
 that saved a parameter before fails, as after any in-place write.  A parameter written in
