@@ -326,6 +326,9 @@ def table(dev, copy_Bps: Optional[float], *, scale: str = "gpt2", reps: int = 5,
     log(f"    {'row':26s} {'opt ms':>9s} {'x AdamW':>8s} {'host us':>8s} {'model B':>8s} "
         f"{'B at copy':>9s} {'resident B':>10s} protocol")
     for kind in kinds:
+        if kind not in out["rows"] and is_default(kind, dev):
+            log(f"    {kind:26s} (the default row here: not run twice)")
+            continue
         r = out["rows"].get(kind, {})
         if "optimizer_ms" in r:
             log(f"    {kind:26s} {r['optimizer_ms']:9.3f} {r['ratio_to_fused_adamw']!s:>8s} "

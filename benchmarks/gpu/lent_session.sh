@@ -9,7 +9,8 @@
 #   study's GPU window trains (`lm_study --scale gpu-window`); the extension goes into
 #   place once the study has ended (a worker never imports a half-written one).
 # check: the quick GPU check (`bench_gpu.py --quick`) with that extension, so with the
-#   parked default, then `studies/host_profile.py` (where the host time goes). A machine
+#   parked default, then `studies/host_profile.py` (where the host time goes) and the
+#   flat kernels' microbenchmarks at 2^24 and 2^26 elements (Triton rows only). A machine
 #   given back between the calls loses the build: then the extension that call 1
 #   returned, carried in `gpu_carry/` (git-ignored), is used.
 # Each call packs its outputs into one archive under $OUT (a device call returns at most
@@ -71,7 +72,12 @@ check)
   timeout 45 python3 -m benchmarks.studies.host_profile --kinds adamw_fused ivon ivon_pocomo \
     --iters 100 --profile-iters 50 --out /tmp/quick/host_profile > /tmp/host_profile.log 2>&1
   echo "host_profile rc=$?"
-  cp /tmp/quick.log /tmp/host_profile.log /tmp/quick/
+  # the flat kernels' share of copy bandwidth at 2^24 and 2^26 (about 30 s)
+  timeout 90 python3 benchmarks/bench_gpu.py --only bench --backends triton \
+    --sizes 16777216 67108864 --dtypes float32 bfloat16 \
+    --skip memory train pretrain table --out /tmp/quick/micro > /tmp/micro.log 2>&1
+  echo "micro rc=$?"
+  cp /tmp/quick.log /tmp/host_profile.log /tmp/micro.log /tmp/quick/
   tar czf "$OUT/quick.tgz" -C /tmp/quick .
   cat /tmp/quick/quick.md 2>/dev/null || tail -n 30 /tmp/quick.log
   exit "$rc"
