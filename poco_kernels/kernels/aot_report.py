@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 from .aot import (DEFAULT_CCS, _arch, _variant, audit_ptx, compile_variant, from_spec,
                   instruction_mix, interpreting, parse_ptxas_log, resource_report, sass,
                   variants)
+from .compiled_code import layout_conversions
 
 __all__ = ["report", "format_table", "json_subprocess", "main"]
 
@@ -47,13 +48,15 @@ def _row(name: str, cc: int, spec: Optional[Dict[str, Any]] = None,
     disassembly, about half a second)."""
     row: Dict[str, Any] = {"variant": name, "cc": cc, "arch": None, "registers": None,
                            "spill_stores": None, "spill_loads": None, "stack": None,
-                           "mix": None, "forbidden": None, "seconds": None, "error": None}
+                           "mix": None, "forbidden": None, "layout_conversions": None,
+                           "seconds": None, "error": None}
     t0 = time.perf_counter()
     try:
         row["arch"] = _arch(cc)
         compiled, res = _compile_logged(from_spec(spec) if spec else _variant(name), cc)
         row.update(res)
         row["forbidden"] = audit_ptx(compiled.asm["ptx"])
+        row["layout_conversions"] = layout_conversions(compiled.asm["ttgir"])
         if mix:
             text = sass(compiled.asm["cubin"])
             row["mix"] = instruction_mix(text)

@@ -1,5 +1,6 @@
 """What a compiled kernel contains: its SASS (by ``nvdisasm``), counted by instruction class
-on its fast path, and its PTX audited for instructions the kernels must not use.
+on its fast path, its PTX audited for instructions the kernels must not use, and the
+layout conversions of its Triton GPU IR.
 
 :mod:`poco_kernels.kernels.aot` compiles the kernels for real targets and reports each
 variant with these; :mod:`poco_kernels.kernels.budget` turns the counts into time per
@@ -13,7 +14,7 @@ import subprocess
 import tempfile
 from typing import Dict, List
 
-__all__ = ["sass", "instruction_mix", "FORBIDDEN_PTX", "audit_ptx"]
+__all__ = ["sass", "instruction_mix", "FORBIDDEN_PTX", "audit_ptx", "layout_conversions"]
 
 
 _CLASS = [
@@ -127,3 +128,13 @@ def audit_ptx(ptx: str) -> Dict[str, int]:
     for m in FORBIDDEN_PTX.finditer(ptx):
         out[m.group(1)] = out.get(m.group(1), 0) + 1
     return out
+
+
+def layout_conversions(ttgir: str) -> int:
+    """The ``ttg.convert_layout`` operations of a kernel's Triton GPU IR.  The kernels are
+    elementwise over one block: every value can live in the layout of the loads, and a
+    conversion is a round trip through shared memory with a barrier (what a 16-bit buffer
+    beside float32 ones cost, each taking its own vector width, until the block's indices
+    told the compiler to give every buffer four elements a thread)."""
+    return len(re.findall(r"\bttg\.convert_layout\b", ttgir))
+

@@ -20,7 +20,7 @@ MAX_REGISTERS = 255  # architectural limit per thread on sm_80/sm_90
 
 def _problems(rows, expected):
     """What is wrong with the rows of one target: missing variants, compile errors,
-    register counts out of range, spills."""
+    register counts out of range, spills, layout conversions."""
     out = []
     names = [r["variant"] for r in rows]
     out += [f"{n}: not compiled" for n in expected if n not in names]
@@ -34,6 +34,9 @@ def _problems(rows, expected):
         if r["spill_stores"] or r["spill_loads"]:
             out.append(f"{tag}: spills {r['spill_stores']} bytes stores, "
                        f"{r['spill_loads']} bytes loads")
+        if r.get("layout_conversions"):
+            out.append(f"{tag}: {r['layout_conversions']} layout conversions in the Triton "
+                       f"GPU IR (shared memory and a barrier in every block)")
         if r.get("forbidden"):
             out.append(f"{tag}: approximate or fused float instructions in the PTX "
                        f"{r['forbidden']} (the kernels are the C++ kernels' IEEE arithmetic)")
@@ -234,6 +237,13 @@ def test_spill_check_can_fail():
                      ["step[x]"]) == ["step[x] [sm_90a]: approximate or fused float "
                                       "instructions in the PTX {'fma.rn.f32': 1} (the kernels "
                                       "are the C++ kernels' IEEE arithmetic)"]
+    assert _problems([dict(row, spill_stores=0, spill_loads=0, layout_conversions=7)],
+                     ["step[x]"]) == ["step[x] [sm_90a]: 7 layout conversions in the Triton "
+                                      "GPU IR (shared memory and a barrier in every block)"]
+    from poco_kernels.kernels.compiled_code import layout_conversions
+    assert layout_conversions(
+        "%23 = ttg.convert_layout %h_new_417 : tensor<1024xf32, #blocked> -> tensor<1024xf32,"
+        " #blocked2> loc(#loc246)\n%24 = arith.addf %a, %b : tensor<1024xf32, #blocked>") == 1
     assert _problems([], ["step[x]"]) == ["step[x]: not compiled"]
     with pytest.raises(ValueError):
         aot.parse_ptxas_log("ptxas fatal   : something else")
