@@ -12,7 +12,9 @@
 #   parked default, then `studies/host_profile.py` (where the host time goes) and the
 #   flat kernels' microbenchmarks at 2^24 and 2^26 elements (Triton rows only). A machine
 #   given back between the calls loses the build: then the extension that call 1
-#   returned, carried in `gpu_carry/` (git-ignored), is used.
+#   returned, carried in `gpu_carry/` (git-ignored), is used, and without one `check`
+#   builds it first (all 16 cores, about 2 minutes: `check` alone then fits one call of
+#   at most 8 minutes).
 # Each call packs its outputs into one archive under $OUT (a device call returns at most
 # 8 files); RESUME=<a saved study's folder> (carried) makes `study` resume its runs.
 # Exit status: 0 when everything ran and passed, else the failing command's.
@@ -62,6 +64,12 @@ check)
   if ! ls poco_kernels/_C*.so > /dev/null 2>&1; then
     cp gpu_carry/_C*.so poco_kernels/ 2>/dev/null && echo "extension from gpu_carry/"
   fi
+  if ! ls poco_kernels/_C*.so > /dev/null 2>&1; then
+    # (a fresh machine, nothing carried: built here, every core, about 2 minutes)
+    t0=$(date +%s)
+    MAX_JOBS=16 timeout 300 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1
+    echo "extension built here: rc=$? in $(( $(date +%s) - t0 )) s"
+  fi
   python3 -c "from poco_kernels import _sweeps; print('parking:', _sweeps.park is not None)"
   rm -rf /tmp/quick
   mkdir -p /tmp/quick
@@ -78,6 +86,7 @@ check)
     --skip memory train pretrain table --out /tmp/quick/micro > /tmp/micro.log 2>&1
   echo "micro rc=$?"
   cp /tmp/quick.log /tmp/host_profile.log /tmp/micro.log /tmp/quick/
+  cp /tmp/build.log /tmp/quick/ 2>/dev/null
   tar czf "$OUT/quick.tgz" -C /tmp/quick .
   cat /tmp/quick/quick.md 2>/dev/null || tail -n 30 /tmp/quick.log
   exit "$rc"
