@@ -2,7 +2,8 @@
 # A session with a lent GPU, in two device calls (docs/benchmarks.md, 'A lent GPU'):
 #
 #   bash benchmarks/gpu/lent_session.sh study   # call 1, at most 8 minutes
-#   bash benchmarks/gpu/lent_session.sh check   # call 2, at most 5 minutes, right after
+#   bash benchmarks/gpu/lent_session.sh check   # call 2, at most 6 minutes, right after
+#                                               # (9 when it builds the extension first)
 #
 # study: the C++ extension is built (-O3, beside the study, into /tmp; 4 jobs at the
 #   lowest priority, leaving the study's 5 processes most of the 16 cores) while the LM
@@ -13,8 +14,9 @@
 #   flat kernels' microbenchmarks at 2^24 and 2^26 elements (Triton rows only). A machine
 #   given back between the calls loses the build: then the extension that call 1
 #   returned, carried in `gpu_carry/` (git-ignored), is used, and without one `check`
-#   builds it first (all 16 cores, about 2 minutes: `check` alone then fits one call of
-#   at most 8 minutes).
+#   builds it first (all 16 cores, about 2 minutes, at most 3: `check` alone then fits
+#   one device call, whose limit is 10 minutes).  The timeouts below add up to 8.5
+#   minutes, so the archive is written before a call's limit whatever runs long.
 # Each call packs its outputs into one archive under $OUT (a device call returns at most
 # 8 files); RESUME=<a saved study's folder> (carried) makes `study` resume its runs.
 # Exit status: 0 when everything ran and passed, else the failing command's.
@@ -67,7 +69,7 @@ check)
   if ! ls poco_kernels/_C*.so > /dev/null 2>&1; then
     # (a fresh machine, nothing carried: built here, every core, about 2 minutes)
     t0=$(date +%s)
-    MAX_JOBS=16 timeout 300 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1
+    MAX_JOBS=16 timeout 180 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1
     echo "extension built here: rc=$? in $(( $(date +%s) - t0 )) s"
   fi
   python3 -c "from poco_kernels import _sweeps; print('parking:', _sweeps.park is not None)"
@@ -81,7 +83,7 @@ check)
     --iters 100 --profile-iters 50 --out /tmp/quick/host_profile > /tmp/host_profile.log 2>&1
   echo "host_profile rc=$?"
   # the flat kernels' share of copy bandwidth at 2^24 and 2^26 (about 30 s)
-  timeout 90 python3 benchmarks/bench_gpu.py --only bench --backends triton \
+  timeout 75 python3 benchmarks/bench_gpu.py --only bench --backends triton \
     --sizes 16777216 67108864 --dtypes float32 bfloat16 \
     --skip memory train pretrain table --out /tmp/quick/micro > /tmp/micro.log 2>&1
   echo "micro rc=$?"

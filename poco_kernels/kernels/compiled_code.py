@@ -137,4 +137,3 @@ def layout_conversions(ttgir: str) -> int:
     beside float32 ones cost, each taking its own vector width, until the block's indices
     told the compiler to give every buffer four elements a thread)."""
     return len(re.findall(r"\bttg\.convert_layout\b", ttgir))
-
