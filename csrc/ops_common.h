@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -26,11 +27,13 @@ namespace {
 constexpr int64_t kGrainTiles = 32768 / kTile;
 
 // ------------------------------------------------------------------ checks
-// A contiguous tensor's elements lie inside its storage (one whose storage was shrunk after
-// it was made, `untyped_storage().resize_()`, would be read and written past its end).
-inline void check_in_storage(const at::Tensor& t, const char* name) {
+// The first `count` elements of a contiguous tensor (all of them: -1) lie inside its storage
+// (one whose storage was shrunk after it was made, `untyped_storage().resize_()`, would be
+// read and written past its end).
+inline void check_in_storage(const at::Tensor& t, const char* name, int64_t count = -1) {
   if (!t.has_storage() || t.numel() == 0) return;
-  const int64_t need = (t.storage_offset() + t.numel()) * static_cast<int64_t>(t.itemsize());
+  const int64_t used = count < 0 ? t.numel() : std::min<int64_t>(count, t.numel());
+  const int64_t need = (t.storage_offset() + used) * static_cast<int64_t>(t.itemsize());
   TORCH_CHECK(static_cast<int64_t>(t.storage().nbytes()) >= need, "poco_kernels_cpp: '", name,
               "' reaches past the end of its storage (", need, " bytes needed, ",
               t.storage().nbytes(), " there)");
@@ -97,7 +100,7 @@ inline int64_t* ctl_ptr(const at::Tensor& ctl) {
 inline double scalar_of(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.numel() >= 1, "poco_kernels_cpp: '", name, "' is empty");
   TORCH_CHECK(t.device().is_cpu(), "poco_kernels_cpp: '", name, "' must be a CPU tensor");
-  check_in_storage(t, name);
+  check_in_storage(t, name, 1);                 // (its first element, at its offset, is read)
   if (t.scalar_type() == at::kFloat && t.is_contiguous()) return t.data_ptr<float>()[0];
   return t.reshape(-1).select(0, 0).item<double>();
 }

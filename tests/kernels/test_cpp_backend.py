@@ -270,6 +270,33 @@ def test_operators_refuse_a_tensor_past_the_end_of_its_storage(which):
 
 
 @needs_cpp
+@pytest.mark.parametrize("which", ["grad_scale", "found_inf"])
+def test_an_expanded_amp_scalar_is_read_not_refused(which):
+    """Of an AMP scalar only its first element is read: an expanded one (stride 0, more
+    elements than its storage holds) lies inside its storage and is taken, as a plain
+    one-element tensor of the same value is."""
+    import poco_kernels.kernels.cpp_ops as ops
+    n = 10
+    value = {"grad_scale": 2.0, "found_inf": 0.0}[which]
+    flags = K.StepFlags.ivon(hess_corr=False, floor=False, clip=False, debias=True).routed(
+        corr=False, ge_in=False, ge_at_out=False, shared_noise=False, next_sample=False)
+    hp = K.StepHyper.ivon(lr=0.1, beta1=0.9, beta2=0.999, wd=0.0, ess=50.0, alpha=0.0,
+                          hess_corr=0.0, floor=0.0, clip=0.0)
+    outs = []
+    for scalar in (torch.tensor([value]).expand(3), torch.tensor([value])):
+        amp = {"grad_scale": None, "found_inf": None, which: scalar}
+        a = dict(mean=torch.zeros(n), param=torch.zeros(n), s1=torch.zeros(n),
+                 s2=torch.ones(n))
+        ops.step(a["mean"], a["param"], a["s1"], a["s2"], torch.full((n,), 0.5), None, None,
+                 None, None, None, None, None, torch.zeros(4, dtype=torch.int64),
+                 amp["found_inf"], amp["grad_scale"], K.StepStreams(7, 5, 9), hp, flags)
+        outs.append(a)
+    for k in outs[0]:
+        assert torch.equal(outs[0][k], outs[1][k]), k
+    assert not torch.equal(outs[0]["mean"], torch.zeros(n))
+
+
+@needs_cpp
 def test_a_bound_call_is_the_operator_call():
     """``_C.bind``/``_C.call`` (a step plan's prepared calls): the operator with the
     arguments converted once, each call the same kernel as ``torch.ops``'s (written
